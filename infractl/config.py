@@ -1,0 +1,167 @@
+"""The one config loader: ``cluster.yaml`` and ``run.yaml`` as pydantic models (unknown fields forbidden)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infractl.errors import ConfigError
+
+__all__ = [
+    "ClusterSpec",
+    "RuntimeSpec",
+    "RunSpec",
+    "ModelSpec",
+    "DataSpec",
+    "CheckpointSpec",
+    "NodeRange",
+    "load_cluster",
+    "load_run",
+    "default_cluster",
+]
+
+_NAME = r"^[a-z0-9][a-z0-9-]{0,39}$"
+Name = Annotated[str, Field(pattern=_NAME, description="Lower-case letters, digits and '-', at most 40.")]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RuntimeSpec(_Spec):
+    """The pinned runtime every node must have; `up` refuses nodes that differ."""
+
+    torch: str = Field("2.13.0", description="torch version every node must run (prefix match, e.g. 2.13.0).")
+    image: str | None = Field(
+        None, description="Container image pinned by digest for providers that run containers; unused on `local`."
+    )
+
+
+class ClusterSpec(_Spec):
+    """cluster.yaml: where training runs."""
+
+    name: Name = Field("local", description="Cluster name; state lives in .infractl/<name>/.")
+    provider: Literal["local"] = Field("local", description="Infrastructure provider. `local`: nodes are process trees on this machine.")
+    nodes: int = Field(2, ge=1, le=64, description="Number of training nodes.")
+    processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (ranks) per node.")
+    store: str | None = Field(
+        None, description="Object store URI for checkpoints and metrics (file:///abs/path). Default: .infractl/<name>/store."
+    )
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Pinned runtime checked on every node.")
+
+
+class ModelSpec(_Spec):
+    """A GPT-style byte-level language model."""
+
+    layers: int = Field(2, ge=1, le=96, description="Transformer blocks.")
+    hidden: int = Field(64, ge=8, le=16384, description="Hidden size; must be divisible by heads.")
+    heads: int = Field(2, ge=1, le=128, description="Attention heads.")
+    seq_len: int = Field(64, ge=8, le=32768, description="Tokens (bytes) per sample.")
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "ModelSpec":
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        return self
+
+
+class DataSpec(_Spec):
+    """Training text. `stdlib` is the Python standard library's .py files: on every machine, no download."""
+
+    source: Literal["stdlib"] = Field("stdlib", description="Corpus to train on.")
+    max_bytes: int = Field(4_000_000, ge=10_000, description="Use at most this many bytes of the corpus.")
+
+
+class CheckpointSpec(_Spec):
+    every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the last step).")
+    keep: int = Field(2, ge=2, description="Committed checkpoints to keep (at least 2).")
+
+
+class NodeRange(_Spec):
+    min: int = Field(1, ge=1, description="Fewest nodes the run may continue on.")
+    max: int = Field(1, ge=1, description="Most nodes the run uses.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NodeRange":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
+        return self
+
+
+class RunSpec(_Spec):
+    """run.yaml: what to train and how."""
+
+    name: Name = Field(description="Run name; re-running the same name resumes it.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model size.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
+    batch_size: int = Field(16, ge=1, description="Global batch size (samples per step, all ranks together).")
+    steps: int = Field(50, ge=1, description="Optimizer steps to train.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
+    seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
+    parallel: Literal["ddp"] = Field("ddp", description="Parallel scheme.")
+    nodes: NodeRange = Field(default_factory=NodeRange, description="Elastic node range {min, max}.")
+    max_restarts: int = Field(3, ge=0, le=100, description="Times torchrun may restart the workers after a failure.")
+
+    @field_validator("lr", mode="before")
+    @classmethod
+    def _yaml_float(cls, value: object) -> object:
+        # YAML 1.1 reads "3e-3" as a string; accept it as the number the user meant.
+        if isinstance(value, str) and re.fullmatch(r"[0-9.]+[eE][-+]?[0-9]+", value):
+            return float(value)
+        return value
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _load(path: Path, model: type[_M], what: str) -> _M:
+    if not path.is_file():
+        raise ConfigError(f"{what} file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields at the top level")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = _field_path(tuple(err["loc"]))
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        raise ConfigError(f"{path}: {field}: {msg}{more}") from None
+
+
+def load_cluster(path: Path) -> ClusterSpec:
+    return _load(path, ClusterSpec, "cluster")
+
+
+def load_run(path: Path) -> RunSpec:
+    return _load(path, RunSpec, "run")
+
+
+def default_cluster() -> ClusterSpec:
+    """The embedded default: the local provider, 2 nodes x 1 process."""
+    return ClusterSpec()

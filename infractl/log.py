@@ -1,0 +1,42 @@
+"""The one logger setup, shared by the CLI and the trainer (structlog; console or JSON lines)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Literal
+
+import structlog
+
+__all__ = ["LogFormat", "configure", "get_logger", "LOG_FORMAT_ENV"]
+
+LogFormat = Literal["console", "json"]
+
+#: Environment variable through which the CLI hands its log format to the trainers it launches.
+LOG_FORMAT_ENV = "INFRACTL_LOG_FORMAT"
+
+
+def configure(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
+    """Route structlog to stderr as console lines or JSON lines (``fmt`` or $INFRACTL_LOG_FORMAT)."""
+    fmt = fmt or os.environ.get(LOG_FORMAT_ENV, "console")  # type: ignore[assignment]
+    renderer: structlog.typing.Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(name)  # type: ignore[no-any-return]

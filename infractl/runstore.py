@@ -1,0 +1,200 @@
+"""Where a run's objects live in the store, and the checkpoint commit protocol.
+
+Layout (``<store>/runs/<run-id>/``)::
+
+    run.json                          resolved spec, cluster, attempts (written by the launcher)
+    metrics/<first-step>-<ns>.jsonl   per-step records, one object per chunk (no appends)
+    ckpt/step-<N>/...                 DCP shards and .metadata
+    ckpt/step-<N>/MANIFEST.json       every key with size and sha256, step, world size
+    ckpt/step-<N>/COMMITTED           written last and create-only
+
+A checkpoint exists only once COMMITTED exists. The trainer writes; the CLI only reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infractl.store import Store, StoreKeyError
+
+__all__ = [
+    "ManifestEntry",
+    "Manifest",
+    "CheckpointError",
+    "run_prefix",
+    "checkpoint_prefix",
+    "file_sha256",
+    "commit_checkpoint",
+    "committed_steps",
+    "latest_committed_step",
+    "verify_checkpoint",
+    "prune_checkpoints",
+    "write_metrics",
+    "read_metrics",
+    "read_run_record",
+    "write_run_record",
+    "list_runs",
+]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint failed verification (missing key, wrong size or checksum)."""
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    key: str  # relative to the checkpoint's prefix
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    files: list[ManifestEntry]
+    created: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        raw = json.loads(data)
+        files = [ManifestEntry(**f) for f in raw.pop("files")]
+        return cls(files=files, **raw)
+
+
+def run_prefix(run_id: str) -> str:
+    return f"runs/{run_id}"
+
+
+def checkpoint_prefix(run_id: str, step: int) -> str:
+    return f"{run_prefix(run_id)}/ckpt/step-{step:08d}"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def commit_checkpoint(store: Store, run_id: str, manifest: Manifest) -> bool:
+    """Publish MANIFEST then COMMITTED (create-only). Every listed file must already be in the store.
+
+    Returns False if the step was already committed (a retried commit is harmless).
+    """
+    prefix = checkpoint_prefix(run_id, manifest.step)
+    store.put_bytes(f"{prefix}/MANIFEST.json", manifest.to_json())
+    return store.put_if_absent(f"{prefix}/COMMITTED", str(manifest.step).encode())
+
+
+def _step_dirs(store: Store, run_id: str) -> dict[int, set[str]]:
+    """Map step -> names of the objects directly known under ckpt/step-<N>/."""
+    steps: dict[int, set[str]] = {}
+    base = f"{run_prefix(run_id)}/ckpt/"
+    for obj in store.list(base):
+        parts = obj.key[len(base):].split("/")
+        match = _STEP_DIR.match(parts[0])
+        if match:
+            steps.setdefault(int(match.group(1)), set()).add("/".join(parts[1:]))
+    return steps
+
+
+def committed_steps(store: Store, run_id: str) -> list[int]:
+    return sorted(step for step, names in _step_dirs(store, run_id).items() if "COMMITTED" in names)
+
+
+def latest_committed_step(store: Store, run_id: str) -> int | None:
+    steps = committed_steps(store, run_id)
+    return steps[-1] if steps else None
+
+
+def verify_checkpoint(store: Store, run_id: str, step: int) -> Manifest:
+    """Check that every manifest entry is present with its recorded size; return the manifest.
+
+    Checksums are verified by whoever downloads the files (see ``file_sha256``).
+    """
+    prefix = checkpoint_prefix(run_id, step)
+    if not store.exists(f"{prefix}/COMMITTED"):
+        raise CheckpointError(f"step {step} of run {run_id!r} is not committed")
+    try:
+        manifest = Manifest.from_json(store.get_bytes(f"{prefix}/MANIFEST.json"))
+    except StoreKeyError:
+        raise CheckpointError(f"step {step} of run {run_id!r} has no MANIFEST.json") from None
+    present = {o.key[len(prefix) + 1:]: o.size for o in store.list(prefix)}
+    for entry in manifest.files:
+        if entry.key not in present:
+            raise CheckpointError(f"step {step}: {entry.key} is missing from the store")
+        if present[entry.key] != entry.size:
+            raise CheckpointError(
+                f"step {step}: {entry.key} is {present[entry.key]} bytes, manifest says {entry.size}"
+            )
+    return manifest
+
+
+def prune_checkpoints(store: Store, run_id: str, *, keep: int) -> list[int]:
+    """Delete committed steps beyond the newest ``keep`` and uncommitted steps older than the
+    newest committed one (leftovers of interrupted saves). Returns the deleted steps."""
+    if keep < 2:
+        raise ValueError("keep must be at least 2")
+    dirs = _step_dirs(store, run_id)
+    committed = sorted(s for s, names in dirs.items() if "COMMITTED" in names)
+    if not committed:
+        return []
+    newest = committed[-1]
+    doomed = committed[:-keep] + [s for s, n in dirs.items() if "COMMITTED" not in n and s < newest]
+    for step in sorted(doomed):
+        store.delete_prefix(checkpoint_prefix(run_id, step))
+    return sorted(doomed)
+
+
+def write_metrics(store: Store, run_id: str, records: list[dict[str, Any]]) -> None:
+    """Write one chunk of per-step records as its own object (object stores cannot append)."""
+    if not records:
+        return
+    first = int(records[0]["step"])
+    key = f"{run_prefix(run_id)}/metrics/{first:08d}-{time.time_ns()}.jsonl"
+    store.put_bytes(key, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
+
+
+def read_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
+    chunks = []
+    for obj in store.list(f"{run_prefix(run_id)}/metrics/"):
+        name = obj.key.rsplit("/", 1)[-1]
+        first, _, written = name.removesuffix(".jsonl").partition("-")
+        chunks.append((int(written or 0), int(first), obj.key))
+    by_step: dict[int, dict[str, Any]] = {}
+    for _written, _first, key in sorted(chunks):
+        for line in store.get_bytes(key).decode().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_run_record(store: Store, run_id: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get_bytes(f"{run_prefix(run_id)}/run.json"))  # type: ignore[no-any-return]
+    except StoreKeyError:
+        return None
+
+
+def write_run_record(store: Store, run_id: str, record: dict[str, Any]) -> None:
+    store.put_bytes(f"{run_prefix(run_id)}/run.json", json.dumps(record, indent=1).encode())
+
+
+def list_runs(store: Store) -> list[str]:
+    return sorted({o.key.split("/")[1] for o in store.list("runs/") if o.key.endswith("/run.json")})

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install everything, then run the whole test suite (unit, integration, end-to-end).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/scripts/bootstrap.sh"
+cd "$repo"
+exec python -m pytest -n 2 "$@"

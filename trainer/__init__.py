@@ -1,0 +1,1 @@
+"""Code that runs on every training node under torchrun."""
