@@ -40,6 +40,7 @@ __all__ = [
     "read_run_record",
     "write_run_record",
     "list_runs",
+    "latest_metrics",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -198,3 +199,16 @@ def write_run_record(store: Store, run_id: str, record: dict[str, Any]) -> None:
 
 def list_runs(store: Store) -> list[str]:
     return sorted({o.key.split("/")[1] for o in store.list("runs/") if o.key.endswith("/run.json")})
+
+
+def latest_metrics(store: Store, run_id: str) -> dict[str, Any] | None:
+    """The newest per-step record (reads only the most recently written chunk)."""
+    newest: tuple[int, str] | None = None
+    for obj in store.list(f"{run_prefix(run_id)}/metrics/"):
+        written = int(obj.key.rsplit("-", 1)[-1].removesuffix(".jsonl") or 0)
+        if newest is None or written > newest[0]:
+            newest = (written, obj.key)
+    if newest is None:
+        return None
+    lines = [line for line in store.get_bytes(newest[1]).decode().splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else None

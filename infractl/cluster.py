@@ -1,0 +1,194 @@
+"""Cluster lifecycle: ``up`` (Terraform, rendezvous endpoint, Ansible + health gate) and ``teardown``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from infractl import __version__, configure, infra, proc, runstore
+from infractl.config import ClusterSpec
+from infractl.errors import InfractlError
+from infractl.output import Output
+from infractl.state import ClusterState
+from infractl.store import Store, open_store
+
+__all__ = ["UpResult", "TeardownResult", "up", "teardown", "store_for", "RENDEZVOUS_NODE"]
+
+RENDEZVOUS_NODE = "rendezvous"
+RENDEZVOUS_HOST = "127.0.0.1"
+
+
+@dataclass
+class UpResult:
+    cluster: str
+    nodes: list[dict[str, Any]]
+    terraform: str
+    terraform_changed: bool
+    rendezvous: str
+    rendezvous_started: bool
+    ansible_changed: int
+    health: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.terraform_changed or self.rendezvous_started or self.ansible_changed > 0
+
+
+@dataclass
+class TeardownResult:
+    cluster: str
+    processes_killed: int
+    nodes_removed: int
+    runs_purged: list[str]
+
+
+def store_uri(state: ClusterState, spec: ClusterSpec) -> str:
+    return spec.store or state.default_store.as_uri()
+
+
+def store_for(state: ClusterState) -> Store:
+    """The object store of a cluster that is up."""
+    return open_store(state.read()["store"], field="cluster.store")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((RENDEZVOUS_HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> tuple[int, bool]:
+    """Keep the cluster's rendezvous server running; return (port, started_now)."""
+    port = int(previous["rendezvous"]["port"]) if previous else _free_port()
+    if proc.find(state.dir, node=RENDEZVOUS_NODE) and _port_open(RENDEZVOUS_HOST, port):
+        return port, False
+    if _port_open(RENDEZVOUS_HOST, port):
+        port = _free_port()
+    env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: RENDEZVOUS_NODE}
+    child = proc.spawn(
+        [sys.executable, "-m", "infractl.rendezvous", "--host", RENDEZVOUS_HOST, "--port", str(port)],
+        env=env,
+        cwd=state.dir,
+        log_path=state.dir / "rendezvous.log",
+    )
+    deadline = time.monotonic() + 60
+    while not _port_open(RENDEZVOUS_HOST, port):
+        if child.poll() is not None or time.monotonic() > deadline:
+            raise InfractlError(f"the rendezvous server did not start; see {state.dir / 'rendezvous.log'}")
+        time.sleep(0.2)
+    return port, True
+
+
+def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
+    """Provision and configure the cluster; running it again on an unchanged cluster changes nothing."""
+    previous = state.read() if state.is_up() else None
+    uri = store_uri(state, spec)
+    open_store(uri, field="cluster.store")  # refuse a bad store URI before anything changes
+
+    out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
+    applied = infra.apply(
+        state.terraform_dir,
+        infra.module_dir(spec.provider),
+        {
+            "cluster_name": spec.name,
+            "nodes": spec.nodes,
+            "processes_per_node": spec.processes_per_node,
+            "state_dir": str(state.dir),
+        },
+    )
+    out.info(f"terraform: {applied.summary}")
+
+    port, started = _ensure_rendezvous(state, previous)
+    out.info(f"rendezvous: {RENDEZVOUS_HOST}:{port} ({'started' if started else 'already running'})")
+
+    out.info("ansible: configuring nodes (base, runtime, network, health gate)…")
+    configured = configure.configure(
+        state.dir,
+        applied.nodes,
+        runtime=spec.runtime,
+        rendezvous=(RENDEZVOUS_HOST, port),
+        nonce=secrets.token_hex(4),
+    )
+    out.info(f"ansible: {configured.changed} task(s) changed")
+
+    state.write(
+        {
+            "name": spec.name,
+            "spec": spec.model_dump(mode="json"),
+            "store": uri,
+            "infractl_version": __version__,
+            "rendezvous": {"host": RENDEZVOUS_HOST, "port": port},
+            "nodes": [
+                {"name": n.name, "address": n.address, "workdir": str(n.workdir), "processes": n.processes}
+                for n in applied.nodes
+            ],
+        }
+    )
+    return UpResult(
+        cluster=spec.name,
+        nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in applied.nodes],
+        terraform=applied.summary,
+        terraform_changed=applied.changed,
+        rendezvous=f"{RENDEZVOUS_HOST}:{port}",
+        rendezvous_started=started,
+        ansible_changed=configured.changed,
+        health=configured.health,
+    )
+
+
+def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:
+    """Stop everything the cluster runs, destroy its nodes, and prove nothing is left."""
+    record = state.read()
+    victims = proc.find(state.dir)
+    if victims:
+        out.info(f"stopping {len(victims)} process(es) of cluster {state.name!r}…")
+    proc.kill(victims)
+    leftover = proc.wait_gone(state.dir, timeout=20)
+    if leftover:
+        raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {[p.pid for p in leftover]}")
+
+    out.info("terraform: destroying nodes…")
+    infra.destroy(state.terraform_dir)
+    nodes_dir = state.dir / "nodes"
+    remaining = [p.name for p in nodes_dir.iterdir()] if nodes_dir.is_dir() else []
+    if remaining:
+        raise InfractlError(f"terraform destroy left node directories behind in {nodes_dir}: {remaining}")
+
+    purged: list[str] = []
+    if purge:
+        store = open_store(record["store"], field="cluster.store")
+        for run_id in runstore.list_runs(store):
+            if (runstore.read_run_record(store, run_id) or {}).get("cluster") == state.name:
+                store.delete_prefix(runstore.run_prefix(run_id))
+                purged.append(run_id)
+
+    # Everything but the default store (kept unless --purge) and the lock we hold goes.
+    keep = {"lock"} if purge else {"lock", state.default_store.name}
+    for child in state.dir.iterdir():
+        if child.name in keep:
+            continue
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    if {c.name for c in state.dir.iterdir()} <= {"lock"}:
+        shutil.rmtree(state.dir)
+    return TeardownResult(
+        cluster=state.name,
+        processes_killed=len(victims),
+        nodes_removed=len(record["nodes"]),
+        runs_purged=purged,
+    )
+

@@ -1,0 +1,199 @@
+"""``infractl train``: start one elastic torchrun agent per node and follow the run through the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infractl import proc, runstore
+from infractl.cluster import store_for
+from infractl.config import RunSpec
+from infractl.errors import TrainingError, UsageError
+from infractl.log import LOG_FORMAT_ENV, LogFormat
+from infractl.output import Output
+from infractl.state import ClusterState, write_private
+from infractl.store import Store
+
+__all__ = ["Launch", "prepare", "launch", "watch", "torchrun_argv"]
+
+# Seconds between looks at the agents and the store while following a run in the foreground.
+_POLL_S = 1.0
+
+
+@dataclass
+class Launch:
+    run_id: str
+    attempt: int
+    resume_from: int
+    nodes: list[dict[str, Any]]
+    agents: dict[str, subprocess.Popen[bytes]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``launch`` will do, decided before anything is started."""
+
+    store: Store
+    record: dict[str, Any]
+    nodes: list[dict[str, Any]]
+    resume_from: int
+    complete: bool
+
+
+def prepare(state: ClusterState, spec: RunSpec, run_file: Path) -> Plan:
+    """Validate the run against the cluster and the store; change nothing."""
+    cluster = state.read()
+    nodes = cluster["nodes"]
+    if spec.nodes.min > len(nodes):
+        raise UsageError(
+            f"{run_file}: nodes.min ({spec.nodes.min}) exceeds the {len(nodes)} node(s) of cluster {state.name!r}"
+        )
+    if proc.find(state.dir, run=spec.name):
+        raise UsageError(
+            f"run {spec.name!r} is already running on cluster {state.name!r}; "
+            "see `infractl status` and `infractl logs`"
+        )
+    store = store_for(state)
+    record = runstore.read_run_record(store, spec.name) or {
+        "run_id": spec.name,
+        "cluster": state.name,
+        "attempts": [],
+    }
+    last = runstore.latest_committed_step(store, spec.name) or 0
+    return Plan(
+        store=store,
+        record=record,
+        nodes=nodes[: spec.nodes.max],
+        resume_from=last,
+        complete=last >= spec.steps,
+    )
+
+
+def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str, rdzv_id: str,
+                  spec_path: Path, store_uri: str, workdir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={min(spec.nodes.min, nnodes)}:{nnodes}",
+        f"--nproc-per-node={processes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous}",
+        f"--rdzv-id={rdzv_id}",
+        # The endpoint is the cluster's own rendezvous server, never a training node.
+        "--rdzv-conf=is_host=false",
+        f"--max-restarts={spec.max_restarts}",
+        "--monitor-interval=1",
+        "-m", "trainer.train",
+        "--spec", str(spec_path),
+        "--store", store_uri,
+        "--run-id", spec.name,
+        "--workdir", str(workdir),
+    ]  # fmt: skip
+
+
+def _node_env(state: ClusterState, node: dict[str, Any], run_id: str, attempt: int,
+              log_format: LogFormat) -> dict[str, str]:
+    env = dict(os.environ)
+    network_env = Path(node["workdir"]) / "env" / "network.env"
+    if network_env.is_file():
+        for line in network_env.read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not key.lstrip().startswith("#"):
+                env[key.strip()] = value.strip()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "INFRACTL_ATTEMPT": str(attempt),
+            LOG_FORMAT_ENV: log_format,
+            proc.CLUSTER_ENV: str(state.dir),
+            proc.NODE_ENV: node["name"],
+            proc.RUN_ENV: run_id,
+        }
+    )
+    return env
+
+
+def node_log(node: dict[str, Any], run_id: str) -> Path:
+    return Path(node["workdir"]) / "logs" / f"{run_id}.log"
+
+
+def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat) -> Launch:
+    """Record the attempt in the store, then start one torchrun agent per node."""
+    cluster = state.read()
+    attempt = len(plan.record["attempts"]) + 1
+    rdzv_id = f"{spec.name}-{attempt}"
+    rendezvous = f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}"
+    plan.record["spec"] = spec.model_dump(mode="json")
+    plan.record["attempts"].append(
+        {
+            "attempt": attempt,
+            "started": time.time(),
+            "resume_from": plan.resume_from,
+            "nodes": [n["name"] for n in plan.nodes],
+            "rdzv_id": rdzv_id,
+        }
+    )
+    runstore.write_run_record(plan.store, spec.name, plan.record)
+
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+    for node in plan.nodes:
+        workdir = Path(node["workdir"])
+        spec_path = workdir / "runs" / spec.name / "spec.json"
+        write_private(spec_path, spec.model_dump_json(indent=1))
+        log_path = node_log(node, spec.name)
+        with log_path.open("a") as log:
+            log.write(f"=== infractl: attempt {attempt} of run {spec.name} on {node['name']} ===\n")
+        agents[node["name"]] = proc.spawn(
+            torchrun_argv(
+                spec,
+                nnodes=len(plan.nodes),
+                processes=int(node["processes"]),
+                rendezvous=rendezvous,
+                rdzv_id=rdzv_id,
+                spec_path=spec_path,
+                store_uri=plan.store.uri,
+                workdir=workdir,
+            ),
+            env=_node_env(state, node, spec.name, attempt, log_format),
+            cwd=workdir,
+            log_path=log_path,
+        )
+    write_private(
+        state.run_record_path(spec.name),
+        json.dumps({"run_id": spec.name, "attempt": attempt, "agents": {n: p.pid for n, p in agents.items()}}, indent=1),
+    )
+    return Launch(spec.name, attempt, plan.resume_from, plan.nodes, agents)
+
+
+def watch(started: Launch, spec: RunSpec, plan: Plan, out: Output) -> dict[str, Any]:
+    """Follow a launched run until every agent exits; raise TrainingError unless it completed."""
+    exit_codes: dict[str, int] = {}
+    with out.step_progress(spec.steps, description=spec.name) as bar:
+        bar.update(started.resume_from, loss=None, tokens_per_s=None, world_size=None)
+        while len(exit_codes) < len(started.agents):
+            time.sleep(_POLL_S)
+            for name, agent in started.agents.items():
+                if name not in exit_codes and (rc := agent.poll()) is not None:
+                    exit_codes[name] = rc
+            latest = runstore.latest_metrics(plan.store, spec.name)
+            if latest and latest.get("attempt") == started.attempt:
+                bar.update(int(latest["step"]), loss=latest.get("loss"),
+                           tokens_per_s=latest.get("tokens_per_s"), world_size=latest.get("world_size"))
+    last = runstore.latest_committed_step(plan.store, spec.name) or 0
+    attempt = plan.record["attempts"][-1]
+    attempt.update({"ended": time.time(), "exit_codes": exit_codes, "last_committed_step": last})
+    attempt["outcome"] = "completed" if last >= spec.steps else "failed"
+    runstore.write_run_record(plan.store, spec.name, plan.record)
+    if attempt["outcome"] != "completed":
+        failed = sorted(n for n, rc in exit_codes.items() if rc != 0) or sorted(exit_codes)
+        raise TrainingError(
+            f"run {spec.name!r} stopped at committed step {last} of {spec.steps} "
+            f"(agent exit codes {exit_codes}); see `infractl logs --run {spec.name} --node {failed[0]}`"
+        )
+    return attempt

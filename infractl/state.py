@@ -1,0 +1,115 @@
+"""Local control-plane state: ``.infractl/<cluster>/`` (cluster record, Terraform, Ansible, run records, lock).
+
+The root is ``./.infractl`` (or ``$INFRACTL_HOME``). Files that may hold secrets are written 0600.
+Commands that change a cluster hold its lock; a second one is refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infractl.config import ClusterSpec, load_cluster
+from infractl.errors import ConfigError, LockedError, StateError
+
+__all__ = ["home", "ClusterState", "resolve_cluster", "write_private"]
+
+HOME_ENV = "INFRACTL_HOME"
+
+
+def home() -> Path:
+    return Path(os.environ.get(HOME_ENV) or ".infractl").absolute()
+
+
+def write_private(path: Path, data: str) -> bool:
+    """Write ``data`` to ``path`` with mode 0600 atomically; return False if it was already identical."""
+    if path.is_file() and path.read_text() == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return True
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """Paths and records of one cluster's state directory."""
+
+    name: str
+    dir: Path
+
+    @property
+    def record_path(self) -> Path:
+        return self.dir / "cluster.json"
+
+    @property
+    def terraform_dir(self) -> Path:
+        return self.dir / "terraform"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.dir / "runs"
+
+    @property
+    def default_store(self) -> Path:
+        return self.dir / "store"
+
+    def is_up(self) -> bool:
+        return self.record_path.is_file()
+
+    def read(self) -> dict[str, Any]:
+        """The cluster record written by ``up``; StateError if the cluster is not up."""
+        if not self.is_up():
+            raise StateError(f"cluster {self.name!r} is not up (no state in {self.dir}); run `infractl up` first")
+        return json.loads(self.record_path.read_text())  # type: ignore[no-any-return]
+
+    def write(self, record: dict[str, Any]) -> bool:
+        return write_private(self.record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+    def spec(self) -> ClusterSpec:
+        return ClusterSpec.model_validate(self.read()["spec"])
+
+    def run_record_path(self, run_id: str) -> Path:
+        return self.runs_dir / f"{run_id}.json"
+
+    @contextlib.contextmanager
+    def lock(self, command: str) -> Iterator[None]:
+        """Hold the cluster's lock for the duration of ``command``; refuse if another command holds it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another infractl command"
+                raise LockedError(
+                    f"cluster {self.name!r} is busy: {holder} holds its lock; wait for it to finish"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"`infractl {command}` (pid {os.getpid()})".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
+
+def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | None]:
+    """Interpret ``-c/--cluster``: a cluster.yaml path, the name of a cluster in the state root, or
+    nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any."""
+    if option is None:
+        return ClusterState("local", home() / "local"), None
+    path = Path(option)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        spec = load_cluster(path)
+        return ClusterState(spec.name, home() / spec.name), spec
+    if (home() / option / "cluster.json").is_file():
+        return ClusterState(option, home() / option), None
+    raise ConfigError(f"--cluster: {option!r} is neither a cluster file nor a cluster that is up")

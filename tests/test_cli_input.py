@@ -1,0 +1,82 @@
+"""Bad input gets one clear line naming the problem, exit code 2, no traceback, nothing changed."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from conftest import REPO, Cli, write
+
+
+def test_help_lists_every_command_with_one_line_help(cli: Cli) -> None:
+    result = cli("--help")
+    for command in ("up", "train", "status", "logs", "metrics", "teardown", "schema"):
+        assert f" {command} " in result.stdout, result.stdout
+
+
+def test_unknown_run_field_names_field_and_file(cli: Cli) -> None:
+    run = write(cli.cwd / "run.yaml", "name: r\nmodel: {layers: 2, hiden: 64}\n")
+    result = cli("train", str(run), expect=2)
+    assert "run.yaml: model.hiden: unknown field" in result.stderr
+    assert not cli.home.exists()
+
+
+def test_mistyped_run_field_names_field_and_file(cli: Cli) -> None:
+    run = write(cli.cwd / "run.yaml", "name: r\nsteps: lots\n")
+    result = cli("train", str(run), expect=2)
+    assert "run.yaml: steps:" in result.stderr
+    assert "integer" in result.stderr
+
+
+def test_missing_run_file(cli: Cli) -> None:
+    result = cli("train", "nope.yaml", expect=2)
+    assert "run file not found: nope.yaml" in result.stderr
+
+
+def test_unknown_cluster_field_names_field_and_file(cli: Cli) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", "name: c1\nnodes: 2\nprocs: 4\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert "cluster.yaml: procs: unknown field" in result.stderr
+    assert not (cli.home / "c1").exists()
+
+
+def test_missing_cluster_file(cli: Cli) -> None:
+    result = cli("up", "-c", "missing.yaml", expect=2)
+    assert "cluster file not found: missing.yaml" in result.stderr
+
+
+def test_bad_store_uri_is_refused_before_anything_changes(cli: Cli) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", "name: c2\nstore: ftp://somewhere/x\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert "cluster.store: unsupported store URI 'ftp://somewhere/x'" in result.stderr
+    assert not (cli.home / "c2" / "terraform").exists()
+
+
+def test_train_before_up(cli: Cli) -> None:
+    result = cli("train", str(REPO / "examples" / "quickstart.yaml"), expect=2)
+    assert "cluster 'local' is not up" in result.stderr
+    assert "infractl up" in result.stderr
+
+
+def test_teardown_of_nothing(cli: Cli) -> None:
+    result = cli("teardown", "--yes", expect=2)
+    assert "nothing to tear down: cluster 'local' is not up" in result.stderr
+
+
+def test_up_while_another_command_holds_the_lock(cli: Cli) -> None:
+    cluster_dir = cli.home / "local"
+    cluster_dir.mkdir(parents=True)
+    fd = os.open(cluster_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"`infractl up` (pid 4242)")
+        result = cli("up", expect=2)
+    finally:
+        os.close(fd)
+    assert "cluster 'local' is busy: `infractl up` (pid 4242) holds its lock" in result.stderr
+    assert sorted(p.name for p in cluster_dir.iterdir()) == ["lock"]
+
+
+def test_unknown_command_is_a_usage_error(cli: Cli) -> None:
+    result = cli("launch", expect=2)
+    assert "No such command 'launch'" in result.stderr
