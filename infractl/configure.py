@@ -1,0 +1,188 @@
+"""The config driver: run ``playbooks/site.yml`` on a cluster's nodes with ansible-runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import infractl
+from infractl.config import RuntimeSpec
+from infractl.errors import ConfigureError
+from infractl.infra import Node
+
+__all__ = ["ConfigureResult", "configure", "playbook_dir"]
+
+_PLAYBOOK = "site.yml"
+# Runs kept under <state_dir>/ansible/artifacts/ for `infractl logs` and post-mortems.
+_KEEP_ARTIFACTS = 10
+# A whole configure run (collective included) that takes longer than this is stuck.
+_RUN_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    """What a :func:`configure` run did."""
+
+    changed: int
+    """Changed tasks over all nodes; 0 when the nodes were already configured."""
+    health: list[dict[str, Any]]
+    """The health check's report from every node, in node order (see ``infractl.health``)."""
+
+
+def playbook_dir() -> Path:
+    """``playbooks/`` in this checkout."""
+    return Path(infractl.__file__).resolve().parent.parent / "playbooks"
+
+
+def configure(
+    state_dir: Path,
+    nodes: list[Node],
+    *,
+    runtime: RuntimeSpec,
+    rendezvous: tuple[str, int],
+    nonce: str,
+) -> ConfigureResult:
+    """Configure ``nodes`` (base, runtime, network roles), then gate on a cross-node health check.
+
+    The health check meets at ``rendezvous`` under a key made from ``nonce`` and a random suffix,
+    so two runs never share keys in the long-lived rendezvous store.
+    Raises :class:`ConfigureError` naming the node and role of the first failure.
+    """
+    import ansible_runner
+
+    if not nodes:
+        raise ConfigureError("no nodes to configure: the cluster has no provisioned nodes")
+    data_dir = state_dir.resolve() / "ansible"
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    inventory = data_dir / "inventory" / "hosts.json"
+    inventory.parent.mkdir(mode=0o700, exist_ok=True)
+    inventory.write_text(json.dumps(_inventory(nodes), indent=2) + "\n")
+
+    host, port = rendezvous
+    extravars = {
+        "runtime_torch": runtime.torch,
+        "runtime_image": runtime.image,
+        "runtime_infractl_version": infractl.__version__,
+        "health_rendezvous_host": host,
+        "health_rendezvous_port": port,
+        "health_key": f"{nonce}-{secrets.token_hex(4)}",
+        "health_world_size": len(nodes),
+    }
+    runner = ansible_runner.run(
+        private_data_dir=str(data_dir),
+        project_dir=str(playbook_dir()),
+        playbook=_PLAYBOOK,
+        inventory=str(inventory),
+        extravars=extravars,
+        envvars=_environment(data_dir),
+        # The health role runs one task on every node at once: it needs a fork per node.
+        forks=max(len(nodes), 5),
+        quiet=True,
+        suppress_env_files=True,
+        rotate_artifacts=_KEEP_ARTIFACTS,
+        timeout=_RUN_TIMEOUT_S,
+    )
+    events = list(runner.events)
+    if runner.status != "successful":
+        raise ConfigureError(_failure(runner, events))
+    changed = sum((runner.stats or {}).get("changed", {}).values())
+    return ConfigureResult(changed=changed, health=_health_reports(events, nodes))
+
+
+def _inventory(nodes: list[Node]) -> dict[str, Any]:
+    return {
+        "all": {
+            "hosts": {
+                node.name: {
+                    "ansible_connection": "local",
+                    # Nodes run the controller's own environment on the local provider.
+                    "ansible_python_interpreter": sys.executable,
+                    "node_workdir": str(node.workdir),
+                    "node_address": node.address,
+                    "node_index": index,
+                }
+                for index, node in enumerate(nodes)
+            }
+        }
+    }
+
+
+def _environment(data_dir: Path) -> dict[str, str]:
+    venv_bin = str(Path(sys.executable).parent)
+    return {
+        # ansible-runner looks for ansible-playbook on PATH; it lives next to this Python.
+        "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
+        "ANSIBLE_PIPELINING": "True",
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_LOCAL_TEMP": str(data_dir / "tmp"),
+        "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        "ANSIBLE_HOST_KEY_CHECKING": "False",
+    }
+
+
+def _health_reports(events: Iterable[dict[str, Any]], nodes: list[Node]) -> list[dict[str, Any]]:
+    reports: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event.get("event") != "runner_on_ok":
+            continue
+        data = event.get("event_data", {})
+        report = (data.get("res") or {}).get("ansible_facts", {}).get("health_report")
+        if report is not None:
+            reports[data["host"]] = report
+    missing = [node.name for node in nodes if node.name not in reports]
+    if missing:
+        raise ConfigureError(f"{', '.join(missing)}: health: no health report (was the health role skipped?)")
+    return [reports[node.name] for node in nodes]
+
+
+def _failure(runner: Any, events: list[dict[str, Any]]) -> str:
+    """The first failing task as one line: ``<node>: <role>: <message>``."""
+    failures = []
+    for event in events:
+        if event.get("event") not in ("runner_on_failed", "runner_on_unreachable"):
+            continue
+        data = event.get("event_data", {})
+        if data.get("ignore_errors"):
+            continue
+        failures.append(data)
+    if not failures:
+        if runner.rc == 127:
+            return f"ansible-playbook not found on PATH (looked next to {sys.executable} first)"
+        if runner.status == "timeout":
+            return f"configure did not finish within {_RUN_TIMEOUT_S}s"
+        return f"ansible-playbook {runner.status} (rc {runner.rc}): {_last_error_line(runner)}"
+    first = failures[0]
+    host = first.get("host", "?")
+    role = first.get("role") or first.get("task", "?")
+    message = _task_message(first.get("res") or {})
+    # Roles name the node in their messages for readers of the raw log; say it once here.
+    message = message.removeprefix(f"{host}: ")
+    others = sorted({f.get("host", "?") for f in failures[1:]} - {host})
+    also = f" ({', '.join(others)} failed too)" if others else ""
+    return f"{host}: {role}: {message}{also}"
+
+
+def _task_message(res: dict[str, Any]) -> str:
+    msg = str(res.get("msg") or "").strip()
+    if msg in ("", "non-zero return code"):
+        stderr = [line for line in res.get("stderr_lines") or [] if line.strip()]
+        if stderr:
+            return f"{res.get('cmd', ['command'])[0] if isinstance(res.get('cmd'), list) else 'command'}: {stderr[-1].strip()}"
+    lines = [line.strip() for line in msg.splitlines() if line.strip()]
+    return " ".join(lines[:3]) or "failed (no message)"
+
+
+def _last_error_line(runner: Any) -> str:
+    try:
+        text = runner.stdout.read()
+    except (OSError, AttributeError):
+        return "no output"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("ERROR!", "[ERROR]"))]
+    return (errors or lines or ["no output"])[-1]
