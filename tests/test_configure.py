@@ -1,0 +1,121 @@
+"""infractl.configure: real ansible-runner on nodes made by real Terraform, health-checked through a real rendezvous."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infractl import infra
+from infractl.config import RuntimeSpec
+from infractl.configure import ConfigureResult, configure
+from infractl.errors import ConfigureError
+from infractl.infra import Node
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"rendezvous server exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"rendezvous server not listening on {port} after {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def rendezvous() -> Iterator[tuple[str, int]]:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "infractl.rendezvous", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_port(port, process)
+        yield ("127.0.0.1", port)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _provision(state_dir: Path, nodes: int) -> list[Node]:
+    variables = {"cluster_name": "test", "nodes": nodes, "processes_per_node": 1, "state_dir": str(state_dir)}
+    return infra.apply(state_dir / "terraform", infra.module_dir("local"), variables).nodes
+
+
+@pytest.fixture(scope="module")
+def configured(
+    tmp_path_factory: pytest.TempPathFactory, rendezvous: tuple[str, int]
+) -> tuple[Path, list[Node], ConfigureResult]:
+    state_dir = tmp_path_factory.mktemp("cluster")
+    nodes = _provision(state_dir, 2)
+    result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
+    return state_dir, nodes, result
+
+
+def test_configure_writes_the_network_environment(configured: tuple[Path, list[Node], ConfigureResult]) -> None:
+    _, nodes, result = configured
+
+    assert result.changed > 0
+    for node in nodes:
+        lines = (node.workdir / "env" / "network.env").read_text().splitlines()
+        assert "GLOO_SOCKET_IFNAME=lo" in lines
+        assert "NCCL_SOCKET_IFNAME=lo" in lines
+        for sub in ("logs", "env", "staging"):
+            assert (node.workdir / sub).is_dir()
+
+
+def test_health_check_reports_every_node_with_positive_bandwidth(
+    configured: tuple[Path, list[Node], ConfigureResult],
+) -> None:
+    _, nodes, result = configured
+
+    assert [report["node"] for report in result.health] == [node.name for node in nodes]
+    for rank, report in enumerate(result.health):
+        assert report["rank"] == rank
+        assert report["world"] == 2
+        assert report["bytes"] > 0
+        assert report["algbw_gbps"] > 0
+        assert report["busbw_gbps"] > 0
+
+
+def test_second_configure_changes_nothing(
+    configured: tuple[Path, list[Node], ConfigureResult], rendezvous: tuple[str, int]
+) -> None:
+    state_dir, nodes, _ = configured
+
+    again = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
+
+    assert again.changed == 0
+    assert len(again.health) == 2
+
+
+def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendezvous: tuple[str, int]) -> None:
+    nodes = _provision(tmp_path, 2)
+
+    with pytest.raises(ConfigureError) as excinfo:
+        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin")
+
+    message = str(excinfo.value)
+    assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))
+    assert "runtime.torch=9.9" in message
+    assert len(message.splitlines()) == 1
