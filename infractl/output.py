@@ -47,7 +47,7 @@ class StepProgress:
 class Output:
     def __init__(self, *, json_mode: bool = False) -> None:
         self.json_mode = json_mode
-        self.err = Console(stderr=True, highlight=False)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
         self.out = Console(highlight=False)
 
     def info(self, message: str) -> None:

@@ -84,7 +84,7 @@ class ClusterState:
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
         """Hold the cluster's lock for the duration of ``command``; refuse if another command holds it."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from typing import Annotated
 
-import click
 import typer
 
 from infractl import __version__
@@ -56,10 +55,15 @@ def main() -> None:
             raise
         out.err.print(f"[red]error:[/red] {exc.message}", highlight=False)
         sys.exit(exc.exit_code)
-    except click.exceptions.ClickException as exc:
-        exc.show()
+    except typer.exceptions.TyperException as exc:
+        # Typer's own usage errors (unknown command, bad option value) carry their formatting.
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()
+        else:
+            out.err.print(f"[red]error:[/red] {exc.message}", highlight=False)
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         out.err.print("[red]aborted[/red]")
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

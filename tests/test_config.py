@@ -1,0 +1,64 @@
+"""The config loader: typed specs, unknown fields refused with the field path and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infractl.cli.schema import write_schemas
+from infractl.config import ClusterSpec, RunSpec, load_cluster, load_run
+from infractl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_examples_load() -> None:
+    assert load_run(REPO / "examples" / "quickstart.yaml").nodes.max == 2
+    assert load_cluster(REPO / "examples" / "cluster-local.yaml") == ClusterSpec()
+
+
+def test_yaml_exponent_learning_rate_is_a_number(tmp_path: Path) -> None:
+    assert load_run(_write(tmp_path, "name: r\nlr: 3e-4\n")).lr == pytest.approx(3e-4)
+
+
+def test_nested_unknown_field_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"run.yaml: checkpoint.evry: unknown field"):
+        load_run(_write(tmp_path, "name: r\ncheckpoint: {evry: 3}\n"))
+
+
+def test_cross_field_rule_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nodes: min \(3\) must not exceed max \(2\)"):
+        load_run(_write(tmp_path, "name: r\nnodes: {min: 3, max: 2}\n"))
+
+
+def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"run.yaml line 3: not valid YAML"):
+        load_run(_write(tmp_path, "name: r\nsteps: [1,\n"))
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_run(_write(tmp_path, "- a\n- b\n"))
+
+
+def test_readme_documents_every_field() -> None:
+    readme = (REPO / "README.md").read_text()
+    for model in (ClusterSpec, RunSpec):
+        for name, field in model.model_fields.items():
+            sub = getattr(field.annotation, "model_fields", None)
+            keys = [f"{name}.{s}" for s in sub] if sub else [name]
+            for key in keys:
+                assert f"`{key}`" in readme, f"README config reference lacks {key}"
+
+
+def test_committed_schemas_are_current(tmp_path: Path) -> None:
+    for path in write_schemas(tmp_path):
+        committed = REPO / "schemas" / path.name
+        assert committed.read_text() == path.read_text(), "run `infractl schema` and commit schemas/"
