@@ -137,7 +137,8 @@ def _health_reports(events: Iterable[dict[str, Any]], nodes: list[Node]) -> list
             reports[data["host"]] = report
     missing = [node.name for node in nodes if node.name not in reports]
     if missing:
-        raise ConfigureError(f"{', '.join(missing)}: health: no health report (was the health role skipped?)")
+        names = ", ".join(missing)
+        raise ConfigureError(f"{names}: health: no health report (was the health role skipped?)")
     return [reports[node.name] for node in nodes]
 
 
@@ -170,10 +171,10 @@ def _failure(runner: Any, events: list[dict[str, Any]]) -> str:
 
 def _task_message(res: dict[str, Any]) -> str:
     msg = str(res.get("msg") or "").strip()
-    if msg in ("", "non-zero return code"):
-        stderr = [line for line in res.get("stderr_lines") or [] if line.strip()]
-        if stderr:
-            return f"{res.get('cmd', ['command'])[0] if isinstance(res.get('cmd'), list) else 'command'}: {stderr[-1].strip()}"
+    stderr = [line.strip() for line in res.get("stderr_lines") or [] if line.strip()]
+    if msg in ("", "non-zero return code") and stderr:
+        # A command that failed says why on its last stderr line.
+        return stderr[-1]
     lines = [line.strip() for line in msg.splitlines() if line.strip()]
     return " ".join(lines[:3]) or "failed (no message)"
 

@@ -54,14 +54,17 @@ def run(
     timeout = timedelta(seconds=timeout_s)
     try:
         client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    except Exception as exc:  # torch raises several types (RuntimeError, DistStoreError, TimeoutError)
-        raise HealthCheckError(f"cannot reach the rendezvous at {host}:{port}: {_first_line(exc)}") from None
+    except Exception as exc:  # torch raises several types (RuntimeError, DistStoreError, ...)
+        raise HealthCheckError(
+            f"cannot reach the rendezvous at {host}:{port}: {_first_line(exc)}"
+        ) from None
     store = dist.PrefixStore(f"health/{key}", client)
     try:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as exc:
         raise HealthCheckError(
-            f"rank {rank} of {world}: the nodes did not all join within {timeout_s:g}s: {_first_line(exc)}"
+            f"rank {rank} of {world}: the nodes did not all join within {timeout_s:g}s: "
+            f"{_first_line(exc)}"
         ) from None
     try:
         tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
@@ -76,11 +79,15 @@ def run(
         # Every rank contributed ones at each step: the sum checks that all ranks took part.
         expected = float(world) ** (_WARMUP + _ITERATIONS)
         if tensor[0].item() != expected:
-            raise HealthCheckError(f"all_reduce gave {tensor[0].item()}, expected {expected}: a rank is missing")
+            raise HealthCheckError(
+                f"all_reduce gave {tensor[0].item()}, expected {expected}: a rank is missing"
+            )
     except HealthCheckError:
         raise
     except Exception as exc:
-        raise HealthCheckError(f"rank {rank} of {world}: all_reduce failed: {_first_line(exc)}") from None
+        raise HealthCheckError(
+            f"rank {rank} of {world}: all_reduce failed: {_first_line(exc)}"
+        ) from None
     finally:
         dist.destroy_process_group()
     algbw = nbytes / seconds / 1e9
@@ -113,19 +120,24 @@ def _endpoint(value: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rendezvous", type=_endpoint, required=True, help="the cluster's rendezvous HOST:PORT")
-    parser.add_argument("--key", required=True, help="nonce naming this check in the rendezvous store")
+    parser.add_argument(
+        "--rendezvous", type=_endpoint, required=True, help="the cluster's rendezvous HOST:PORT"
+    )
+    parser.add_argument("--key", required=True, help="nonce naming this check in the store")
     parser.add_argument("--rank", type=int, required=True, help="this node's index")
     parser.add_argument("--world", type=int, required=True, help="number of nodes taking part")
     parser.add_argument("--bytes", type=int, default=DEFAULT_BYTES, help="all_reduce size in bytes")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the other nodes")
+    parser.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the others"
+    )
     parser.add_argument("--node", help="node name to report (default node-<rank>)")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world:
         parser.error(f"--rank must be in 0..{args.world - 1}")
 
     # A hung peer must not hang the check: past twice the timeout, give up whatever torch is doing.
-    watchdog = threading.Timer(2 * args.timeout + 10, _give_up, args=(args.rank, args.world, args.timeout))
+    limit = 2 * args.timeout + 10
+    watchdog = threading.Timer(limit, _give_up, args=(args.rank, args.world, limit))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -147,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _give_up(rank: int, world: int, timeout: float) -> None:
-    print(f"health check failed: rank {rank} of {world}: no result after {2 * timeout + 10:g}s", file=sys.stderr, flush=True)
+def _give_up(rank: int, world: int, limit: float) -> None:
+    message = f"health check failed: rank {rank} of {world}: no result after {limit:g}s"
+    print(message, file=sys.stderr, flush=True)
     os._exit(1)
 
 

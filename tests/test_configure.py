@@ -1,4 +1,4 @@
-"""infractl.configure: real ansible-runner on nodes made by real Terraform, health-checked through a real rendezvous."""
+"""infractl.configure: real ansible-runner on real Terraform nodes, through a real rendezvous."""
 
 from __future__ import annotations
 
@@ -58,7 +58,12 @@ def rendezvous() -> Iterator[tuple[str, int]]:
 
 
 def _provision(state_dir: Path, nodes: int) -> list[Node]:
-    variables = {"cluster_name": "test", "nodes": nodes, "processes_per_node": 1, "state_dir": str(state_dir)}
+    variables = {
+        "cluster_name": "test",
+        "nodes": nodes,
+        "processes_per_node": 1,
+        "state_dir": str(state_dir),
+    }
     return infra.apply(state_dir / "terraform", infra.module_dir("local"), variables).nodes
 
 
@@ -68,11 +73,15 @@ def configured(
 ) -> tuple[Path, list[Node], ConfigureResult]:
     state_dir = tmp_path_factory.mktemp("cluster")
     nodes = _provision(state_dir, 2)
-    result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
+    result = configure(
+        state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first"
+    )
     return state_dir, nodes, result
 
 
-def test_configure_writes_the_network_environment(configured: tuple[Path, list[Node], ConfigureResult]) -> None:
+def test_configure_writes_the_network_environment(
+    configured: tuple[Path, list[Node], ConfigureResult],
+) -> None:
     _, nodes, result = configured
 
     assert result.changed > 0
@@ -109,11 +118,15 @@ def test_second_configure_changes_nothing(
     assert len(again.health) == 2
 
 
-def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendezvous: tuple[str, int]) -> None:
+def test_wrong_torch_pin_is_refused_naming_node_and_field(
+    tmp_path: Path, rendezvous: tuple[str, int]
+) -> None:
     nodes = _provision(tmp_path, 2)
 
     with pytest.raises(ConfigureError) as excinfo:
-        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin")
+        configure(
+            tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin"
+        )
 
     message = str(excinfo.value)
     assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))

@@ -12,11 +12,17 @@ from infractl.errors import InfraError
 
 
 def _variables(state_dir: Path, nodes: int) -> dict[str, object]:
-    return {"cluster_name": "test", "nodes": nodes, "processes_per_node": 2, "state_dir": str(state_dir)}
+    return {
+        "cluster_name": "test",
+        "nodes": nodes,
+        "processes_per_node": 2,
+        "state_dir": str(state_dir),
+    }
 
 
 def _apply(state_dir: Path, nodes: int) -> infra.ApplyResult:
-    return infra.apply(state_dir / "terraform", infra.module_dir("local"), _variables(state_dir, nodes))
+    variables = _variables(state_dir, nodes)
+    return infra.apply(state_dir / "terraform", infra.module_dir("local"), variables)
 
 
 def _node_dirs(state_dir: Path) -> list[str]:
@@ -30,7 +36,12 @@ def test_apply_creates_node_dirs_and_returns_inventory(tmp_path: Path) -> None:
     assert result.changed
     assert result.summary == "2 added, 0 changed, 0 destroyed"
     assert result.nodes == [
-        infra.Node(name=f"node-{i}", address="127.0.0.1", workdir=tmp_path / "nodes" / f"node-{i}", processes=2)
+        infra.Node(
+            name=f"node-{i}",
+            address="127.0.0.1",
+            workdir=tmp_path / "nodes" / f"node-{i}",
+            processes=2,
+        )
         for i in range(2)
     ]
     for node in result.nodes:
