@@ -1,0 +1,98 @@
+"""End to end through real Terraform, real Ansible and real torchrun on gloo: up, train, kill, resume, teardown."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import Cli, write
+from infractl import proc, runstore
+from infractl.store import FileStore
+
+pytestmark = pytest.mark.e2e
+
+RUN = """\
+name: e2e
+model: {layers: 2, hidden: 64, heads: 2, seq_len: 64}
+data: {max_bytes: 200000}
+batch_size: 8
+steps: 240
+checkpoint: {every: 10, keep: 2}
+nodes: {min: %(min)d, max: %(max)d}
+max_restarts: 0
+"""
+
+
+def _wait_for_commit(store: FileStore, run_id: str, *, at_least: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step = runstore.latest_committed_step(store, run_id)
+        if step is not None and step >= at_least:
+            return step
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
+
+
+def test_up_train_kill_resume_teardown(cli: Cli) -> None:
+    run = write(cli.cwd / "run.yaml", RUN % {"min": 1, "max": 2})
+    cluster_dir = cli.home / "local"
+    store = FileStore(cluster_dir / "store")
+
+    first = json.loads(cli("up", "--json").stdout)
+    assert first["changed"] and first["terraform"] == "2 added, 0 changed, 0 destroyed"
+    assert [h["world"] for h in first["health"]] == [2, 2]
+    assert all(h["busbw_gbps"] > 0 for h in first["health"])
+
+    again = cli("up").stderr
+    assert "terraform: no changes" in again and "ansible: 0 task(s) changed" in again, again
+    assert "cluster 'local' is up: no changes" in again
+
+    too_big = write(cli.cwd / "big.yaml", RUN % {"min": 3, "max": 3})
+    refused = cli("train", str(too_big), expect=2)
+    assert "big.yaml: nodes.min (3) exceeds the 2 node(s) of cluster 'local'" in refused.stderr
+
+    started = json.loads(cli("train", str(run), "--detach", "--json").stdout)
+    assert started["attempt"] == 1 and started["resume_from"] == 0
+    assert set(started["agents"]) == {"node-0", "node-1"}
+
+    # Kill the training mid-run: every process of both nodes (agents and their workers).
+    _wait_for_commit(store, "e2e", at_least=20, timeout=180)
+    victims = proc.find(cluster_dir, run="e2e")
+    assert len(victims) >= 4, "expected an agent and a worker per node"
+    proc.kill(victims)
+    assert proc.wait_gone(cluster_dir, run="e2e", timeout=30) == []
+    committed = runstore.latest_committed_step(store, "e2e")
+    assert committed is not None and 20 <= committed < 240
+
+    status = json.loads(cli("status", "--json").stdout)
+    (row,) = status["runs"]
+    assert row["state"] == "stopped" and row["last_committed_step"] == committed
+    assert status["rendezvous"]["running"]
+
+    resumed = json.loads(cli("train", str(run), "--json").stdout)
+    assert resumed["attempt"] == 2 and resumed["outcome"] == "completed"
+    assert resumed["resume_from"] == committed
+    assert resumed["last_committed_step"] == 240
+    assert runstore.latest_committed_step(store, "e2e") == 240
+
+    records = runstore.read_metrics(store, "e2e")
+    second_attempt = [r["step"] for r in records if r["attempt"] == 2]
+    assert min(second_attempt) == committed + 1, "the resumed run must continue after the committed step"
+    assert [r["step"] for r in records] == list(range(1, 241))
+    log = (cluster_dir / "nodes" / "node-0" / "logs" / "e2e.log").read_text()
+    assert "resumed" in log and f"step={committed}" in log
+
+    shown = json.loads(cli("metrics", "e2e", "--json").stdout)
+    assert len(shown) == 240 and shown[-1]["step"] == 240
+    assert "node-1" in cli("logs", "--node", "node-1").stdout
+    assert json.loads(cli("status", "--json").stdout)["runs"][0]["state"] == "completed"
+
+    done = json.loads(cli("teardown", "--yes", "--json").stdout)
+    assert done["nodes_removed"] == 2
+    assert proc.find(cluster_dir) == []
+    assert not (cluster_dir / "nodes").exists()
+    assert not (cluster_dir / "terraform").exists()
+    assert runstore.latest_committed_step(store, "e2e") == 240, "teardown keeps the store"
+    cli("teardown", "--yes", expect=2)
