@@ -1,0 +1,291 @@
+"""trainer/: data order as a pure function (unit), and real torchrun runs on gloo (integration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
+from infractl.errors import ConfigError
+from infractl.runstore import (
+    checkpoint_prefix,
+    committed_steps,
+    read_metrics,
+    verify_checkpoint,
+)
+from infractl.store import FileStore, Store
+from trainer.data import ByteBatches, per_rank_batch, sample_indices
+from trainer.metrics import MetricsWriter, StepRecord
+from trainer.optimizer import lr_factor
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 120
+RECORD_FIELDS = {"step", "loss", "step_time_s", "tokens_per_s", "world_size", "attempt", "restart_count", "time"}
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def tiny_spec(**overrides: Any) -> RunSpec:
+    fields: dict[str, Any] = {
+        "name": "tiny",
+        "model": ModelSpec(layers=2, hidden=32, heads=2, seq_len=32),
+        "data": DataSpec(max_bytes=100_000),
+        "batch_size": 8,
+        "steps": 10,
+        "checkpoint": CheckpointSpec(every=5, keep=2),
+    }
+    return RunSpec(**(fields | overrides))
+
+
+class Run:
+    """One finished torchrun invocation: exit code, stderr, and the trainer's JSON log events."""
+
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.returncode = proc.returncode
+        self.stderr = proc.stderr
+        self.events: list[dict[str, Any]] = []
+        for line in proc.stderr.splitlines():
+            if line.startswith("{"):
+                try:
+                    self.events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+
+    def event(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+
+def torchrun(tmp_path: Path, spec: RunSpec, *, nproc: int = 2, attempt: int = 1) -> Run:
+    spec_path = tmp_path / f"spec-{attempt}.json"
+    spec_path.write_text(spec.model_dump_json())
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "INFRACTL_ATTEMPT": str(attempt),
+        "INFRACTL_LOG_FORMAT": "json",
+        "PYTHONPATH": str(REPO),
+    }
+    argv = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
+        "-m", "trainer.train",
+        "--spec", str(spec_path),
+        "--store", (tmp_path / "store").as_uri(),
+        "--run-id", spec.name,
+        "--workdir", str(tmp_path / "node0"),
+    ]  # fmt: skip
+    agent = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: the agent then stops its workers, which live in their own sessions.
+        agent.terminate()
+        stdout, stderr = agent.communicate(timeout=60)
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{stderr[-4000:]}")
+    return Run(subprocess.CompletedProcess(argv, agent.returncode, stdout, stderr))
+
+
+def store_of(tmp_path: Path) -> Store:
+    return FileStore(tmp_path / "store")
+
+
+def losses(store: Store, run_id: str) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(store, run_id)}
+
+
+def ok(run: Run) -> Run:
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run
+
+
+# -- data order (unit) ----------------------------------------------------------------------
+
+
+def test_batch_indices_are_a_pure_function_of_seed_step_rank_world_size() -> None:
+    args = dict(seed=3, step=7, rank=1, world_size=4, batch_size=16, samples=1000)
+    first = sample_indices(**args)  # type: ignore[arg-type]
+    sample_indices(**(args | {"step": 2}))  # type: ignore[arg-type]  # no hidden state between calls
+    assert np.array_equal(first, sample_indices(**args))  # type: ignore[arg-type]
+    assert not np.array_equal(first, sample_indices(**(args | {"seed": 4})))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_ranks_split_the_global_batch_without_overlap(world_size: int) -> None:
+    batch_size, samples = 16, 1000
+    for step in (1, 2, 50):
+        shares = [
+            sample_indices(seed=0, step=step, rank=r, world_size=world_size, batch_size=batch_size, samples=samples)
+            for r in range(world_size)
+        ]
+        union = np.concatenate(shares)
+        assert len(set(union.tolist())) == batch_size  # no sample on two ranks
+        # The global batch does not depend on how many ranks share it.
+        whole = sample_indices(seed=0, step=step, rank=0, world_size=1, batch_size=batch_size, samples=samples)
+        assert np.array_equal(union, whole)
+
+
+def test_each_epoch_visits_every_sample_once() -> None:
+    samples, batch_size = 64, 8
+    seen = np.concatenate(
+        [
+            sample_indices(seed=1, step=s, rank=r, world_size=2, batch_size=batch_size, samples=samples)
+            for s in range(1, samples // batch_size + 1)
+            for r in range(2)
+        ]
+    )
+    assert sorted(seen.tolist()) == list(range(samples))
+
+
+def test_batches_pair_each_byte_with_the_next() -> None:
+    corpus = np.frombuffer(bytes(range(256)) * 8, dtype=np.uint8)
+    batches = ByteBatches(corpus, seq_len=16, batch_size=4, seed=0, rank=1, world_size=2)
+    inputs, targets = batches.batch(3)
+    assert inputs.shape == targets.shape == (2, 16)
+    assert ((inputs + 1) % 256 == targets).all()
+
+
+def test_batch_size_not_divisible_by_world_size_names_batch_size() -> None:
+    with pytest.raises(ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"):
+        per_rank_batch(10, 4)
+
+
+# -- schedule and metrics (unit) -------------------------------------------------------------
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine() -> None:
+    factors = [lr_factor(i, total_steps=100) for i in range(100)]
+    assert factors[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert factors[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_metrics_are_written_in_chunks_by_count_and_by_time(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    now = [0.0]
+    writer = MetricsWriter(store, "r", every_steps=3, every_s=2.0, clock=lambda: now[0])
+
+    def record(step: int) -> StepRecord:
+        return StepRecord(step=step, loss=1.0, step_time_s=0.1, tokens_per_s=1.0, world_size=1,
+                          attempt=1, restart_count=0, time=0.0)  # fmt: skip
+
+    for step in (1, 2):
+        writer.add(record(step))
+    assert read_metrics(store, "r") == []
+    writer.add(record(3))  # third record: a chunk
+    assert [r["step"] for r in read_metrics(store, "r")] == [1, 2, 3]
+    writer.add(record(4))
+    now[0] = 2.5
+    writer.add(record(5))  # two seconds since the last chunk
+    assert [r["step"] for r in read_metrics(store, "r")] == [1, 2, 3, 4, 5]
+    writer.add(record(6))
+    writer.flush()
+    assert len(store.list("runs/r/metrics/")) == 3
+
+
+# -- torchrun on gloo (integration) -----------------------------------------------------------
+
+
+def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: Path) -> None:
+    spec = tiny_spec(steps=12)
+    run = ok(torchrun(tmp_path, spec))
+    store = store_of(tmp_path)
+
+    assert committed_steps(store, spec.name) == [10, 12]  # every 5, the last step, keep 2
+    manifest = verify_checkpoint(store, spec.name, 12)
+    assert manifest.world_size == 2
+    assert manifest.extra["tokens_seen"] == 12 * spec.batch_size * spec.model.seq_len
+    records = read_metrics(store, spec.name)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert all(set(r) == RECORD_FIELDS for r in records)
+    assert {(r["world_size"], r["attempt"], r["restart_count"]) for r in records} == {(2, 1, 0)}
+    assert records[-1]["loss"] < records[0]["loss"]
+
+    assert [e["step"] for e in run.event("starting")] == [0]
+    assert [e["step"] for e in run.event("checkpoint_committed")] == [5, 10, 12]
+    assert [e["step"] for e in run.event("finished")] == [12]
+    assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # staging cleaned up
+
+
+def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    ok(torchrun(tmp_path, tiny_spec(steps=7)))
+    assert committed_steps(store, "tiny") == [5, 7]
+
+    run = ok(torchrun(tmp_path, tiny_spec(steps=12), attempt=2))
+
+    assert [e["step"] for e in run.event("resumed")] == [7]
+    assert not run.event("starting")
+    records = read_metrics(store, "tiny")
+    assert [r["step"] for r in records if r["attempt"] == 2] == list(range(8, 13))
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert committed_steps(store, "tiny")[-1] == 12
+
+
+def test_uncommitted_step_is_never_loaded_and_resume_is_exact(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    spec = tiny_spec(steps=10)
+    ok(torchrun(tmp_path, spec))
+    before = losses(store, spec.name)
+    # Killed between upload and commit: step 10's files and manifest exist, COMMITTED does not.
+    store.delete_prefix(f"{checkpoint_prefix(spec.name, 10)}/COMMITTED")
+    assert store.exists(f"{checkpoint_prefix(spec.name, 10)}/MANIFEST.json")
+
+    run = ok(torchrun(tmp_path, spec, attempt=2))
+
+    assert [e["step"] for e in run.event("resumed")] == [5]
+    after = losses(store, spec.name)
+    # Same topology and thread count: the replayed steps are bitwise identical.
+    assert [after[s] for s in range(6, 11)] == [before[s] for s in range(6, 11)]
+    assert committed_steps(store, spec.name) == [5, 10]
+
+
+def test_corrupt_checkpoint_is_skipped_for_the_previous_committed_step(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    spec = tiny_spec(steps=10)
+    ok(torchrun(tmp_path, spec))
+    shard = tmp_path / "store" / checkpoint_prefix(spec.name, 10) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different sha256
+    shard.write_bytes(bytes(data))
+
+    run = ok(torchrun(tmp_path, spec, attempt=2))
+
+    assert [e["step"] for e in run.event("checkpoint_invalid")] == [10]
+    assert "sha256" in run.event("checkpoint_invalid")[0]["error"]
+    assert [e["step"] for e in run.event("resumed")] == [5]
+    verify_checkpoint(store, spec.name, 10)  # rewritten whole by the resumed run
+    assert [e["rewritten"] for e in run.event("checkpoint_committed") if e["step"] == 10] == [True]
+
+
+def test_resume_on_fewer_ranks_reshards_and_keeps_the_data_order(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    spec = tiny_spec(steps=10)
+    ok(torchrun(tmp_path, spec))
+    before = losses(store, spec.name)
+    store.delete_prefix(f"{checkpoint_prefix(spec.name, 10)}/COMMITTED")
+
+    run = ok(torchrun(tmp_path, spec, nproc=1, attempt=2))
+
+    [resumed] = run.event("resumed")
+    assert (resumed["step"], resumed["saved_world_size"], resumed["world_size"]) == (5, 2, 1)
+    records = [r for r in read_metrics(store, spec.name) if r["attempt"] == 2]
+    assert [(r["step"], r["world_size"]) for r in records] == [(s, 1) for s in range(6, 11)]
+    # One rank sees the same global batches as two did; only reduction order differs.
+    assert [r["loss"] for r in records] == pytest.approx([before[s] for s in range(6, 11)], rel=1e-4)
+    assert verify_checkpoint(store, spec.name, 10).world_size == 1
+
+
+def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_path: Path) -> None:
+    run = torchrun(tmp_path, tiny_spec(batch_size=9))
+
+    assert run.returncode != 0
+    errors = {e["event"] for e in run.events if e["level"] == "error"}  # one line per rank that got there
+    assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,150 @@
+"""Training data: the corpus as bytes, and which samples each rank trains on at each step.
+
+Sample ``i`` is the window ``corpus[i*seq_len : i*seq_len + seq_len + 1]`` (inputs and the
+next-byte targets). The order of samples is a fixed permutation per epoch, seeded by
+``(seed, epoch)``; step ``s`` takes the next ``batch_size`` samples of that sequence and rank
+``r`` takes its contiguous share of them. So a rank's batch is a pure function of
+``(seed, step, rank, world_size)``, ranks never share a sample within a step, the global
+batch does not depend on the world size, and resuming at step ``s`` needs no replay.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infractl.config import DataSpec
+from infractl.errors import ConfigError
+
+__all__ = [
+    "stdlib_files",
+    "load_corpus",
+    "corpus_sha256",
+    "per_rank_batch",
+    "num_samples",
+    "sample_indices",
+    "ByteBatches",
+]
+
+# Third-party packages differ between machines; the corpus must not.
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_files(root: Path | None = None) -> Iterator[Path]:
+    """The standard library's .py files in a fixed order (sorted walk, third-party dirs skipped)."""
+    root = root if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield Path(dirpath) / name
+
+
+def load_corpus(spec: DataSpec) -> np.ndarray:
+    """The first ``spec.max_bytes`` bytes of the corpus as a uint8 array."""
+    if spec.source != "stdlib":
+        raise ConfigError(f"data.source: unsupported corpus {spec.source!r}")
+    chunks: list[bytes] = []
+    remaining = spec.max_bytes
+    for path in stdlib_files():
+        data = path.read_bytes()[:remaining]
+        chunks.append(data)
+        remaining -= len(data)
+        if remaining <= 0:
+            break
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def corpus_sha256(corpus: np.ndarray) -> str:
+    return hashlib.sha256(corpus.tobytes()).hexdigest()
+
+
+def per_rank_batch(batch_size: int, world_size: int) -> int:
+    """Samples per rank per step; raises ConfigError unless the global batch divides evenly."""
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    if batch_size % world_size:
+        raise ConfigError(
+            f"batch_size ({batch_size}) must be divisible by the world size ({world_size})"
+        )
+    return batch_size // world_size
+
+
+def num_samples(corpus_len: int, seq_len: int) -> int:
+    """Whole samples (``seq_len`` inputs plus one target byte) the corpus holds."""
+    count = (corpus_len - 1) // seq_len
+    if count < 1:
+        raise ConfigError(
+            f"data.max_bytes: the corpus ({corpus_len} bytes) is shorter than one sample "
+            f"(model.seq_len + 1 = {seq_len + 1} bytes)"
+        )
+    return count
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
+    order = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(count)
+    order.flags.writeable = False
+    return order
+
+
+def sample_indices(
+    *, seed: int, step: int, rank: int, world_size: int, batch_size: int, samples: int
+) -> np.ndarray:
+    """Indices of the samples ``rank`` trains on at ``step`` (1-based); a pure function."""
+    if step < 1:
+        raise ValueError("step must be at least 1 (steps are 1-based)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size})")
+    per_rank = per_rank_batch(batch_size, world_size)
+    first = (step - 1) * batch_size + rank * per_rank
+    epochs, offsets = np.divmod(np.arange(first, first + per_rank, dtype=np.int64), samples)
+    out = np.empty(per_rank, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        where = epochs == epoch
+        out[where] = _epoch_order(seed, int(epoch), samples)[offsets[where]]
+    return out
+
+
+class ByteBatches:
+    """The batches one rank trains on: ``batch(step)`` -> (inputs, targets), int64 (batch, seq)."""
+
+    def __init__(
+        self,
+        corpus: np.ndarray,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self.corpus = corpus
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.samples = num_samples(len(corpus), seq_len)
+        self.per_rank = per_rank_batch(batch_size, world_size)
+        self._window = np.arange(seq_len + 1, dtype=np.int64)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = sample_indices(
+            seed=self.seed,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            samples=self.samples,
+        )
+        windows = torch.from_numpy(self.corpus[indices[:, None] * self.seq_len + self._window])
+        windows = windows.long()
+        return windows[:, :-1], windows[:, 1:]

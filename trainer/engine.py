@@ -1,0 +1,186 @@
+"""The training engine: one ``Trainer`` per rank builds the model, data, optimizer and
+checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, and trains."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from infractl.config import RunSpec
+from infractl.log import get_logger
+from infractl.runstore import Manifest
+from infractl.store import Store
+from trainer.checkpoint import Checkpointer
+from trainer.data import ByteBatches, corpus_sha256, load_corpus
+from trainer.distributed import DistEnv
+from trainer.metrics import MetricsWriter, StepRecord
+from trainer.model import GPT, VOCAB_SIZE, GPTConfig
+from trainer.optimizer import build_optimizer, build_scheduler
+from trainer.parallelize import parallelize
+from trainer.state import ModelState, OptimizerState, RNGState, TrainState, rng_key, seed_everything
+
+__all__ = ["Trainer", "config_hash"]
+
+log = get_logger(__name__)
+
+_GRAD_CLIP = 1.0
+
+
+def config_hash(spec: RunSpec) -> str:
+    """Hash of the fields that decide what the weights become.
+
+    ``steps``, ``checkpoint``, ``nodes`` and ``max_restarts`` are left out: a run may be
+    extended, re-cadenced or moved to other nodes and still be the same run.
+    """
+    fields = spec.model_dump(mode="json", include={"model", "data", "batch_size", "lr", "seed", "parallel"})
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Trainer:
+    """Trains one run on this rank. Construct and ``train()`` on every rank of the job."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        store: Store,
+        run_id: str,
+        workdir: Path,
+        env: DistEnv,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.env = env
+        self.device = device
+        self.config_hash = config_hash(spec)
+
+        corpus = load_corpus(spec.data)
+        self.corpus_sha256 = corpus_sha256(corpus)
+        self.data = ByteBatches(
+            corpus,
+            seq_len=spec.model.seq_len,
+            batch_size=spec.batch_size,
+            seed=spec.seed,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+
+        # Same seed on every rank for the initial weights, then a per-rank seed for
+        # anything random during training (a resume restores these states).
+        seed_everything(spec.seed)
+        model = GPT(GPTConfig.from_spec(spec.model))
+        seed_everything(spec.seed + env.rank)
+        self.model = parallelize(model, scheme=spec.parallel, device=device)
+        self.optimizer = build_optimizer(self.model, lr=spec.lr)
+        self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
+
+        self.checkpointer = Checkpointer(
+            store,
+            run_id=run_id,
+            workdir=workdir,
+            rank=env.rank,
+            world_size=env.world_size,
+            keep=spec.checkpoint.keep,
+        )
+        self.metrics = MetricsWriter(store, run_id) if env.rank == 0 else None
+
+    def _state(self, loading: Manifest | None) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "model": ModelState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer),
+            "progress": self.progress,
+        }
+        # RNG states are per rank: they only mean something on the same topology.
+        if loading is None or loading.world_size == self.env.world_size:
+            state[rng_key(self.env.rank)] = RNGState()
+        return state
+
+    def resume(self) -> int:
+        """Load the newest committed checkpoint, if any; return the step training continues after."""
+        manifest = self.checkpointer.load(self._state)
+        if manifest is None:
+            log.info("starting", step=0, world_size=self.env.world_size, attempt=self.env.attempt)
+            return 0
+        log.info(
+            "resumed",
+            step=self.progress.step,
+            world_size=self.env.world_size,
+            saved_world_size=manifest.world_size,
+            attempt=self.env.attempt,
+            restart_count=self.env.restart_count,
+        )
+        if manifest.world_size != self.env.world_size:
+            log.info("rng_not_restored", reason="world size changed", saved_world_size=manifest.world_size)
+        if manifest.extra.get("config_hash") != self.config_hash:
+            log.warning("config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash)
+        if manifest.extra.get("corpus_sha256") != self.corpus_sha256:
+            log.warning("corpus_changed", saved=manifest.extra.get("corpus_sha256"), now=self.corpus_sha256)
+        return self.progress.step
+
+    def train(self) -> int:
+        """Resume, train until ``spec.steps``, checkpoint on schedule; return the last step."""
+        self.resume()
+        spec = self.spec
+        tokens_per_step = spec.batch_size * spec.model.seq_len
+        while self.progress.step < spec.steps:
+            step = self.progress.step + 1
+            started = time.perf_counter()
+            loss = self._train_step(step)
+            elapsed = time.perf_counter() - started
+            self.progress.step = step
+            self.progress.tokens_seen += tokens_per_step
+            if self.metrics is not None:
+                self.metrics.add(
+                    StepRecord(
+                        step=step,
+                        loss=loss,
+                        step_time_s=round(elapsed, 6),
+                        tokens_per_s=round(tokens_per_step / elapsed, 1),
+                        world_size=self.env.world_size,
+                        attempt=self.env.attempt,
+                        restart_count=self.env.restart_count,
+                        time=time.time(),
+                    )
+                )
+            if step % spec.checkpoint.every == 0 or step == spec.steps:
+                self._checkpoint(step)
+        if self.metrics is not None:
+            self.metrics.flush()
+        log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
+        return self.progress.step
+
+    def _train_step(self, step: int) -> float:
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), _GRAD_CLIP)
+        self.optimizer.step()
+        self.progress.scheduler.step()
+        # The recorded loss is the global batch's, not rank 0's share of it.
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return float(mean.item()) / self.env.world_size
+
+    def _checkpoint(self, step: int) -> None:
+        # Metrics first: once the step is committed a crash resumes after it, and
+        # records still buffered would never be written.
+        if self.metrics is not None:
+            self.metrics.flush()
+        self.checkpointer.save(
+            step,
+            self._state(None),
+            extra={
+                "tokens_seen": self.progress.tokens_seen,
+                "config_hash": self.config_hash,
+                "corpus_sha256": self.corpus_sha256,
+            },
+        )

@@ -1,0 +1,120 @@
+"""A small GPT-style byte-level language model (vocabulary: the 256 byte values)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infractl.config import ModelSpec
+
+__all__ = ["VOCAB_SIZE", "GPTConfig", "GPT"]
+
+VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model."""
+
+    layers: int
+    """Transformer blocks."""
+    hidden: int
+    """Width of the residual stream; divisible by ``heads``."""
+    heads: int
+    """Attention heads per block."""
+    seq_len: int
+    """Longest input, in tokens (bytes); sizes the position embedding."""
+
+    def __post_init__(self) -> None:
+        if self.layers < 1:
+            raise ValueError("layers must be at least 1")
+        if self.heads < 1 or self.hidden % self.heads:
+            raise ValueError("hidden must be divisible by heads")
+        if self.seq_len < 1:
+            raise ValueError("seq_len must be at least 1")
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> "GPTConfig":
+        return cls(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, seq_len=spec.seq_len)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(x).split(hidden, dim=2)
+        shape = (batch, seq, self.heads, hidden // self.heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.attn = _Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = _MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Pre-norm decoder-only transformer; the output projection reuses the token embedding."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(VOCAB_SIZE, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 initialisation: residual projections scaled down by depth so the
+        # residual stream's variance does not grow with the number of blocks.
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "ln" in name:
+                nn.init.ones_(param)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.cfg.layers))
+            else:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, seq, 256) for ``tokens`` of shape (batch, seq)."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"input has {seq} tokens; the model takes at most {self.cfg.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        # Weight tying through F.linear (not a second module sharing the tensor) keeps
+        # one name per parameter, which keeps checkpoint keys unambiguous.
+        return F.linear(self.ln_f(x), self.tok_emb.weight)

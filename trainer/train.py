@@ -1,0 +1,106 @@
+"""Entry point on every node, started by torchrun::
+
+    torchrun ... -m trainer.train --spec SPEC.json --store STORE_URI --run-id RUN_ID --workdir DIR
+
+Exit codes: 0 when the run reached ``spec.steps`` (its last step committed); 2 for a bad
+spec or bad arguments (one line on stderr, nothing written); anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+import torch
+from pydantic import ValidationError
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from infractl.config import RunSpec
+from infractl.errors import ConfigError, UsageError
+from infractl.log import configure, get_logger
+from infractl.store import Store, open_store
+from trainer.data import per_rank_batch
+from trainer.distributed import DistEnv, destroy_process_group, init_process_group
+from trainer.engine import Trainer
+
+__all__ = ["main", "load_spec"]
+
+log = get_logger("trainer")
+
+
+def _run_id(value: str) -> str:
+    if not value or "/" in value or value in (".", ".."):
+        raise argparse.ArgumentTypeError(f"not a run id: {value!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("::")[0])
+    parser.add_argument("--spec", type=Path, required=True, help="RunSpec as JSON (RunSpec.model_dump_json()).")
+    parser.add_argument("--store", required=True, help="Store URI for checkpoints and metrics (file:///...).")
+    parser.add_argument("--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/.")
+    parser.add_argument("--workdir", type=Path, required=True, help="This node's scratch directory.")
+    return parser
+
+
+def load_spec(path: Path) -> RunSpec:
+    """Read a RunSpec written by ``RunSpec.model_dump_json()``; ConfigError names the bad field."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--spec: cannot read {path} ({exc.strerror})") from None
+    try:
+        return RunSpec.model_validate_json(text)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise ConfigError(f"{path}: {field}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    env = DistEnv.from_environ()
+    # Rank 0 speaks for the job; the others report only what goes wrong.
+    configure(level=logging.INFO if env.rank == 0 else logging.WARNING)
+    structlog.contextvars.bind_contextvars(rank=env.rank)
+    try:
+        spec = load_spec(args.spec)
+        store = open_store(args.store, field="--store")
+        # Checked before joining the group, so a bad spec fails fast instead of in a collective.
+        per_rank_batch(spec.batch_size, env.world_size)
+    except UsageError as exc:
+        # Every rank says it: torchrun stops the others as soon as the first one exits.
+        log.error(exc.message)
+        return exc.exit_code
+
+    device = init_process_group(env)
+    try:
+        _train(spec, store=store, run_id=args.run_id, workdir=args.workdir, env=env, device=device)
+    except BaseException as exc:
+        # Drop the frames' locals so the trainer can be freed before the group (see _train).
+        traceback.clear_frames(exc.__traceback__)
+        raise
+    finally:
+        gc.collect()
+        destroy_process_group()
+    return 0
+
+
+def _train(spec: RunSpec, *, store: Store, run_id: str, workdir: Path, env: DistEnv, device: torch.device) -> None:
+    # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
+    # group; if the reducer outlives destroy_process_group, the group's destructor runs
+    # from it with the GIL held and joins gloo threads that may be waiting for the GIL:
+    # a deadlock at exit. Freed first, the group is destroyed by destroy_process_group,
+    # which releases the GIL.
+    Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
