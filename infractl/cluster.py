@@ -18,7 +18,7 @@ from infractl.output import Output
 from infractl.state import ClusterState
 from infractl.store import Store, open_store
 
-__all__ = ["UpResult", "TeardownResult", "up", "teardown", "store_for", "RENDEZVOUS_NODE"]
+__all__ = ["UpResult", "TeardownResult", "up", "teardown", "store_for", "ensure_rendezvous", "RENDEZVOUS_NODE"]
 
 RENDEZVOUS_NODE = "rendezvous"
 RENDEZVOUS_HOST = "127.0.0.1"
@@ -69,13 +69,18 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> tuple[int, bool]:
-    """Keep the cluster's rendezvous server running; return (port, started_now)."""
+def ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> tuple[int, bool]:
+    """Keep the cluster's rendezvous server running on its recorded port (a new one for a new
+    cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
+    machine comes back before the agents need it."""
     port = int(previous["rendezvous"]["port"]) if previous else _free_port()
     if proc.find(state.dir, node=RENDEZVOUS_NODE) and _port_open(RENDEZVOUS_HOST, port):
         return port, False
     if _port_open(RENDEZVOUS_HOST, port):
-        port = _free_port()
+        raise InfractlError(
+            f"the rendezvous port {RENDEZVOUS_HOST}:{port} of cluster {state.name!r} is taken by "
+            "another process; stop it, or run `infractl teardown` and `infractl up`"
+        )
     env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: RENDEZVOUS_NODE}
     child = proc.spawn(
         [sys.executable, "-m", "infractl.rendezvous", "--host", RENDEZVOUS_HOST, "--port", str(port)],
@@ -110,7 +115,7 @@ def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
     )
     out.info(f"terraform: {applied.summary}")
 
-    port, started = _ensure_rendezvous(state, previous)
+    port, started = ensure_rendezvous(state, previous)
     out.info(f"rendezvous: {RENDEZVOUS_HOST}:{port} ({'started' if started else 'already running'})")
 
     out.info("ansible: configuring nodes (base, runtime, network, health gate)…")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from infractl import proc, runstore
-from infractl.cluster import store_for
+from infractl.cluster import ensure_rendezvous, store_for
 from infractl.config import RunSpec
 from infractl.errors import TrainingError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
@@ -40,6 +40,7 @@ class Plan:
     """What ``launch`` will do, decided before anything is started."""
 
     store: Store
+    cluster: dict[str, Any]
     record: dict[str, Any]
     nodes: list[dict[str, Any]]
     resume_from: int
@@ -68,6 +69,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path) -> Plan:
     last = runstore.latest_committed_step(store, spec.name) or 0
     return Plan(
         store=store,
+        cluster=cluster,
         record=record,
         nodes=nodes[: spec.nodes.max],
         resume_from=last,
@@ -125,10 +127,10 @@ def node_log(node: dict[str, Any], run_id: str) -> Path:
 
 def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat) -> Launch:
     """Record the attempt in the store, then start one torchrun agent per node."""
-    cluster = state.read()
+    ensure_rendezvous(state, plan.cluster)
     attempt = len(plan.record["attempts"]) + 1
     rdzv_id = f"{spec.name}-{attempt}"
-    rendezvous = f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}"
+    rendezvous = f"{plan.cluster['rendezvous']['host']}:{plan.cluster['rendezvous']['port']}"
     plan.record["spec"] = spec.model_dump(mode="json")
     plan.record["attempts"].append(
         {

@@ -61,6 +61,11 @@ class Output:
     def warn(self, message: str) -> None:
         self.err.print(f"[yellow]warning:[/yellow] {message}")
 
+    def raw(self, text: str) -> None:
+        """Write text to stdout exactly as given (log files, already formatted)."""
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     def result(self, data: Any, human: RenderableType | None = None) -> None:
         """Print a command's result: JSON on stdout with ``--json``, else the human form."""
         if self.json_mode:

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from infractl import cluster, proc, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
@@ -97,9 +98,11 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         "nodes": nodes,
         "runs": _run_rows(state),
     }
-    table = Table(title=f"cluster {data['cluster']} ({data['provider']}) · store {data['store']} · "
-                  f"rendezvous {rdzv['host']}:{rdzv['port']} "
-                  f"{'running' if data['rendezvous']['running'] else 'DOWN'}")
+    header = Text(
+        f"cluster {data['cluster']} · provider {data['provider']} · store {data['store']}\n"
+        f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if data['rendezvous']['running'] else 'DOWN'}"
+    )
+    table = Table(title="nodes")
     for col in ("node", "address", "processes/node", "live processes"):
         table.add_column(col)
     for n in nodes:
@@ -112,7 +115,7 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
                      f"{r['last_committed_step'] if r['last_committed_step'] is not None else '-'}/{r['steps']}",
                      str(r["last_step"] if r["last_step"] is not None else "-"),
                      f"{r['loss']:.4f}" if r["loss"] is not None else "-", str(r["world_size"] or "-"))
-    out.result(data, Group(table, runs) if data["runs"] else table)
+    out.result(data, Group(header, table, runs) if data["runs"] else Group(header, table))
 
 
 def register(app: typer.Typer) -> None:

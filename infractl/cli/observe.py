@@ -41,13 +41,13 @@ def logs(
         run = records[-1].stem
     for n in nodes:
         path: Path = node_log(n, run)
-        out.out.rule(f"{n['name']} · {run} · {path}")
+        out.raw(f"==> {n['name']} · run {run} · {path}\n")
         if not path.is_file():
-            out.out.print("(no log yet)")
+            out.raw("(no log yet)\n")
             continue
         with path.open(errors="replace") as f:
             lines = deque(f, maxlen=tail or None)
-        out.out.print("".join(lines), end="", markup=False, highlight=False)
+        out.raw("".join(lines))
 
 
 def metrics(
