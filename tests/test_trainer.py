@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +27,20 @@ from infractl.store import FileStore, Store
 from trainer.data import ByteBatches, per_rank_batch, sample_indices
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.optimizer import lr_factor
+from trainer.train import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
-RECORD_FIELDS = {"step", "loss", "step_time_s", "tokens_per_s", "world_size", "attempt", "restart_count", "time"}
+RECORD_FIELDS = {
+    "step",
+    "loss",
+    "step_time_s",
+    "tokens_per_s",
+    "world_size",
+    "attempt",
+    "restart_count",
+    "time",
+}
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -46,24 +59,36 @@ def tiny_spec(**overrides: Any) -> RunSpec:
 
 
 class Run:
-    """One finished torchrun invocation: exit code, stderr, and the trainer's JSON log events."""
+    """Finished torchrun agents: exit codes, stderr, and the trainer's JSON log events."""
 
-    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
-        self.returncode = proc.returncode
-        self.stderr = proc.stderr
+    def __init__(self, returncodes: list[int], stderr: str) -> None:
+        self.returncodes = returncodes
+        self.stderr = stderr
         self.events: list[dict[str, Any]] = []
-        for line in proc.stderr.splitlines():
-            if line.startswith("{"):
-                try:
+        for line in stderr.splitlines():
+            # Other lines are torchrun's own; a JSON line cut by a killed worker is skipped.
+            with contextlib.suppress(json.JSONDecodeError):
+                if line.startswith("{"):
                     self.events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes)
 
     def event(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == name]
 
 
-def torchrun(tmp_path: Path, spec: RunSpec, *, nproc: int = 2, attempt: int = 1) -> Run:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(
+    tmp_path: Path, spec: RunSpec, *, nproc: int = 2, nodes: int = 1, attempt: int = 1
+) -> Run:
+    """Run the trainer as the launcher does: one torchrun agent per node, each node its workdir."""
     spec_path = tmp_path / f"spec-{attempt}.json"
     spec_path.write_text(spec.model_dump_json())
     env = os.environ | {
@@ -72,24 +97,45 @@ def torchrun(tmp_path: Path, spec: RunSpec, *, nproc: int = 2, attempt: int = 1)
         "INFRACTL_LOG_FORMAT": "json",
         "PYTHONPATH": str(REPO),
     }
-    argv = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
-        "-m", "trainer.train",
-        "--spec", str(spec_path),
-        "--store", (tmp_path / "store").as_uri(),
-        "--run-id", spec.name,
-        "--workdir", str(tmp_path / "node0"),
-    ]  # fmt: skip
-    agent = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if nodes == 1:
+        rendezvous = [["--standalone", "--nnodes=1"]]
+    else:
+        port = free_port()
+        rendezvous = [
+            [
+                f"--nnodes={nodes}",
+                f"--node-rank={rank}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+            ]
+            for rank in range(nodes)
+        ]
+    agents, logs = [], []
+    for node, rdzv in enumerate(rendezvous):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            *rdzv, f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
+            "-m", "trainer.train",
+            "--spec", str(spec_path),
+            "--store", (tmp_path / "store").as_uri(),
+            "--run-id", spec.name,
+            "--workdir", str(tmp_path / f"node{node}"),
+        ]  # fmt: skip
+        logs.append(tmp_path / f"node{node}-attempt{attempt}.log")
+        with logs[-1].open("w") as log:
+            agents.append(subprocess.Popen(argv, cwd=REPO, env=env, stderr=log))
     try:
-        stdout, stderr = agent.communicate(timeout=TIMEOUT_S)
+        for agent in agents:
+            agent.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        # SIGTERM, not SIGKILL: the agent then stops its workers, which live in their own sessions.
-        agent.terminate()
-        stdout, stderr = agent.communicate(timeout=60)
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{stderr[-4000:]}")
-    return Run(subprocess.CompletedProcess(argv, agent.returncode, stdout, stderr))
+        # SIGTERM, not SIGKILL: the agents then stop their workers (own sessions).
+        for agent in agents:
+            agent.terminate()
+        for agent in agents:
+            agent.wait(timeout=60)
+        text = "".join(log.read_text() for log in logs)
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{text[-4000:]}")
+    return Run([a.returncode for a in agents], "".join(log.read_text() for log in logs))
 
 
 def store_of(tmp_path: Path) -> Store:
@@ -101,7 +147,7 @@ def losses(store: Store, run_id: str) -> dict[int, float]:
 
 
 def ok(run: Run) -> Run:
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.ok, run.stderr[-4000:]
     return run
 
 
@@ -121,13 +167,22 @@ def test_ranks_split_the_global_batch_without_overlap(world_size: int) -> None:
     batch_size, samples = 16, 1000
     for step in (1, 2, 50):
         shares = [
-            sample_indices(seed=0, step=step, rank=r, world_size=world_size, batch_size=batch_size, samples=samples)
+            sample_indices(
+                seed=0,
+                step=step,
+                rank=r,
+                world_size=world_size,
+                batch_size=batch_size,
+                samples=samples,
+            )
             for r in range(world_size)
         ]
         union = np.concatenate(shares)
         assert len(set(union.tolist())) == batch_size  # no sample on two ranks
         # The global batch does not depend on how many ranks share it.
-        whole = sample_indices(seed=0, step=step, rank=0, world_size=1, batch_size=batch_size, samples=samples)
+        whole = sample_indices(
+            seed=0, step=step, rank=0, world_size=1, batch_size=batch_size, samples=samples
+        )
         assert np.array_equal(union, whole)
 
 
@@ -135,7 +190,9 @@ def test_each_epoch_visits_every_sample_once() -> None:
     samples, batch_size = 64, 8
     seen = np.concatenate(
         [
-            sample_indices(seed=1, step=s, rank=r, world_size=2, batch_size=batch_size, samples=samples)
+            sample_indices(
+                seed=1, step=s, rank=r, world_size=2, batch_size=batch_size, samples=samples
+            )
             for s in range(1, samples // batch_size + 1)
             for r in range(2)
         ]
@@ -152,8 +209,17 @@ def test_batches_pair_each_byte_with_the_next() -> None:
 
 
 def test_batch_size_not_divisible_by_world_size_names_batch_size() -> None:
-    with pytest.raises(ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"
+    ):
         per_rank_batch(10, 4)
+
+
+def test_spec_errors_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(tiny_spec().model_dump_json().replace('"batch_size":8', '"batch_size":0'))
+    with pytest.raises(ConfigError, match=r"spec.json: batch_size: Input should be greater"):
+        load_spec(path)
 
 
 # -- schedule and metrics (unit) -------------------------------------------------------------
@@ -162,7 +228,7 @@ def test_batch_size_not_divisible_by_world_size_names_batch_size() -> None:
 def test_lr_warms_up_linearly_then_decays_by_cosine() -> None:
     factors = [lr_factor(i, total_steps=100) for i in range(100)]
     assert factors[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
-    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors[9:]))
     assert factors[-1] == pytest.approx(0.1, abs=0.01)
 
 
@@ -278,14 +344,33 @@ def test_resume_on_fewer_ranks_reshards_and_keeps_the_data_order(tmp_path: Path)
     records = [r for r in read_metrics(store, spec.name) if r["attempt"] == 2]
     assert [(r["step"], r["world_size"]) for r in records] == [(s, 1) for s in range(6, 11)]
     # One rank sees the same global batches as two did; only reduction order differs.
-    assert [r["loss"] for r in records] == pytest.approx([before[s] for s in range(6, 11)], rel=1e-4)
+    assert [r["loss"] for r in records] == pytest.approx(
+        [before[s] for s in range(6, 11)], rel=1e-4
+    )
     assert verify_checkpoint(store, spec.name, 10).world_size == 1
+
+
+def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path) -> None:
+    store = store_of(tmp_path)
+    ok(torchrun(tmp_path, tiny_spec(steps=6), nproc=1, nodes=2))
+    # Each node uploaded what it wrote in its own workdir (rank 0 also wrote .metadata).
+    keys = {e.key for e in verify_checkpoint(store, "tiny", 6).files}
+    assert keys == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+    run = ok(torchrun(tmp_path, tiny_spec(steps=8), nproc=1, nodes=2, attempt=2))
+
+    assert [e["step"] for e in run.event("resumed")] == [6]
+    assert committed_steps(store, "tiny")[-1] == 8
+    for node in ("node0", "node1"):
+        assert not [p for p in (tmp_path / node).rglob("*") if p.is_file()]
 
 
 def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_path: Path) -> None:
     run = torchrun(tmp_path, tiny_spec(batch_size=9))
 
-    assert run.returncode != 0
-    errors = {e["event"] for e in run.events if e["level"] == "error"}  # one line per rank that got there
+    assert not run.ok
+    errors = {
+        e["event"] for e in run.events if e["level"] == "error"
+    }  # one line per rank that got there
     assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
     assert not (tmp_path / "store").exists()

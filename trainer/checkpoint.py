@@ -19,16 +19,17 @@ so ranks never see each other's half-written files.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from infractl.log import get_logger
 from infractl.runstore import (
@@ -48,12 +49,14 @@ __all__ = ["Checkpointer"]
 
 log = get_logger(__name__)
 
+_T = TypeVar("_T")
+
 #: Builds the state to save or load; told the manifest being loaded (None when saving).
 StateBuilder = Callable[[Manifest | None], dict[str, Any]]
 
 
 class Checkpointer:
-    """Saves and restores one run's checkpoints. Every method is collective: call it on all ranks."""
+    """Saves and restores one run's checkpoints. Collective: call every method on every rank."""
 
     def __init__(
         self,
@@ -110,11 +113,11 @@ class Checkpointer:
         fails verification (missing file, wrong size or sha256) is skipped for the one before
         it; if every committed step fails, raises CheckpointError rather than start over.
         """
-        steps: list[int] = self._agree(
-            sorted(committed_steps(self.store, self.run_id), reverse=True) if self.rank == 0 else None
+        steps = self._on_rank0(
+            lambda: sorted(committed_steps(self.store, self.run_id), reverse=True)
         )
         for step in steps:
-            manifest, error = self._agree(self._verify(step) if self.rank == 0 else None)
+            manifest, error = self._on_rank0(functools.partial(self._verify, step))
             if manifest is not None:
                 # Every rank checks what it downloaded; all must succeed to use the step.
                 errors: list[str | None] = [None] * self.world_size
@@ -143,7 +146,9 @@ class Checkpointer:
         entries = []
         for path in sorted(p for p in staging.rglob("*") if p.is_file()):
             key = path.relative_to(staging).as_posix()
-            entries.append(ManifestEntry(key=key, size=path.stat().st_size, sha256=file_sha256(path)))
+            entries.append(
+                ManifestEntry(key=key, size=path.stat().st_size, sha256=file_sha256(path))
+            )
             self.store.put_file(f"{prefix}/{key}", path)
         shutil.rmtree(staging)
         _remove_empty(staging.parent, staging.parent.parent)
@@ -178,7 +183,11 @@ class Checkpointer:
         _remove_empty(restore.parent)
 
     def _download(self, key: str, dest: Path, entry: ManifestEntry) -> None:
-        if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
+        if (
+            dest.is_file()
+            and dest.stat().st_size == entry.size
+            and file_sha256(dest) == entry.sha256
+        ):
             return  # another rank on this node already fetched it
         tmp = dest.with_name(f".{dest.name}.rank-{self.rank}.part")
         self.store.get_file(key, tmp)
@@ -188,11 +197,11 @@ class Checkpointer:
             raise CheckpointError(f"{key}: sha256 is {digest}, the manifest says {entry.sha256}")
         os.replace(tmp, dest)
 
-    def _agree(self, value: Any) -> Any:
-        """Rank 0's ``value``, on every rank."""
-        box = [value]
+    def _on_rank0(self, compute: Callable[[], _T]) -> _T:
+        """``compute()`` run on rank 0 only, its result given to every rank: one decision."""
+        box: list[Any] = [compute() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return cast(_T, box[0])
 
 
 def _remove_empty(*dirs: Path) -> None:

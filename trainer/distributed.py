@@ -34,7 +34,7 @@ class DistEnv:
     """The launcher's attempt number ($INFRACTL_ATTEMPT, 1 when unset)."""
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         """Read torchrun's variables; without them, a job of one rank."""
         env = os.environ if environ is None else environ
 
@@ -43,7 +43,9 @@ class DistEnv:
             try:
                 return int(raw) if raw else default
             except ValueError:
-                raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+                raise ValueError(
+                    f"environment variable {name} must be an integer, got {raw!r}"
+                ) from None
 
         return cls(
             rank=number("RANK", 0),
@@ -69,10 +71,14 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 300.0) -> torch.devic
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=device if device.type == "cuda" else None
+        )
     else:
         # Started without torchrun: a job of one, rendezvous in memory.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     return device
 
 

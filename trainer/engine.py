@@ -39,7 +39,9 @@ def config_hash(spec: RunSpec) -> str:
     ``steps``, ``checkpoint``, ``nodes`` and ``max_restarts`` are left out: a run may be
     extended, re-cadenced or moved to other nodes and still be the same run.
     """
-    fields = spec.model_dump(mode="json", include={"model", "data", "batch_size", "lr", "seed", "parallel"})
+    fields = spec.model_dump(
+        mode="json", include={"model", "data", "batch_size", "lr", "seed", "parallel"}
+    )
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -79,7 +81,9 @@ class Trainer:
         seed_everything(spec.seed + env.rank)
         self.model = parallelize(model, scheme=spec.parallel, device=device)
         self.optimizer = build_optimizer(self.model, lr=spec.lr)
-        self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
+        self.progress = TrainState(
+            scheduler=build_scheduler(self.optimizer, total_steps=spec.steps)
+        )
 
         self.checkpointer = Checkpointer(
             store,
@@ -103,7 +107,7 @@ class Trainer:
         return state
 
     def resume(self) -> int:
-        """Load the newest committed checkpoint, if any; return the step training continues after."""
+        """Load the newest committed checkpoint, if any; return the last step already done."""
         manifest = self.checkpointer.load(self._state)
         if manifest is None:
             log.info("starting", step=0, world_size=self.env.world_size, attempt=self.env.attempt)
@@ -117,11 +121,19 @@ class Trainer:
             restart_count=self.env.restart_count,
         )
         if manifest.world_size != self.env.world_size:
-            log.info("rng_not_restored", reason="world size changed", saved_world_size=manifest.world_size)
+            log.info(
+                "rng_not_restored",
+                reason="world size changed",
+                saved_world_size=manifest.world_size,
+            )
         if manifest.extra.get("config_hash") != self.config_hash:
-            log.warning("config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash)
+            log.warning(
+                "config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash
+            )
         if manifest.extra.get("corpus_sha256") != self.corpus_sha256:
-            log.warning("corpus_changed", saved=manifest.extra.get("corpus_sha256"), now=self.corpus_sha256)
+            log.warning(
+                "corpus_changed", saved=manifest.extra.get("corpus_sha256"), now=self.corpus_sha256
+            )
         return self.progress.step
 
     def train(self) -> int:

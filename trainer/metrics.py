@@ -47,7 +47,10 @@ class MetricsWriter:
 
     def add(self, record: StepRecord) -> None:
         self._pending.append(record)
-        if len(self._pending) >= self.every_steps or self._clock() - self._last_flush >= self.every_s:
+        if (
+            len(self._pending) >= self.every_steps
+            or self._clock() - self._last_flush >= self.every_s
+        ):
             self.flush()
 
     def flush(self) -> None:

@@ -38,7 +38,7 @@ class GPTConfig:
             raise ValueError("seq_len must be at least 1")
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec) -> "GPTConfig":
+    def from_spec(cls, spec: ModelSpec) -> GPTConfig:
         return cls(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, seq_len=spec.seq_len)
 
 

@@ -34,7 +34,7 @@ def warmup_steps(total_steps: int) -> int:
 
 
 def lr_factor(index: int, *, total_steps: int) -> float:
-    """Multiplier of the peak LR for the optimizer step with 0-based ``index`` (step ``index + 1``)."""
+    """Multiplier of the peak LR for the step with 0-based ``index`` (step ``index + 1``)."""
     warmup = warmup_steps(total_steps)
     if index < warmup:
         return (index + 1) / warmup

@@ -25,4 +25,3 @@ def parallelize(model: nn.Module, *, scheme: Scheme, device: torch.device) -> nn
         device_ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     raise ValueError(f"parallel must be one of: ddp (got {scheme!r})")
-

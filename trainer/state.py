@@ -57,7 +57,11 @@ class TrainState(Stateful):
     tokens_seen: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "scheduler": self.scheduler.state_dict()}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])

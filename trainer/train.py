@@ -41,11 +41,21 @@ def _run_id(value: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("::")[0])
-    parser.add_argument("--spec", type=Path, required=True, help="RunSpec as JSON (RunSpec.model_dump_json()).")
-    parser.add_argument("--store", required=True, help="Store URI for checkpoints and metrics (file:///...).")
-    parser.add_argument("--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/.")
-    parser.add_argument("--workdir", type=Path, required=True, help="This node's scratch directory.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.train", description=__doc__.split("::")[0]
+    )
+    parser.add_argument(
+        "--spec", type=Path, required=True, help="RunSpec as JSON (RunSpec.model_dump_json())."
+    )
+    parser.add_argument(
+        "--store", required=True, help="Store URI for checkpoints and metrics (file:///...)."
+    )
+    parser.add_argument(
+        "--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/."
+    )
+    parser.add_argument(
+        "--workdir", type=Path, required=True, help="This node's scratch directory."
+    )
     return parser
 
 
@@ -86,14 +96,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         # Drop the frames' locals so the trainer can be freed before the group (see _train).
         traceback.clear_frames(exc.__traceback__)
-        raise
+        if not isinstance(exc, UsageError):
+            raise
+        log.error(exc.message)  # e.g. a corpus too short for one sample
+        return exc.exit_code
     finally:
         gc.collect()
         destroy_process_group()
     return 0
 
 
-def _train(spec: RunSpec, *, store: Store, run_id: str, workdir: Path, env: DistEnv, device: torch.device) -> None:
+def _train(
+    spec: RunSpec, *, store: Store, run_id: str, workdir: Path, env: DistEnv, device: torch.device
+) -> None:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
     # group; if the reducer outlives destroy_process_group, the group's destructor runs
     # from it with the GIL held and joins gloo threads that may be waiting for the GIL:
