@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
 from infractl.errors import ConfigError
@@ -155,11 +156,14 @@ def ok(run: Run) -> Run:
 
 
 def test_batch_indices_are_a_pure_function_of_seed_step_rank_world_size() -> None:
-    args = dict(seed=3, step=7, rank=1, world_size=4, batch_size=16, samples=1000)
-    first = sample_indices(**args)  # type: ignore[arg-type]
-    sample_indices(**(args | {"step": 2}))  # type: ignore[arg-type]  # no hidden state between calls
-    assert np.array_equal(first, sample_indices(**args))  # type: ignore[arg-type]
-    assert not np.array_equal(first, sample_indices(**(args | {"seed": 4})))  # type: ignore[arg-type]
+    def share(**change: int) -> np.ndarray:
+        args = dict(seed=3, step=7, rank=1, world_size=4, batch_size=16, samples=1000) | change
+        return sample_indices(**args)
+
+    first = share()
+    share(step=2)  # no hidden state carried between calls
+    assert np.array_equal(first, share())
+    assert not np.array_equal(first, share(seed=4))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -267,6 +271,9 @@ def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: P
     manifest = verify_checkpoint(store, spec.name, 12)
     assert manifest.world_size == 2
     assert manifest.extra["tokens_seen"] == 12 * spec.batch_size * spec.model.seq_len
+    saved = FileSystemReader(tmp_path / "store" / checkpoint_prefix(spec.name, 12)).read_metadata()
+    groups = {key.split(".")[0] for key in saved.state_dict_metadata}
+    assert groups == {"model", "optimizer", "progress", "rng-rank-0", "rng-rank-1"}
     records = read_metrics(store, spec.name)
     assert [r["step"] for r in records] == list(range(1, 13))
     assert all(set(r) == RECORD_FIELDS for r in records)
