@@ -21,6 +21,8 @@ __all__ = [
     "NodeRange",
     "load_cluster",
     "load_run",
+    "load_run_json",
+    "per_rank_batch",
     "default_cluster",
 ]
 
@@ -116,6 +118,15 @@ class RunSpec(_Spec):
         return value
 
 
+def per_rank_batch(batch_size: int, world_size: int) -> int:
+    """Samples per rank per step; ConfigError unless the global batch divides by ``world_size``."""
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    if batch_size % world_size:
+        raise ConfigError(f"batch_size ({batch_size}) must be divisible by the world size ({world_size})")
+    return batch_size // world_size
+
+
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -141,7 +152,13 @@ def _load(path: Path, model: type[_M], what: str) -> _M:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of fields at the top level")
+    return _validate(model, raw, path)
+
+
+def _validate(model: type[_M], raw: object, source: Path) -> _M:
     try:
+        if isinstance(raw, str):
+            return model.model_validate_json(raw)
         return model.model_validate(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
@@ -151,7 +168,7 @@ def _load(path: Path, model: type[_M], what: str) -> _M:
         else:
             msg = err["msg"].removeprefix("Value error, ")
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise ConfigError(f"{path}: {field}: {msg}{more}") from None
+        raise ConfigError(f"{source}: {field}: {msg}{more}") from None
 
 
 def load_cluster(path: Path) -> ClusterSpec:
@@ -160,6 +177,15 @@ def load_cluster(path: Path) -> ClusterSpec:
 
 def load_run(path: Path) -> RunSpec:
     return _load(path, RunSpec, "run")
+
+
+def load_run_json(path: Path) -> RunSpec:
+    """A resolved run spec as the launcher hands it to the trainers (``RunSpec.model_dump_json()``)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    return _validate(RunSpec, text, path)
 
 
 def default_cluster() -> ClusterSpec:

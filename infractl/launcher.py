@@ -13,8 +13,8 @@ from typing import Any
 
 from infractl import proc, runstore
 from infractl.cluster import ensure_rendezvous, store_for
-from infractl.config import RunSpec
-from infractl.errors import TrainingError, UsageError
+from infractl.config import RunSpec, per_rank_batch
+from infractl.errors import ConfigError, TrainingError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.output import Output
 from infractl.state import ClusterState, write_private
@@ -55,6 +55,13 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path) -> Plan:
         raise UsageError(
             f"{run_file}: nodes.min ({spec.nodes.min}) exceeds the {len(nodes)} node(s) of cluster {state.name!r}"
         )
+    processes = int(nodes[0]["processes"])
+    for count in range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1):
+        # Every world size the elastic range allows must split the global batch evenly.
+        try:
+            per_rank_batch(spec.batch_size, count * processes)
+        except ConfigError as exc:
+            raise ConfigError(f"{run_file}: {exc.message} (on {count} node(s) x {processes} process(es))") from None
     if proc.find(state.dir, run=spec.name):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; "

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
+from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec, load_run_json, per_rank_batch
 from infractl.errors import ConfigError
 from infractl.runstore import (
     checkpoint_prefix,
@@ -25,10 +25,9 @@ from infractl.runstore import (
     verify_checkpoint,
 )
 from infractl.store import FileStore, Store
-from trainer.data import ByteBatches, per_rank_batch, sample_indices
+from trainer.data import ByteBatches, sample_indices
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.optimizer import lr_factor
-from trainer.train import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -223,7 +222,7 @@ def test_spec_errors_name_the_field(tmp_path: Path) -> None:
     path = tmp_path / "spec.json"
     path.write_text(tiny_spec().model_dump_json().replace('"batch_size":8', '"batch_size":0'))
     with pytest.raises(ConfigError, match=r"spec.json: batch_size: Input should be greater"):
-        load_spec(path)
+        load_run_json(path)
 
 
 # -- schedule and metrics (unit) -------------------------------------------------------------

@@ -20,14 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infractl.config import DataSpec
+from infractl.config import DataSpec, per_rank_batch
 from infractl.errors import ConfigError
 
 __all__ = [
     "stdlib_files",
     "load_corpus",
     "corpus_sha256",
-    "per_rank_batch",
     "num_samples",
     "sample_indices",
     "ByteBatches",
@@ -64,17 +63,6 @@ def load_corpus(spec: DataSpec) -> np.ndarray:
 
 def corpus_sha256(corpus: np.ndarray) -> str:
     return hashlib.sha256(corpus.tobytes()).hexdigest()
-
-
-def per_rank_batch(batch_size: int, world_size: int) -> int:
-    """Samples per rank per step; raises ConfigError unless the global batch divides evenly."""
-    if world_size < 1:
-        raise ValueError("world_size must be at least 1")
-    if batch_size % world_size:
-        raise ConfigError(
-            f"batch_size ({batch_size}) must be divisible by the world size ({world_size})"
-        )
-    return batch_size // world_size
 
 
 def num_samples(corpus_len: int, seq_len: int) -> int:

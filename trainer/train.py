@@ -18,18 +18,16 @@ from pathlib import Path
 
 import structlog
 import torch
-from pydantic import ValidationError
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from infractl.config import RunSpec
-from infractl.errors import ConfigError, UsageError
+from infractl.config import RunSpec, load_run_json, per_rank_batch
+from infractl.errors import UsageError
 from infractl.log import configure, get_logger
 from infractl.store import Store, open_store
-from trainer.data import per_rank_batch
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import Trainer
 
-__all__ = ["main", "load_spec"]
+__all__ = ["main"]
 
 log = get_logger("trainer")
 
@@ -59,20 +57,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_spec(path: Path) -> RunSpec:
-    """Read a RunSpec written by ``RunSpec.model_dump_json()``; ConfigError names the bad field."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"--spec: cannot read {path} ({exc.strerror})") from None
-    try:
-        return RunSpec.model_validate_json(text)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise ConfigError(f"{path}: {field}: {err['msg'].removeprefix('Value error, ')}") from None
-
-
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -81,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure(level=logging.INFO if env.rank == 0 else logging.WARNING)
     structlog.contextvars.bind_contextvars(rank=env.rank)
     try:
-        spec = load_spec(args.spec)
+        spec = load_run_json(args.spec)
         store = open_store(args.store, field="--store")
         # Checked before joining the group, so a bad spec fails fast instead of in a collective.
         per_rank_batch(spec.batch_size, env.world_size)
