@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -136,7 +137,9 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
     """Record the attempt in the store, then start one torchrun agent per node."""
     ensure_rendezvous(state, plan.cluster)
     attempt = len(plan.record["attempts"]) + 1
-    rdzv_id = f"{spec.name}-{attempt}"
+    # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
+    # earlier run of the same name, say before `--new`) can never be joined again.
+    rdzv_id = f"{spec.name}-{attempt}-{secrets.token_hex(4)}"
     rendezvous = f"{plan.cluster['rendezvous']['host']}:{plan.cluster['rendezvous']['port']}"
     plan.record["spec"] = spec.model_dump(mode="json")
     plan.record["attempts"].append(

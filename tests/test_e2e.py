@@ -93,10 +93,22 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     assert "node-1" in cli("logs", "--node", "node-1").stdout
     assert json.loads(cli("status", "--json").stdout)["runs"][0]["state"] == "completed"
 
+    again = cli("train", str(run))
+    assert "run 'e2e' already completed (committed step 240 of 240)" in again.stderr
+    refused = cli("train", str(run), "--new", expect=2)
+    assert "pass --yes to confirm" in refused.stderr
+    assert runstore.latest_committed_step(store, "e2e") == 240, "a refused --new deletes nothing"
+
+    restarted = json.loads(cli("train", str(run), "--new", "--yes", "--detach", "--json").stdout)
+    assert restarted["attempt"] == 1 and restarted["resume_from"] == 0
+    _wait_for_commit(store, "e2e", at_least=10, timeout=180)
+    assert runstore.committed_steps(store, "e2e")[0] < 240, "--new starts over from step 0"
+
     done = json.loads(cli("teardown", "--yes", "--json").stdout)
     assert done["nodes_removed"] == 2
+    assert done["processes_killed"] >= 5, "the running run (agents, workers) and the rendezvous server"
     assert proc.find(cluster_dir) == []
     assert not (cluster_dir / "nodes").exists()
     assert not (cluster_dir / "terraform").exists()
-    assert runstore.latest_committed_step(store, "e2e") == 240, "teardown keeps the store"
+    assert runstore.latest_committed_step(store, "e2e") is not None, "teardown keeps the store"
     cli("teardown", "--yes", expect=2)
