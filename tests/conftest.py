@@ -59,3 +59,162 @@ def cli(tmp_path: Path) -> "Cli":
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+# --- S3: a real S3 API server (moto's standalone server) over HTTP on loopback -------------------
+#
+# ``s3_server``     session-scoped endpoint URL of a moto server started for this test process
+#                   (each xdist worker starts its own); stopped by PID at the end.
+# ``aws_test_env``  session-scoped fake credentials in os.environ, so boto3 in the tests and in
+#                   child processes (the CLI, torchrun trainers) finds them through its normal chain.
+# ``s3_store_uri``  a fresh bucket per test: ``s3://<bucket>/<prefix>?endpoint_url=<endpoint>``.
+# ``store_uri``     parametrized over ["file", "s3"]: write a test once, run it on both backends.
+# ``s3_auth_server`` a second moto server that enforces credentials (IAM), with one valid user.
+
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+AWS_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    # Keep the developer's real AWS config out, and never wait on the EC2 metadata service.
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+AWS_TEST_ENV_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _moto_server(log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0) -> Iterator[str]:
+    """Run ``python -m moto.server`` on a free loopback port until the block ends; yield its URL."""
+    import urllib.request
+
+    for _attempt in range(3):  # the free port may be taken between probing and binding: retry
+        port = _free_port()
+        endpoint = f"http://127.0.0.1:{port}"
+        with log.open("ab") as out:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+            )
+        deadline = time.monotonic() + startup_s
+        ready = False
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
+                    ready = True
+                    break
+            except OSError:
+                time.sleep(0.1)
+        if ready:
+            break
+        server.terminate()
+        server.wait(timeout=10)
+    else:
+        raise RuntimeError(f"moto server did not start; see {log}:\n{log.read_text()[-2000:]}")
+    try:
+        yield endpoint
+    finally:
+        server.terminate()  # by PID (Popen), never by name
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def aws_test_env() -> Iterator[dict[str, str]]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name in AWS_TEST_ENV_UNSET:
+            mp.delenv(name, raising=False)
+        for name, value in AWS_TEST_ENV.items():
+            mp.setenv(name, value)
+        yield dict(AWS_TEST_ENV)
+
+
+@pytest.fixture(scope="session")
+def s3_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Endpoint URL (``http://127.0.0.1:PORT``) of a moto S3 server for this test process."""
+    with _moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
+        yield endpoint
+
+
+def s3_client(endpoint: str, **credentials: str) -> Any:
+    """A plain boto3 S3 client for ``endpoint`` (tests use it to set up and inspect buckets)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}),
+        **credentials,
+    )
+
+
+def new_bucket_name() -> str:
+    return f"infractl-test-{uuid.uuid4().hex[:16]}"
+
+
+@pytest.fixture
+def s3_store_uri(s3_server: str) -> str:
+    """A store URI in a fresh, empty bucket on the test S3 server (unique per test)."""
+    bucket = new_bucket_name()
+    s3_client(s3_server).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/store?endpoint_url={s3_server}"
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store URI on each backend: ``file://<tmp>/store`` and ``s3_store_uri``."""
+    if request.param == "file":
+        return (tmp_path / "store").as_uri()
+    return str(request.getfixturevalue("s3_store_uri"))
+
+
+@dataclass(frozen=True)
+class S3AuthServer:
+    """A moto server that checks signatures against its IAM users; one user may use S3."""
+
+    endpoint: str
+    access_key_id: str
+    secret_access_key: str
+    bucket: str
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key}
+
+
+@pytest.fixture(scope="session")
+def s3_auth_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3AuthServer]:
+    """moto with authentication on: the first 3 requests (create a user, give it S3, make its key)
+    run unauthenticated; every later request must be signed by a known key and be allowed."""
+    import boto3
+
+    log = tmp_path_factory.mktemp("moto-auth") / "server.log"
+    with _moto_server(log, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
+        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+        iam.create_user(UserName="infractl-test")
+        iam.put_user_policy(
+            UserName="infractl-test", PolicyName="s3",
+            PolicyDocument='{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}',
+        )
+        key = iam.create_access_key(UserName="infractl-test")["AccessKey"]
+        server = S3AuthServer(endpoint, key["AccessKeyId"], key["SecretAccessKey"], new_bucket_name())
+        s3_client(endpoint, aws_access_key_id=server.access_key_id,
+                  aws_secret_access_key=server.secret_access_key).create_bucket(Bucket=server.bucket)
+        yield server

@@ -1,58 +1,107 @@
-"""The store API and the checkpoint commit protocol on the file:// backend."""
+"""The store API and the checkpoint commit protocol, on every backend.
+
+Tests taking ``store`` run twice: on ``file://`` and on ``s3://`` against a real S3 API server
+(moto's standalone server over HTTP, see ``s3_server`` in conftest). S3-only behaviour (conditional
+writes, multipart, pagination, preflight errors) is tested further down.
+"""
 
 from __future__ import annotations
 
+import pickle
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError
 
 from infractl import runstore
 from infractl.errors import ConfigError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
-from infractl.store import FileStore, StoreKeyError, open_store
+from infractl.store import FileStore, S3Store, Store, StoreKeyError, open_store
+
+from conftest import S3AuthServer, s3_client
+
+MIB = 1024 * 1024
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> FileStore:
-    return FileStore(tmp_path / "store")
+def store(store_uri: str) -> Store:
+    return open_store(store_uri, field="cluster.store")
 
 
-def test_put_if_absent_is_create_only(store: FileStore) -> None:
+# --- the Store API, on every backend ---------------------------------------------------------
+
+
+def test_put_if_absent_is_create_only(store: Store) -> None:
     assert store.put_if_absent("a/COMMITTED", b"1")
     assert not store.put_if_absent("a/COMMITTED", b"2")
     assert store.get_bytes("a/COMMITTED") == b"1"
 
 
-def test_list_is_recursive_sorted_and_sized(store: FileStore) -> None:
+def test_list_is_recursive_sorted_and_sized(store: Store) -> None:
     store.put_bytes("p/b/x", b"123")
     store.put_bytes("p/a", b"1")
+    store.put_bytes("pq/not-under-p", b"1")
     assert [(o.key, o.size) for o in store.list("p")] == [("p/a", 1), ("p/b/x", 3)]
+    assert [(o.key, o.size) for o in store.list("p/")] == [("p/a", 1), ("p/b/x", 3)]
+    assert [o.key for o in store.list("p/a")] == ["p/a"]
+    assert [o.key for o in store.list("")] == ["p/a", "p/b/x", "pq/not-under-p"]
     assert store.list("missing/") == []
 
 
-def test_get_missing_key_raises_store_key_error(store: FileStore) -> None:
+def test_get_missing_key_raises_store_key_error(store: Store, tmp_path: Path) -> None:
     with pytest.raises(StoreKeyError):
         store.get_bytes("nope")
+    with pytest.raises(StoreKeyError):
+        store.get_file("nope", tmp_path / "dl" / "nope")
+    assert not (tmp_path / "dl" / "nope").exists()
+    assert not store.exists("nope")
 
 
-def test_keys_cannot_escape_the_root(store: FileStore) -> None:
-    with pytest.raises(ValueError, match="escapes"):
-        store.put_bytes("../outside", b"x")
+def test_put_file_and_get_file_round_trip(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"\x00\x01shard" * 1000)
+    store.put_file("ckpt/shard.bin", src)
+    assert store.exists("ckpt/shard.bin")
+    assert store.list("ckpt") == [store.list("ckpt")[0]]
+    assert store.list("ckpt")[0].size == src.stat().st_size
+    dest = tmp_path / "restore" / "deep" / "shard.bin"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"old")
+    store.get_file("ckpt/shard.bin", dest)
+    assert dest.read_bytes() == src.read_bytes()
+    assert [p.name for p in dest.parent.iterdir()] == ["shard.bin"]  # no temp file left behind
 
 
-def test_delete_prefix_counts_objects(store: FileStore) -> None:
+def test_delete_prefix_counts_objects(store: Store) -> None:
     store.put_bytes("r/1", b"x")
     store.put_bytes("r/d/2", b"x")
+    store.put_bytes("rr/keep", b"x")
     assert store.delete_prefix("r") == 2
     assert store.list("r") == []
+    assert store.delete_prefix("r") == 0
+    assert [o.key for o in store.list("")] == ["rr/keep"]
 
 
-def test_open_store_refuses_unknown_scheme() -> None:
-    with pytest.raises(ConfigError, match="run.store: unsupported store URI 'gs://b/x'"):
-        open_store("gs://b/x", field="run.store")
+def test_uri_reopens_the_same_store(store: Store) -> None:
+    store.put_bytes("runs/x/run.json", b"{}")
+    again = open_store(store.uri, field="other")
+    assert again.uri == store.uri
+    assert again.get_bytes("runs/x/run.json") == b"{}"
+    assert (store.field, again.field) == ("cluster.store", "other")
 
 
-def _checkpoint(store: FileStore, step: int, *, commit: bool = True) -> None:
+def test_check_passes_and_leaves_nothing_behind(store: Store) -> None:
+    store.check()
+    store.check()
+    assert store.list("") == []
+
+
+# --- the checkpoint commit protocol, on every backend ----------------------------------------
+
+
+def _checkpoint(store: Store, step: int, *, commit: bool = True) -> None:
     prefix = runstore.checkpoint_prefix("r", step)
     store.put_bytes(f"{prefix}/shard", b"abcd")
     if commit:
@@ -60,14 +109,21 @@ def _checkpoint(store: FileStore, step: int, *, commit: bool = True) -> None:
         assert runstore.commit_checkpoint(store, "r", manifest)
 
 
-def test_only_committed_steps_count(store: FileStore) -> None:
+def test_only_committed_steps_count(store: Store) -> None:
     _checkpoint(store, 10)
     _checkpoint(store, 20, commit=False)
     assert runstore.committed_steps(store, "r") == [10]
     assert runstore.latest_committed_step(store, "r") == 10
 
 
-def test_verify_refuses_uncommitted_and_truncated_steps(store: FileStore) -> None:
+def test_a_retried_commit_is_harmless(store: Store) -> None:
+    _checkpoint(store, 10)
+    manifest = Manifest(step=10, world_size=2, files=[ManifestEntry("shard", 4, "0" * 64)])
+    assert not runstore.commit_checkpoint(store, "r", manifest)
+    assert runstore.committed_steps(store, "r") == [10]
+
+
+def test_verify_refuses_uncommitted_and_truncated_steps(store: Store) -> None:
     _checkpoint(store, 10)
     _checkpoint(store, 20, commit=False)
     assert runstore.verify_checkpoint(store, "r", 10).step == 10
@@ -78,7 +134,7 @@ def test_verify_refuses_uncommitted_and_truncated_steps(store: FileStore) -> Non
         runstore.verify_checkpoint(store, "r", 10)
 
 
-def test_prune_keeps_newest_and_removes_stale_partials(store: FileStore) -> None:
+def test_prune_keeps_newest_and_removes_stale_partials(store: Store) -> None:
     for step in (10, 20, 30):
         _checkpoint(store, step)
     _checkpoint(store, 25, commit=False)  # an interrupted save older than the newest commit
@@ -88,8 +144,217 @@ def test_prune_keeps_newest_and_removes_stale_partials(store: FileStore) -> None
     assert store.list(runstore.checkpoint_prefix("r", 40))
 
 
-def test_metrics_keep_the_newest_record_of_a_step(store: FileStore) -> None:
+def test_metrics_keep_the_newest_record_of_a_step(store: Store) -> None:
     runstore.write_metrics(store, "r", [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}])
     runstore.write_metrics(store, "r", [{"step": 2, "loss": 3.5}, {"step": 3, "loss": 3.0}])
     assert [(m["step"], m["loss"]) for m in runstore.read_metrics(store, "r")] == [(1, 5.0), (2, 3.5), (3, 3.0)]
     assert runstore.latest_metrics(store, "r") == {"step": 3, "loss": 3.0}
+
+
+def test_run_records_are_listed(store: Store) -> None:
+    runstore.write_run_record(store, "a", {"cluster": "c"})
+    runstore.write_run_record(store, "b", {"cluster": "c"})
+    assert runstore.list_runs(store) == ["a", "b"]
+    assert runstore.read_run_record(store, "a") == {"cluster": "c"}
+    assert runstore.read_run_record(store, "missing") is None
+
+
+def test_keys_cannot_escape_the_root(store: Store) -> None:
+    with pytest.raises(ValueError, match="escapes"):
+        store.put_bytes("../outside", b"x")
+
+
+# --- file:// only ----------------------------------------------------------------------------
+
+
+def test_open_store_refuses_unknown_scheme() -> None:
+    with pytest.raises(ConfigError, match="run.store: unsupported store URI 'gs://b/x'"):
+        open_store("gs://b/x", field="run.store")
+
+
+def test_file_check_creates_the_root(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "a" / "b").as_uri(), field="cluster.store")
+    store.check()
+    assert isinstance(store, FileStore) and store.root.is_dir()
+    assert list(store.root.iterdir()) == []
+
+
+def test_file_check_names_the_field_when_the_root_cannot_be_made(tmp_path: Path) -> None:
+    (tmp_path / "plain-file").write_text("x")
+    uri = (tmp_path / "plain-file" / "store").as_uri()
+    with pytest.raises(ConfigError) as err:
+        open_store(uri, field="cluster.store").check()
+    assert str(err.value).startswith(f"cluster.store: cannot write to {uri}: ")
+    assert "\n" not in str(err.value)
+
+
+# --- s3:// URIs -------------------------------------------------------------------------------
+
+
+def test_s3_uri_is_canonical_and_keeps_endpoint_and_region() -> None:
+    store = open_store("s3://bkt//a/b/?region=eu-west-1&endpoint_url=http://127.0.0.1:9000/", field="f")
+    assert isinstance(store, S3Store)
+    assert (store.bucket, store.prefix, store.endpoint_url, store.region) == (
+        "bkt", "a/b", "http://127.0.0.1:9000", "eu-west-1")
+    assert store.uri == "s3://bkt/a/b?endpoint_url=http://127.0.0.1:9000&region=eu-west-1"
+    assert open_store("s3://bkt").uri == "s3://bkt"
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://AKIAX:SECRETX@bkt/p", "credentials do not belong in an s3:// URI"),
+        ("s3:///p", "does not name a valid bucket"),
+        ("s3://Bad_Bucket/p", "does not name a valid bucket"),
+        ("s3://bkt/p?access_key=x", "unknown s3:// URI option 'access_key'"),
+        ("s3://bkt/p?region=a&region=b", "option 'region' given twice"),
+        ("s3://bkt/p?endpoint_url=localhost:9000", "endpoint_url must look like http(s)://HOST[:PORT]"),
+        ("s3://bkt/a/../b", "must not contain '..'"),
+    ],
+)
+def test_bad_s3_uris_are_config_errors(uri: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        open_store(uri, field="cluster.store")
+    assert str(err.value).startswith("cluster.store: ") and message in str(err.value)
+    assert "SECRETX" not in str(err.value)
+
+
+# --- s3:// against the real S3 API server ---------------------------------------------------
+
+
+def _s3(uri: str, **knobs: Any) -> S3Store:
+    """The store of ``uri`` with tuning knobs (thresholds, page size) changed for a test."""
+    base = open_store(uri)
+    assert isinstance(base, S3Store)
+    return S3Store(base.bucket, base.prefix, endpoint_url=base.endpoint_url, field="cluster.store", **knobs)
+
+
+def _count_calls(store: S3Store, operation: str) -> list[int]:
+    calls: list[int] = []
+    store.client.meta.events.register(f"before-call.s3.{operation}", lambda **_: calls.append(1))
+    return calls
+
+
+def test_s3_conditional_put_gets_412_over_http(s3_store_uri: str) -> None:
+    store = _s3(s3_store_uri)
+    assert store.put_if_absent("ckpt/step-1/COMMITTED", b"1")
+    # The server itself refuses the second create-only write: not a client-side existence check.
+    raw = s3_client(store.endpoint_url or "")
+    with pytest.raises(ClientError) as err:
+        raw.put_object(Bucket=store.bucket, Key="store/ckpt/step-1/COMMITTED", Body=b"2", IfNoneMatch="*")
+    assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    puts = _count_calls(store, "PutObject")
+    assert not store.put_if_absent("ckpt/step-1/COMMITTED", b"2")
+    assert len(puts) == 1  # one conditional request, no head-then-put
+    assert store.get_bytes("ckpt/step-1/COMMITTED") == b"1"
+
+
+def test_s3_keys_live_under_the_prefix(s3_store_uri: str) -> None:
+    store = _s3(s3_store_uri)
+    store.put_bytes("runs/a/run.json", b"{}")
+    raw = s3_client(store.endpoint_url or "")
+    keys = [o["Key"] for o in raw.list_objects_v2(Bucket=store.bucket)["Contents"]]
+    assert keys == ["store/runs/a/run.json"]
+    # Another prefix in the same bucket is another store.
+    other = S3Store(store.bucket, "store2", endpoint_url=store.endpoint_url)
+    other.put_bytes("runs/b/run.json", b"{}")
+    assert [o.key for o in store.list("")] == ["runs/a/run.json"]
+    assert [o.key for o in other.list("runs")] == ["runs/b/run.json"]
+    assert store.delete_prefix("") == 1 and other.list("") != []
+
+
+def test_s3_multipart_upload_and_download_above_the_threshold(s3_store_uri: str, tmp_path: Path) -> None:
+    store = _s3(s3_store_uri, multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB)
+    src = tmp_path / "shard.distcp"
+    src.write_bytes(bytes(range(256)) * (11 * MIB // 256))  # 11 MiB: three parts
+    parts = _count_calls(store, "UploadPart")
+    store.put_file("ckpt/shard.distcp", src)
+    assert len(parts) == 3
+    head = store.client.head_object(Bucket=store.bucket, Key="store/ckpt/shard.distcp")
+    assert head["ETag"].strip('"').endswith("-3")  # S3's multipart ETag: <md5 of md5s>-<parts>
+    assert store.list("ckpt")[0].size == 11 * MIB
+    dest = tmp_path / "restore" / "shard.distcp"
+    store.get_file("ckpt/shard.distcp", dest)
+    assert dest.read_bytes() == src.read_bytes()
+    assert [p.name for p in dest.parent.iterdir()] == ["shard.distcp"]
+
+
+def test_s3_small_files_are_single_puts(s3_store_uri: str, tmp_path: Path) -> None:
+    store = _s3(s3_store_uri, multipart_threshold=5 * MIB)
+    src = tmp_path / "small"
+    src.write_bytes(b"x" * 1000)
+    creates, puts = _count_calls(store, "CreateMultipartUpload"), _count_calls(store, "PutObject")
+    store.put_file("small", src)
+    assert (len(creates), len(puts)) == (0, 1)
+
+
+def test_s3_list_and_delete_span_pages_and_batches(s3_store_uri: str) -> None:
+    store = _s3(s3_store_uri, page_size=2, delete_batch=3)
+    keys = [f"m/{i:02d}" for i in range(7)] + ["m/sub/x"]
+    for key in keys:
+        store.put_bytes(key, b"ab")
+    pages = _count_calls(store, "ListObjectsV2")
+    assert [(o.key, o.size) for o in store.list("m")] == [(k, 2) for k in sorted(keys)]
+    assert len(pages) == 4
+    deletes = _count_calls(store, "DeleteObjects")
+    assert store.delete_prefix("m/") == 8
+    assert len(deletes) == 3
+    assert store.list("m") == []
+
+
+def test_s3_store_pickles_without_its_client(s3_store_uri: str) -> None:
+    store = _s3(s3_store_uri)
+    store.put_bytes("k", b"v")
+    again = pickle.loads(pickle.dumps(store))
+    assert again.get_bytes("k") == b"v" and again.uri == store.uri
+
+
+# --- s3:// preflight: one clear line, within seconds ----------------------------------------
+
+
+def _check_error(store: Store) -> str:
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        store.check()
+    assert time.monotonic() - started < 8
+    message = str(err.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_s3_check_missing_bucket(s3_server: str) -> None:
+    store = open_store(f"s3://no-such-bucket-here/p?endpoint_url={s3_server}", field="cluster.store")
+    assert _check_error(store) == "cluster.store: cannot reach s3://no-such-bucket-here/p: bucket does not exist"
+
+
+def test_s3_check_unreachable_endpoint(aws_test_env: dict[str, str]) -> None:
+    store = open_store("s3://bkt/p?endpoint_url=http://127.0.0.1:1", field="cluster.store")
+    assert _check_error(store) == (
+        "cluster.store: cannot reach s3://bkt/p: could not connect to endpoint http://127.0.0.1:1"
+    )
+
+
+def test_s3_check_credentials(s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = f"s3://{s3_auth_server.bucket}/p?endpoint_url={s3_auth_server.endpoint}"
+    where = f"cluster.store: cannot reach s3://{s3_auth_server.bucket}/p: "
+    for name, value in s3_auth_server.env().items():
+        monkeypatch.setenv(name, value)
+    open_store(uri, field="cluster.store").check()  # the server accepts the right key
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNUNKNOWN00")
+    message = _check_error(open_store(uri, field="cluster.store"))
+    assert message.startswith(where + "InvalidAccessKeyId (The AWS Access Key Id you provided does not exist")
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth_server.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    message = _check_error(open_store(uri, field="cluster.store"))
+    assert message.startswith(where + "SignatureDoesNotMatch (")
+    assert "not-the-secret" not in message
+
+
+def test_s3_check_without_credentials(s3_store_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    message = _check_error(open_store(s3_store_uri, field="cluster.store"))
+    assert message.endswith(": no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                            "AWS_PROFILE, or run with an instance role)")
