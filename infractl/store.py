@@ -31,13 +31,13 @@ from urllib.parse import parse_qsl, quote, urlparse
 from infractl.errors import ConfigError
 
 __all__ = [
-    "ObjectInfo",
-    "Store",
+    "SUPPORTED_SCHEMES",
     "FileStore",
+    "ObjectInfo",
     "S3Store",
+    "Store",
     "StoreKeyError",
     "open_store",
-    "SUPPORTED_SCHEMES",
 ]
 
 SUPPORTED_SCHEMES = ("file", "s3")
@@ -258,7 +258,7 @@ class S3Store(Store):
         delete_batch: int = S3_DELETE_BATCH,
     ) -> None:
         if multipart_chunksize < S3_MIN_PART_SIZE:
-            raise ValueError(f"multipart_chunksize must be at least {S3_MIN_PART_SIZE} bytes (S3's minimum part)")
+            raise ValueError(f"multipart_chunksize must be at least {S3_MIN_PART_SIZE} bytes")
         if not 1 <= page_size <= 1000 or not 1 <= delete_batch <= 1000:
             raise ValueError("page_size and delete_batch must be between 1 and 1000")
         self.bucket = bucket
@@ -294,7 +294,9 @@ class S3Store(Store):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _make_client(self, *, max_attempts: int, connect_timeout: float, read_timeout: float) -> Any:
+    def _make_client(
+        self, *, max_attempts: int, connect_timeout: float, read_timeout: float
+    ) -> Any:
         import boto3
         from botocore.config import Config
 
@@ -369,7 +371,9 @@ class S3Store(Store):
     def put_file(self, key: str, path: Path) -> None:
         # A managed transfer: multipart (parallel parts, each retried) above the threshold. S3
         # publishes an object only when its upload completes, so readers never see half of it.
-        self.client.upload_file(str(path), self.bucket, self._object_key(key), Config=self._transfer_config())
+        self.client.upload_file(
+            str(path), self.bucket, self._object_key(key), Config=self._transfer_config()
+        )
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create-only write: ``If-None-Match: *``; 412 means the key already existed.
@@ -389,7 +393,8 @@ class S3Store(Store):
                 if status == 412 or code == "PreconditionFailed":
                     return False
                 # 409: a concurrent conditional write to this key is in flight; S3 says retry.
-                if (status == 409 or code == "ConditionalRequestConflict") and attempt + 1 < _CONDITIONAL_CONFLICT_ATTEMPTS:
+                conflict = status == 409 or code == "ConditionalRequestConflict"
+                if conflict and attempt + 1 < _CONDITIONAL_CONFLICT_ATTEMPTS:
                     time.sleep(0.1 * 2**attempt)
                     continue
                 raise
@@ -459,7 +464,7 @@ class S3Store(Store):
         return found
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        found = [ObjectInfo(self._relative(full), size) for full, size in self._iter_objects(prefix)]
+        found = [ObjectInfo(self._relative(k), size) for k, size in self._iter_objects(prefix)]
         return sorted(found, key=lambda o: o.key)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -521,7 +526,8 @@ class S3Store(Store):
         elif isinstance(e, ConnectTimeoutError):
             reason = f"timed out connecting to endpoint {endpoint}"
         elif isinstance(e, ReadTimeoutError):
-            reason = f"endpoint {endpoint} did not answer within {min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout):g} s"
+            waited = min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout)
+            reason = f"endpoint {endpoint} did not answer within {waited:g} s"
         elif isinstance(e, EndpointConnectionError):
             reason = f"could not connect to endpoint {endpoint}"
         elif isinstance(e, NoCredentialsError):
@@ -535,7 +541,8 @@ class S3Store(Store):
 
 
 def _status(e: Any) -> int | None:
-    return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")  # type: ignore[no-any-return]
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
 
 
 def _code(e: Any) -> str:
@@ -584,11 +591,13 @@ def _open_s3(uri: str, field: str) -> S3Store:
         ep = urlparse(endpoint)
         if ep.scheme not in ("http", "https") or not ep.hostname or ep.username or ep.password:
             raise ConfigError(
-                f"{field}: endpoint_url must look like http(s)://HOST[:PORT], got {ep.scheme}://{ep.hostname or ''}"
+                f"{field}: endpoint_url must look like http(s)://HOST[:PORT], "
+                f"got {ep.scheme}://{ep.hostname or ''}"
             )
     if ".." in parsed.path.split("/"):
         raise ConfigError(f"{field}: the prefix of {uri!r} must not contain '..'")
-    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=options.get("region"), field=field)
+    region = options.get("region")
+    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=region, field=field)
 
 
 def open_store(uri: str, *, field: str = "store") -> Store:

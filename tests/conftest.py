@@ -66,16 +66,17 @@ def write(path: Path, text: str) -> Path:
 # ``s3_server``     session-scoped endpoint URL of a moto server started for this test process
 #                   (each xdist worker starts its own); stopped by PID at the end.
 # ``aws_test_env``  session-scoped fake credentials in os.environ, so boto3 in the tests and in
-#                   child processes (the CLI, torchrun trainers) finds them through its normal chain.
+#                   child processes (the CLI, torchrun trainers) finds them in its normal chain.
 # ``s3_store_uri``  a fresh bucket per test: ``s3://<bucket>/<prefix>?endpoint_url=<endpoint>``.
 # ``store_uri``     parametrized over ["file", "s3"]: write a test once, run it on both backends.
 # ``s3_auth_server`` a second moto server that enforces credentials (IAM), with one valid user.
 
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from typing import Any  # noqa: E402
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 AWS_TEST_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -86,7 +87,14 @@ AWS_TEST_ENV = {
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     "AWS_EC2_METADATA_DISABLED": "true",
 }
-AWS_TEST_ENV_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+AWS_TEST_ENV_UNSET = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
 
 
 def _free_port() -> int:
@@ -98,7 +106,9 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _moto_server(log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0) -> Iterator[str]:
+def _moto_server(
+    log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0
+) -> Iterator[str]:
     """Run ``python -m moto.server`` on a free loopback port until the block ends; yield its URL."""
     import urllib.request
 
@@ -148,7 +158,9 @@ def aws_test_env() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def s3_server(
+    aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """Endpoint URL (``http://127.0.0.1:PORT``) of a moto S3 server for this test process."""
     with _moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
         yield endpoint
@@ -161,7 +173,9 @@ def s3_client(endpoint: str, **credentials: str) -> Any:
 
     return boto3.client(
         "s3", endpoint_url=endpoint, region_name="us-east-1",
-        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}),
+        config=Config(
+            s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}
+        ),
         **credentials,
     )
 
@@ -196,11 +210,16 @@ class S3AuthServer:
     bucket: str
 
     def env(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+        }
 
 
 @pytest.fixture(scope="session")
-def s3_auth_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3AuthServer]:
+def s3_auth_server(
+    aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3AuthServer]:
     """moto with authentication on: the first 3 requests (create a user, give it S3, make its key)
     run unauthenticated; every later request must be signed by a known key and be allowed."""
     import boto3
@@ -211,10 +230,19 @@ def s3_auth_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPa
         iam.create_user(UserName="infractl-test")
         iam.put_user_policy(
             UserName="infractl-test", PolicyName="s3",
-            PolicyDocument='{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}',
+            PolicyDocument=json.dumps({
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            }),
         )
         key = iam.create_access_key(UserName="infractl-test")["AccessKey"]
-        server = S3AuthServer(endpoint, key["AccessKeyId"], key["SecretAccessKey"], new_bucket_name())
-        s3_client(endpoint, aws_access_key_id=server.access_key_id,
-                  aws_secret_access_key=server.secret_access_key).create_bucket(Bucket=server.bucket)
+        server = S3AuthServer(
+            endpoint, key["AccessKeyId"], key["SecretAccessKey"], new_bucket_name()
+        )
+        owner = s3_client(
+            endpoint,
+            aws_access_key_id=server.access_key_id,
+            aws_secret_access_key=server.secret_access_key,
+        )
+        owner.create_bucket(Bucket=server.bucket)
         yield server

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
+from conftest import S3AuthServer, s3_client
 
 from infractl import runstore
 from infractl.errors import ConfigError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
 from infractl.store import FileStore, S3Store, Store, StoreKeyError, open_store
-
-from conftest import S3AuthServer, s3_client
 
 MIB = 1024 * 1024
 
@@ -192,7 +191,8 @@ def test_file_check_names_the_field_when_the_root_cannot_be_made(tmp_path: Path)
 
 
 def test_s3_uri_is_canonical_and_keeps_endpoint_and_region() -> None:
-    store = open_store("s3://bkt//a/b/?region=eu-west-1&endpoint_url=http://127.0.0.1:9000/", field="f")
+    uri = "s3://bkt//a/b/?region=eu-west-1&endpoint_url=http://127.0.0.1:9000/"
+    store = open_store(uri, field="f")
     assert isinstance(store, S3Store)
     assert (store.bucket, store.prefix, store.endpoint_url, store.region) == (
         "bkt", "a/b", "http://127.0.0.1:9000", "eu-west-1")
@@ -208,7 +208,7 @@ def test_s3_uri_is_canonical_and_keeps_endpoint_and_region() -> None:
         ("s3://Bad_Bucket/p", "does not name a valid bucket"),
         ("s3://bkt/p?access_key=x", "unknown s3:// URI option 'access_key'"),
         ("s3://bkt/p?region=a&region=b", "option 'region' given twice"),
-        ("s3://bkt/p?endpoint_url=localhost:9000", "endpoint_url must look like http(s)://HOST[:PORT]"),
+        ("s3://bkt/p?endpoint_url=localhost:9000", "endpoint_url must look like http(s)://"),
         ("s3://bkt/a/../b", "must not contain '..'"),
     ],
 )
@@ -226,7 +226,9 @@ def _s3(uri: str, **knobs: Any) -> S3Store:
     """The store of ``uri`` with tuning knobs (thresholds, page size) changed for a test."""
     base = open_store(uri)
     assert isinstance(base, S3Store)
-    return S3Store(base.bucket, base.prefix, endpoint_url=base.endpoint_url, field="cluster.store", **knobs)
+    return S3Store(
+        base.bucket, base.prefix, endpoint_url=base.endpoint_url, field="cluster.store", **knobs
+    )
 
 
 def _count_calls(store: S3Store, operation: str) -> list[int]:
@@ -241,7 +243,9 @@ def test_s3_conditional_put_gets_412_over_http(s3_store_uri: str) -> None:
     # The server itself refuses the second create-only write: not a client-side existence check.
     raw = s3_client(store.endpoint_url or "")
     with pytest.raises(ClientError) as err:
-        raw.put_object(Bucket=store.bucket, Key="store/ckpt/step-1/COMMITTED", Body=b"2", IfNoneMatch="*")
+        raw.put_object(
+            Bucket=store.bucket, Key="store/ckpt/step-1/COMMITTED", Body=b"2", IfNoneMatch="*"
+        )
     assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
     puts = _count_calls(store, "PutObject")
     assert not store.put_if_absent("ckpt/step-1/COMMITTED", b"2")
@@ -263,7 +267,7 @@ def test_s3_keys_live_under_the_prefix(s3_store_uri: str) -> None:
     assert store.delete_prefix("") == 1 and other.list("") != []
 
 
-def test_s3_multipart_upload_and_download_above_the_threshold(s3_store_uri: str, tmp_path: Path) -> None:
+def test_s3_multipart_above_the_threshold(s3_store_uri: str, tmp_path: Path) -> None:
     store = _s3(s3_store_uri, multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB)
     src = tmp_path / "shard.distcp"
     src.write_bytes(bytes(range(256)) * (11 * MIB // 256))  # 11 MiB: three parts
@@ -323,8 +327,10 @@ def _check_error(store: Store) -> str:
 
 
 def test_s3_check_missing_bucket(s3_server: str) -> None:
-    store = open_store(f"s3://no-such-bucket-here/p?endpoint_url={s3_server}", field="cluster.store")
-    assert _check_error(store) == "cluster.store: cannot reach s3://no-such-bucket-here/p: bucket does not exist"
+    uri = f"s3://no-such-bucket-here/p?endpoint_url={s3_server}"
+    assert _check_error(open_store(uri, field="cluster.store")) == (
+        "cluster.store: cannot reach s3://no-such-bucket-here/p: bucket does not exist"
+    )
 
 
 def test_s3_check_unreachable_endpoint(aws_test_env: dict[str, str]) -> None:
@@ -334,7 +340,9 @@ def test_s3_check_unreachable_endpoint(aws_test_env: dict[str, str]) -> None:
     )
 
 
-def test_s3_check_credentials(s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_check_credentials(
+    s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uri = f"s3://{s3_auth_server.bucket}/p?endpoint_url={s3_auth_server.endpoint}"
     where = f"cluster.store: cannot reach s3://{s3_auth_server.bucket}/p: "
     for name, value in s3_auth_server.env().items():
@@ -343,7 +351,9 @@ def test_s3_check_credentials(s3_auth_server: S3AuthServer, monkeypatch: pytest.
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNUNKNOWN00")
     message = _check_error(open_store(uri, field="cluster.store"))
-    assert message.startswith(where + "InvalidAccessKeyId (The AWS Access Key Id you provided does not exist")
+    assert message.startswith(
+        where + "InvalidAccessKeyId (The AWS Access Key Id you provided does not exist"
+    )
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth_server.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -356,5 +366,7 @@ def test_s3_check_without_credentials(s3_store_uri: str, monkeypatch: pytest.Mon
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     message = _check_error(open_store(s3_store_uri, field="cluster.store"))
-    assert message.endswith(": no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                            "AWS_PROFILE, or run with an instance role)")
+    assert message.endswith(
+        ": no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "AWS_PROFILE, or run with an instance role)"
+    )
