@@ -498,7 +498,8 @@ class S3Store(Store):
         try:
             # A GET rather than head_bucket: HEAD error responses carry no body, so a bad key or
             # a denied policy would only say "403"; a list names the reason.
-            client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            under = f"{self.prefix}/" if self.prefix else ""
+            client.list_objects_v2(Bucket=self.bucket, Prefix=under, MaxKeys=1)
             step = "write to"
             client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
             client.delete_object(Bucket=self.bucket, Key=probe)

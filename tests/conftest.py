@@ -202,7 +202,8 @@ def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @dataclass(frozen=True)
 class S3AuthServer:
-    """A moto server that checks signatures against its IAM users; one user may use S3."""
+    """A moto server that checks signatures against its IAM users; the one user here may do
+    anything (S3 and IAM: a test can make more users with narrower policies)."""
 
     endpoint: str
     access_key_id: str
@@ -229,10 +230,10 @@ def s3_auth_server(
         iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
         iam.create_user(UserName="infractl-test")
         iam.put_user_policy(
-            UserName="infractl-test", PolicyName="s3",
+            UserName="infractl-test", PolicyName="admin",
             PolicyDocument=json.dumps({
                 "Version": "2012-10-17",
-                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+                "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
             }),
         )
         key = iam.create_access_key(UserName="infractl-test")["AccessKey"]

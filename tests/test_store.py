@@ -7,6 +7,7 @@ writes, multipart, pagination, preflight errors) is tested further down.
 
 from __future__ import annotations
 
+import json
 import pickle
 import time
 from pathlib import Path
@@ -370,3 +371,29 @@ def test_s3_check_without_credentials(s3_store_uri: str, monkeypatch: pytest.Mon
         ": no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
         "AWS_PROFILE, or run with an instance role)"
     )
+
+
+def test_s3_check_refuses_a_read_only_store(
+    s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    iam = boto3.client(
+        "iam", endpoint_url=s3_auth_server.endpoint, region_name="us-east-1",
+        aws_access_key_id=s3_auth_server.access_key_id,
+        aws_secret_access_key=s3_auth_server.secret_access_key,
+    )
+    iam.create_user(UserName="reader")
+    iam.put_user_policy(
+        UserName="reader", PolicyName="read",
+        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"},
+        ]}),
+    )
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    uri = f"s3://{s3_auth_server.bucket}/p?endpoint_url={s3_auth_server.endpoint}"
+    message = _check_error(open_store(uri, field="cluster.store"))
+    assert message.startswith(f"cluster.store: cannot write to s3://{s3_auth_server.bucket}/p: ")
+    assert "AccessDenied" in message
