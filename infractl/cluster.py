@@ -100,7 +100,8 @@ def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
     """Provision and configure the cluster; running it again on an unchanged cluster changes nothing."""
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
-    open_store(uri, field="cluster.store")  # refuse a bad store URI before anything changes
+    # Refuse a bad URI, bad credentials or an unreachable store before anything changes.
+    open_store(uri, field="cluster.store").check()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied = infra.apply(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+import pytest
+
 from conftest import REPO, Cli, write
 
 
@@ -80,3 +82,30 @@ def test_up_while_another_command_holds_the_lock(cli: Cli) -> None:
 def test_unknown_command_is_a_usage_error(cli: Cli) -> None:
     result = cli("launch", expect=2)
     assert "No such command 'launch'" in result.stderr
+
+
+def test_unreachable_s3_store_is_refused_before_anything_changes(cli: Cli, aws_test_env: dict[str, str]) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", "name: c3\nstore: s3://bucket/runs?endpoint_url=http://127.0.0.1:1\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert "cluster.store: cannot reach s3://bucket/runs" in result.stderr
+    assert "could not connect to endpoint http://127.0.0.1:1" in result.stderr
+    assert not (cli.home / "c3" / "terraform").exists()
+
+
+def test_missing_s3_bucket_is_refused(cli: Cli, s3_server: str) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", f"name: c4\nstore: s3://no-such-bucket/x?endpoint_url={s3_server}\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert "cluster.store: cannot reach s3://no-such-bucket/x" in result.stderr
+    assert "bucket does not exist" in result.stderr
+    assert not (cli.home / "c4" / "terraform").exists()
+
+
+def test_s3_store_without_credentials_is_refused(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    cluster = write(cli.cwd / "cluster.yaml", "name: c5\nstore: s3://bucket/runs?endpoint_url=http://127.0.0.1:1\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert "cluster.store: cannot reach s3://bucket/runs: no AWS credentials found" in result.stderr
