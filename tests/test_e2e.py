@@ -9,7 +9,7 @@ import pytest
 
 from conftest import Cli, write
 from infractl import proc, runstore
-from infractl.store import FileStore
+from infractl.store import FileStore, open_store
 
 pytestmark = pytest.mark.e2e
 
@@ -112,3 +112,22 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     assert not (cluster_dir / "terraform").exists()
     assert runstore.latest_committed_step(store, "e2e") is not None, "teardown keeps the store"
     cli("teardown", "--yes", expect=2)
+
+
+def test_train_checkpoints_into_s3_and_purge_removes_the_run(cli: Cli, s3_store_uri: str) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
+    run = write(cli.cwd / "run.yaml", (RUN % {"min": 2, "max": 2}).replace("steps: 240", "steps: 20"))
+    store = open_store(s3_store_uri)
+
+    cli("up", "-c", str(cluster))
+    finished = json.loads(cli("train", str(run), "-c", "s3c", "--json").stdout)
+    assert finished["outcome"] == "completed" and finished["last_committed_step"] == 20
+    assert runstore.committed_steps(store, "e2e") == [10, 20]
+    assert runstore.verify_checkpoint(store, "e2e", 20).world_size == 2
+    assert [r["step"] for r in runstore.read_metrics(store, "e2e")] == list(range(1, 21))
+    assert json.loads(cli("status", "-c", "s3c", "--json").stdout)["runs"][0]["state"] == "completed"
+
+    done = json.loads(cli("teardown", "-c", "s3c", "--yes", "--purge", "--json").stdout)
+    assert done["runs_purged"] == ["e2e"]
+    assert store.list("runs/") == []
+    assert not (cli.home / "s3c").exists()
