@@ -91,14 +91,22 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def commit_checkpoint(store: Store, run_id: str, manifest: Manifest) -> bool:
+def commit_checkpoint(
+    store: Store, run_id: str, manifest: Manifest, *, replace: bool = False
+) -> bool:
     """Publish MANIFEST then COMMITTED (create-only). Every listed file must already be in the store.
 
-    Returns False if the step was already committed (a retried commit is harmless).
+    Returns True if this call committed the step. A step that is already committed is left
+    untouched and False is returned (a retried commit is harmless), unless ``replace``: then
+    its MANIFEST.json is rewritten to describe the files just uploaded over it (the repair of
+    a step that failed verification) and False is returned as well.
     """
     prefix = checkpoint_prefix(run_id, manifest.step)
+    committed = f"{prefix}/COMMITTED"
+    if store.exists(committed) and not replace:
+        return False
     store.put_bytes(f"{prefix}/MANIFEST.json", manifest.to_json())
-    return store.put_if_absent(f"{prefix}/COMMITTED", str(manifest.step).encode())
+    return store.put_if_absent(committed, str(manifest.step).encode())
 
 
 def _step_dirs(store: Store, run_id: str) -> dict[int, set[str]]:
@@ -145,17 +153,21 @@ def verify_checkpoint(store: Store, run_id: str, step: int) -> Manifest:
     return manifest
 
 
-def prune_checkpoints(store: Store, run_id: str, *, keep: int) -> list[int]:
+def prune_checkpoints(store: Store, run_id: str, *, keep: int, idle: bool = False) -> list[int]:
     """Delete committed steps beyond the newest ``keep`` and uncommitted steps older than the
-    newest committed one (leftovers of interrupted saves). Returns the deleted steps."""
+    newest committed one (leftovers of interrupted saves). Returns the deleted steps.
+
+    An uncommitted step newer than the newest committed one may be a save still in flight, so
+    it is kept, unless ``idle``: the caller knows no save is running (a job resuming), and
+    every uncommitted step is a leftover.
+    """
     if keep < 2:
         raise ValueError("keep must be at least 2")
     dirs = _step_dirs(store, run_id)
     committed = sorted(s for s, names in dirs.items() if "COMMITTED" in names)
-    if not committed:
-        return []
-    newest = committed[-1]
-    doomed = committed[:-keep] + [s for s, n in dirs.items() if "COMMITTED" not in n and s < newest]
+    newest = committed[-1] if committed else -1
+    partial = [s for s, names in dirs.items() if "COMMITTED" not in names]
+    doomed = committed[:-keep] + [s for s in partial if idle or s < newest]
     for step in sorted(doomed):
         store.delete_prefix(checkpoint_prefix(run_id, step))
     return sorted(doomed)

@@ -1,29 +1,50 @@
-"""Checkpoints: DCP on local disk, shipped to the store, committed by rank 0; and restore.
+"""Checkpoints: DCP staged in host memory, written and shipped to the store in the background,
+committed by rank 0; and restore.
 
-Save (every rank, collectively)::
+Save (every rank, collectively; at most one save in flight)::
 
-    <workdir>/staging/step-<N>/rank-<R>/   dcp.save writes this rank's shards here (rank 0 also
-                                           writes .metadata); each rank uploads what it wrote to
-                                           ckpt/step-<N>/ under the same names, then deletes it
-    all_gather(ManifestEntry lists)        size + sha256 of every uploaded file
-    rank 0: commit_checkpoint, prune       MANIFEST.json then COMMITTED (create-only)
+    save(), training thread       waits for the previous save; dcp.async_save stages the state
+                                  to host memory (a copy: training may go on mutating the live
+                                  tensors) and returns. This is all that training waits for.
+    DCP's writer thread           writes the staged copy to <workdir>/staging/step-<N>/rank-<R>/
+                                  (this rank's shards; rank 0 also writes .metadata)
+    the save's own thread         uploads what this rank wrote to ckpt/step-<N>/ under the same
+                                  names and deletes it locally; then, over the checkpoint group:
+                                  all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json,
+                                  then COMMITTED create-only) and prunes, and tells every rank
+    wait(), next save, close()    block until that thread is done; raise if the save failed
 
-Restore (every rank): the newest committed step that verifies, downloaded to
-``<workdir>/restore/step-<N>/`` (each file checked against the manifest's sha256), then
-``dcp.load``, which reshards to the current world size.
+Collectives issued off the training thread (DCP's own plan exchange, the manifest gather, the
+commit outcome) all go over one dedicated gloo group created with the Checkpointer, never over
+the default group the training step uses: two threads' collectives on one group would interleave.
+
+Restore (every rank): first, leftovers of interrupted saves are deleted (nothing is in flight
+when a job starts, so every uncommitted step is one); then the newest committed step that
+verifies is downloaded to ``<workdir>/restore/step-<N>/`` (each file checked against the
+manifest's sha256) and loaded with ``dcp.load``, which reshards to the current world size.
 
 Ranks on one node share the workdir and nodes may share a filesystem: staging dirs are
 per rank, and downloads land under a per-rank temporary name and are renamed into place,
 so ranks never see each other's half-written files.
+
+Fault injection: ``$INFRACTL_CKPT_UPLOAD_DELAY_S`` (seconds, read when the Checkpointer is
+built) makes every save sleep after its shards are uploaded and before the manifest is
+gathered and committed. Tests and fault drills use it to kill a job while a step's files are
+in the store but the step is not committed; it is never set in normal runs.
 """
 
 from __future__ import annotations
 
+import contextvars
+import datetime
 import functools
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -45,7 +66,7 @@ from infractl.runstore import (
 )
 from infractl.store import Store, StoreKeyError
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "UPLOAD_DELAY_ENV"]
 
 log = get_logger(__name__)
 
@@ -54,9 +75,37 @@ _T = TypeVar("_T")
 #: Builds the state to save or load; told the manifest being loaded (None when saving).
 StateBuilder = Callable[[Manifest | None], dict[str, Any]]
 
+#: Fault-injection knob: seconds to sleep between uploading a step's shards and committing it.
+UPLOAD_DELAY_ENV = "INFRACTL_CKPT_UPLOAD_DELAY_S"
+
+#: How long a checkpoint collective may wait for the slowest rank's write and upload.
+_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass
+class _Staged:
+    """One save after staging: where DCP writes this rank's files, and its write in flight."""
+
+    step: int
+    dir: Path
+    written: Future[Any]
+
+
+@dataclass
+class _InFlight:
+    """The save whose write, upload and commit are running on ``thread``."""
+
+    step: int
+    timings: dict[str, float]
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    error: str | None = None
+    committed: bool | None = None  # rank 0's answer: False = rewrote a committed step
+
 
 class Checkpointer:
-    """Saves and restores one run's checkpoints. Collective: call every method on every rank."""
+    """Saves and restores one run's checkpoints. Collective: call every method on every rank,
+    in the same order. ``save`` returns once the state is staged; ``wait`` until it is committed;
+    ``close`` after the last save (it waits, and raises if that save failed)."""
 
     def __init__(
         self,
@@ -74,37 +123,73 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
+        self.upload_delay_s = _delay_from_env()
+        # Collective: every rank creates it here, in the same order as any other group.
+        self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+        self._in_flight: _InFlight | None = None
+        # Committed steps that ``load`` found corrupt: saving one of them again repairs it.
+        self._repair: set[int] = set()
+        self._closed = False
 
     # The public methods keep the protocol (who decides, who waits, what must never happen:
-    # loading an uncommitted or unverified step); the _hooks only move bytes, so an async
-    # or store-specific variant replaces the hooks and leaves the protocol alone.
+    # loading an uncommitted or unverified step, two saves in flight, a committed step
+    # overwritten unasked); the _hooks only move bytes, so an async or store-specific
+    # variant replaces the hooks and leaves the protocol alone.
 
-    def save(self, step: int, state: dict[str, Any], *, extra: dict[str, Any]) -> bool:
-        """Save ``state`` as step ``step``; return True where this call committed it (rank 0).
+    def save(self, step: int, state: dict[str, Any], *, extra: dict[str, Any]) -> None:
+        """Start saving ``state`` as step ``step``; return once it is staged in host memory.
 
-        Saving a step that is already committed happens only after ``load`` skipped it as
-        corrupt; its files and manifest are rewritten, which repairs it.
+        Waits first for the previous save to commit (raising CheckpointError if it failed).
+        The write, upload and commit run in the background; ``wait`` blocks until they are
+        done. Saving a step that is already committed rewrites it only where ``load`` skipped
+        it as corrupt (a repair); otherwise its files are left alone.
         """
-        started = time.monotonic()
-        entries = self._save(step, state)
-        gathered: list[list[ManifestEntry] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, entries)
-        if self.rank != 0:
-            return False
-        files = sorted((e for part in gathered for e in part or []), key=lambda e: e.key)
-        manifest = Manifest(step=step, world_size=self.world_size, files=files, extra=extra)
-        committed = commit_checkpoint(self.store, self.run_id, manifest)
-        pruned = prune_checkpoints(self.store, self.run_id, keep=self.keep)
-        log.info(
-            "checkpoint_committed",
-            step=step,
-            rewritten=not committed,
-            files=len(files),
-            bytes=sum(e.size for e in files),
-            seconds=round(time.monotonic() - started, 3),
-            pruned=pruned,
+        if self._closed:
+            raise RuntimeError("Checkpointer.save after close()")
+        called = time.monotonic()
+        self.wait()
+        waited = time.monotonic() - called
+        if self.rank == 0:
+            log.info("checkpoint_started", step=step, waited_s=round(waited, 3))
+        staged = self._stage(step, state)
+        blocking = time.monotonic() - called
+        in_flight = _InFlight(
+            step=step, timings={"called": called, "waited_s": waited, "blocking_s": blocking}
         )
-        return committed
+        # The thread carries this thread's log context (the rank) into its log lines.
+        context = contextvars.copy_context()
+        in_flight.thread = threading.Thread(
+            target=context.run,
+            args=(self._finish, in_flight, staged, extra),
+            name=f"checkpoint-step-{step}",
+            daemon=True,
+        )
+        self._in_flight = in_flight
+        in_flight.thread.start()
+
+    def wait(self) -> int | None:
+        """Block until the save in flight (if any) is done; return its step.
+
+        Raises CheckpointError if it failed on any rank (every rank raises: the outcome is
+        agreed over the checkpoint group).
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        in_flight.thread.join()
+        if in_flight.error is not None:
+            raise CheckpointError(f"checkpoint of step {in_flight.step} failed: {in_flight.error}")
+        return in_flight.step
+
+    def close(self) -> None:
+        """Wait for the last save to commit and drop local leftovers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            _remove_empty(self.workdir / "staging")
 
     def load(self, build_state: StateBuilder) -> Manifest | None:
         """Load the newest committed step that verifies into ``build_state(manifest)``.
@@ -112,10 +197,11 @@ class Checkpointer:
         Returns that step's manifest, or None when the run has no committed step. A step that
         fails verification (missing file, wrong size or sha256) is skipped for the one before
         it; if every committed step fails, raises CheckpointError rather than start over.
+        Leftovers of interrupted saves (uncommitted steps, local staging) are deleted first.
         """
-        steps = self._on_rank0(
-            lambda: sorted(committed_steps(self.store, self.run_id), reverse=True)
-        )
+        self.wait()
+        shutil.rmtree(self._staging_dir(None), ignore_errors=True)
+        steps = self._on_rank0(self._clean_and_list)
         for step in steps:
             manifest, error = self._on_rank0(functools.partial(self._verify, step))
             if manifest is not None:
@@ -128,6 +214,7 @@ class Checkpointer:
                     return manifest
             if self.rank == 0:
                 log.warning("checkpoint_invalid", step=step, error=error)
+            self._repair.add(step)
             shutil.rmtree(self._restore_dir(step), ignore_errors=True)
         if steps:
             raise CheckpointError(
@@ -135,23 +222,141 @@ class Checkpointer:
             )
         return None
 
+    # -- protocol, off the training thread ----------------------------------------------
+
+    def _finish(self, in_flight: _InFlight, staged: _Staged, extra: dict[str, Any]) -> None:
+        """Write, upload, gather, commit. Every rank issues the same collectives in the same
+        order whatever fails locally: errors travel as data, so no rank is left waiting."""
+        step = staged.step
+        try:
+            error: str | None = None
+            entries: list[ManifestEntry] = []
+            try:
+                self._write(staged)
+            except Exception as exc:
+                error = _describe(exc)
+            # A committed step is rewritten only when load found it corrupt.
+            exists, check_error = self._on_rank0(
+                functools.partial(self._committed_unasked, step), group=self._group
+            )
+            error = error or check_error
+            if error is None and not exists:
+                try:
+                    entries = self._upload(staged)
+                    if self.upload_delay_s:
+                        time.sleep(self.upload_delay_s)  # fault injection (see module doc)
+                except Exception as exc:
+                    error = _describe(exc)
+            shutil.rmtree(staged.dir, ignore_errors=True)
+            _remove_empty(staged.dir.parent, staged.dir.parent.parent)
+
+            gathered: list[tuple[list[ManifestEntry], str | None] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, (entries, error), group=self._group)
+            errors = [f"rank {r}: {part[1]}" for r, part in enumerate(gathered) if part and part[1]]
+            outcome: tuple[bool | None, str | None] = (None, "; ".join(errors) or None)
+            if self.rank == 0 and not errors:
+                if exists:
+                    log.warning("checkpoint_exists", step=step, reason="already committed")
+                else:
+                    files = [e for part in gathered if part for e in part[0]]
+                    try:
+                        outcome = (self._commit(in_flight, step, files, extra), None)
+                    except Exception as exc:
+                        outcome = (None, f"rank 0: commit: {_describe(exc)}")
+            outcome = self._on_rank0(lambda: outcome, group=self._group)
+            in_flight.committed, in_flight.error = outcome
+            if in_flight.error is None:
+                self._repair.discard(step)
+        except BaseException as exc:  # a collective failed: a rank died or timed out
+            in_flight.error = _describe(exc)
+            shutil.rmtree(staged.dir, ignore_errors=True)
+
+    def _committed_unasked(self, step: int) -> tuple[bool, str | None]:
+        """Rank 0: is ``step`` committed and not one to repair (then its files stay as they are)?"""
+        if step in self._repair:
+            return False, None
+        try:
+            return self.store.exists(f"{checkpoint_prefix(self.run_id, step)}/COMMITTED"), None
+        except Exception as exc:
+            return False, _describe(exc)
+
+    def _commit(
+        self, in_flight: _InFlight, step: int, files: list[ManifestEntry], extra: dict[str, Any]
+    ) -> bool:
+        """Rank 0: publish the manifest and COMMITTED, prune, log. True if newly committed."""
+        timings = in_flight.timings
+        seconds = time.monotonic() - timings["called"]
+        measured = {
+            "blocking_s": round(timings["blocking_s"], 4),
+            "waited_s": round(timings["waited_s"], 4),
+            "seconds": round(seconds, 4),
+        }
+        manifest = Manifest(
+            step=step,
+            world_size=self.world_size,
+            files=sorted(files, key=lambda e: e.key),
+            extra=extra | measured,
+        )
+        repair = step in self._repair
+        committed = commit_checkpoint(self.store, self.run_id, manifest, replace=repair)
+        try:
+            pruned = prune_checkpoints(self.store, self.run_id, keep=self.keep)
+        except Exception as exc:  # the step is committed; the next commit prunes again
+            log.warning("checkpoint_prune_failed", step=step, error=_describe(exc))
+            pruned = []
+        log.info(
+            "checkpoint_committed",
+            step=step,
+            rewritten=not committed,
+            files=len(files),
+            bytes=sum(e.size for e in files),
+            pruned=pruned,
+            **measured,
+        )
+        return committed
+
+    def _clean_and_list(self) -> list[int]:
+        """Rank 0, at load: delete every uncommitted step (none is in flight when a job starts)
+        and what retention no longer keeps; return the committed steps, newest first."""
+        removed = prune_checkpoints(self.store, self.run_id, keep=self.keep, idle=True)
+        if removed:
+            log.info("checkpoints_cleaned", steps=removed)
+        return sorted(committed_steps(self.store, self.run_id), reverse=True)
+
     # -- hooks ---------------------------------------------------------------------------
 
-    def _save(self, step: int, state: dict[str, Any]) -> list[ManifestEntry]:
-        staging = self.workdir / "staging" / f"step-{step}" / f"rank-{self.rank}"
+    def _staging_dir(self, step: int | None) -> Path:
+        base = self.workdir / "staging"
+        return base if step is None else base / f"step-{step}" / f"rank-{self.rank}"
+
+    def _stage(self, step: int, state: dict[str, Any]) -> _Staged:
+        """Training thread: copy ``state`` to host memory and start writing it; return at once."""
+        staging = self._staging_dir(step)
         shutil.rmtree(staging, ignore_errors=True)  # leftovers of an interrupted attempt
         staging.mkdir(parents=True)
-        dcp.save(state, storage_writer=FileSystemWriter(staging))
-        prefix = checkpoint_prefix(self.run_id, step)
+        # The writer stages (a CPU copy, as BlockingAsyncStager) before the write is queued.
+        # Files are read back at once for upload: fsync of scratch files buys nothing.
+        written = dcp.async_save(
+            state,
+            storage_writer=FileSystemWriter(staging, sync_files=False),
+            process_group=self._group,
+        )
+        return _Staged(step=step, dir=staging, written=cast("Future[Any]", written))
+
+    def _write(self, staged: _Staged) -> None:
+        """Background: wait for DCP's write of this rank's files to finish."""
+        staged.written.result()
+
+    def _upload(self, staged: _Staged) -> list[ManifestEntry]:
+        """Background: put this rank's files under the step's prefix; return their entries."""
+        prefix = checkpoint_prefix(self.run_id, staged.step)
         entries = []
-        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-            key = path.relative_to(staging).as_posix()
+        for path in sorted(p for p in staged.dir.rglob("*") if p.is_file()):
+            key = path.relative_to(staged.dir).as_posix()
             entries.append(
                 ManifestEntry(key=key, size=path.stat().st_size, sha256=file_sha256(path))
             )
             self.store.put_file(f"{prefix}/{key}", path)
-        shutil.rmtree(staging)
-        _remove_empty(staging.parent, staging.parent.parent)
         return entries
 
     def _verify(self, step: int) -> tuple[Manifest | None, str | None]:
@@ -197,10 +402,15 @@ class Checkpointer:
             raise CheckpointError(f"{key}: sha256 is {digest}, the manifest says {entry.sha256}")
         os.replace(tmp, dest)
 
-    def _on_rank0(self, compute: Callable[[], _T]) -> _T:
-        """``compute()`` run on rank 0 only, its result given to every rank: one decision."""
+    def _on_rank0(
+        self, compute: Callable[[], _T], *, group: dist.ProcessGroup | None = None
+    ) -> _T:
+        """``compute()`` run on rank 0 only, its result given to every rank: one decision.
+
+        ``group``: the checkpoint group off the training thread; the default group otherwise.
+        """
         box: list[Any] = [compute() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return cast(_T, box[0])
 
 
@@ -210,3 +420,20 @@ def _remove_empty(*dirs: Path) -> None:
             path.rmdir()
         except OSError:
             return  # not empty (another rank's files) or already gone
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _delay_from_env() -> float:
+    raw = os.environ.get(UPLOAD_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise ValueError(f"{UPLOAD_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
+    if delay < 0:
+        raise ValueError(f"{UPLOAD_DELAY_ENV} must not be negative, got {raw!r}")
+    return delay

@@ -1,0 +1,237 @@
+"""Checkpoints: the commit protocol (unit), and async saves and crash safety under real torchrun
+on gloo with a file:// store (integration)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infractl import proc, runstore
+from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
+from infractl.runstore import Manifest, ManifestEntry, checkpoint_prefix, committed_steps
+from infractl.store import FileStore, Store
+from trainer.checkpoint import UPLOAD_DELAY_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 120
+
+
+# -- commit protocol (unit) -------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+def _manifest(step: int, sha: str) -> Manifest:
+    return Manifest(step=step, world_size=1, files=[ManifestEntry("shard", 4, sha)])
+
+
+def _put_step(store: Store, step: int, *, commit: bool) -> None:
+    store.put_bytes(f"{checkpoint_prefix('r', step)}/shard", b"abcd")
+    if commit:
+        assert runstore.commit_checkpoint(store, "r", _manifest(step, "0" * 64))
+
+
+def test_commit_leaves_a_committed_step_alone_unless_asked_to_repair_it(store: FileStore) -> None:
+    prefix = checkpoint_prefix("r", 10)
+    _put_step(store, 10, commit=True)
+    original = store.get_bytes(f"{prefix}/MANIFEST.json")
+
+    assert not runstore.commit_checkpoint(store, "r", _manifest(10, "1" * 64))
+    assert store.get_bytes(f"{prefix}/MANIFEST.json") == original  # refused: untouched
+
+    assert not runstore.commit_checkpoint(store, "r", _manifest(10, "2" * 64), replace=True)
+    repaired = Manifest.from_json(store.get_bytes(f"{prefix}/MANIFEST.json"))
+    assert repaired.files[0].sha256 == "2" * 64
+    assert store.get_bytes(f"{prefix}/COMMITTED") == b"10"
+
+
+def test_prune_keeps_a_newer_partial_step_unless_no_save_is_in_flight(store: FileStore) -> None:
+    for step in (10, 20, 30):
+        _put_step(store, step, commit=True)
+    _put_step(store, 25, commit=False)
+    _put_step(store, 40, commit=False)  # may be in flight while training runs
+
+    assert runstore.prune_checkpoints(store, "r", keep=2) == [10, 25]
+    assert store.list(checkpoint_prefix("r", 40))
+    # Resuming: nothing is in flight, so step 40 is a leftover of a killed save.
+    assert runstore.prune_checkpoints(store, "r", keep=2, idle=True) == [40]
+    assert runstore.committed_steps(store, "r") == [20, 30]
+    assert [o.key.split("/")[3] for o in store.list("runs/r/ckpt/")].count("step-00000040") == 0
+
+
+def test_idle_prune_removes_partials_when_nothing_is_committed(store: FileStore) -> None:
+    _put_step(store, 5, commit=False)
+    assert runstore.prune_checkpoints(store, "r", keep=2) == []
+    assert runstore.prune_checkpoints(store, "r", keep=2, idle=True) == [5]
+    assert store.list("runs/r/ckpt/") == []
+
+
+# -- torchrun on gloo (integration) -----------------------------------------------------------
+
+
+def spec_of(**overrides: Any) -> RunSpec:
+    fields: dict[str, Any] = {
+        "name": "ck",
+        "model": ModelSpec(layers=2, hidden=64, heads=2, seq_len=32),
+        "data": DataSpec(max_bytes=100_000),
+        "batch_size": 8,
+        "steps": 10,
+        "checkpoint": CheckpointSpec(every=5, keep=2),
+    }
+    return RunSpec(**(fields | overrides))
+
+
+class Job:
+    """One torchrun agent (2 workers) started in the background; its JSON log events."""
+
+    def __init__(self, tmp_path: Path, spec: RunSpec, *, attempt: int, env: dict[str, str]) -> None:
+        spec_path = tmp_path / f"spec-{attempt}.json"
+        spec_path.write_text(spec.model_dump_json())
+        self.log_path = tmp_path / f"attempt{attempt}.log"
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--standalone", "--nnodes=1", "--nproc-per-node=2", "--monitor-interval=0.2",
+            "-m", "trainer.train",
+            "--spec", str(spec_path),
+            "--store", (tmp_path / "store").as_uri(),
+            "--run-id", spec.name,
+            "--workdir", str(tmp_path / "node0"),
+        ]  # fmt: skip
+        environ = os.environ | env | {
+            "OMP_NUM_THREADS": "1",
+            "INFRACTL_ATTEMPT": str(attempt),
+            "INFRACTL_LOG_FORMAT": "json",
+            "PYTHONPATH": str(REPO),
+            # Inherited by the agent and its workers (which start their own sessions): finds
+            # the whole tree to kill it.
+            proc.CLUSTER_ENV: str(tmp_path),
+        }
+        with self.log_path.open("w") as log:
+            self.agent = subprocess.Popen(argv, cwd=REPO, env=environ, stderr=log)
+
+    def wait(self) -> int:
+        try:
+            return self.agent.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.agent.terminate()
+            self.agent.wait(timeout=60)
+            pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{self.text()[-4000:]}")
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        found = []
+        for line in self.text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
+                if line.startswith("{") and (event := json.loads(line))["event"] == name:
+                    found.append(event)
+        return found
+
+
+def run(tmp_path: Path, spec: RunSpec, *, attempt: int = 1, **env: str) -> Job:
+    job = Job(tmp_path, spec, attempt=attempt, env=env)
+    assert job.wait() == 0, job.text()[-4000:]
+    return job
+
+
+def timestamp(event: dict[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(
+    tmp_path: Path,
+) -> None:
+    store = FileStore(tmp_path / "store")
+    run(tmp_path, spec_of(steps=5))
+    assert committed_steps(store, "ck") == [5]
+
+    # Resumed at 5, the save of step 10 uploads its shards, then (fault injection) waits
+    # before the manifest and COMMITTED: kill the whole tree in that window.
+    job = Job(tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"})
+    step10 = tmp_path / "store" / checkpoint_prefix("ck", 10)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (len(list(step10.glob("*.distcp"))) == 2 and (step10 / ".metadata").is_file()):
+        assert job.agent.poll() is None, job.text()[-4000:]
+        assert time.monotonic() < deadline, job.text()[-4000:]
+        time.sleep(0.05)
+    tree = proc.find(tmp_path)
+    assert len(tree) >= 3  # the agent and its two workers
+    proc.kill(tree)
+    assert proc.wait_gone(tmp_path, timeout=20) == []
+    job.agent.wait(timeout=20)
+    assert not (step10 / "COMMITTED").exists()
+    assert not (step10 / "MANIFEST.json").exists()
+    assert [e["step"] for e in job.events("checkpoint_started")] == [10]
+    assert not job.events("checkpoint_committed")
+
+    resumed = run(tmp_path, spec_of(steps=7), attempt=3)
+
+    assert [e["step"] for e in resumed.events("resumed")] == [5]
+    assert [e["steps"] for e in resumed.events("checkpoints_cleaned")] == [[10]]
+    assert not step10.exists()
+    assert committed_steps(store, "ck") == [5, 7]
+    assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # no staging left
+
+
+def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
+    # Big enough (20 MB of model and optimizer state) that writing and uploading take a while.
+    spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
+    job = run(tmp_path, spec)
+    store = FileStore(tmp_path / "store")
+
+    committed = job.events("checkpoint_committed")
+    assert [e["step"] for e in committed] == [5, 10]
+    for event in committed:
+        # Staging (a host-memory copy) is a small part of a save; the write, sha256 and
+        # upload that follow it ran in the background.
+        assert event["blocking_s"] < event["seconds"] / 2, event
+        assert event["bytes"] > 10_000_000
+    extra = runstore.verify_checkpoint(store, "ck", 10).extra
+    last = committed[-1]
+    assert (extra["blocking_s"], extra["seconds"]) == (last["blocking_s"], last["seconds"])
+
+
+def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
+    tmp_path: Path,
+) -> None:
+    spec = spec_of(steps=8, checkpoint=CheckpointSpec(every=2, keep=2))
+    # Each save holds for 0.5 s after its upload: the next save (two steps later) finds it in
+    # flight and must wait for it.
+    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "0.5"})
+    store = FileStore(tmp_path / "store")
+
+    order = [
+        (e["event"], e["step"])
+        for e in (json.loads(line) for line in job.text().splitlines() if line.startswith("{"))
+        if e["event"] in ("checkpoint_started", "checkpoint_committed", "finished")
+    ]
+    # Never two in flight: each save starts only once the previous one committed, and the
+    # last one committed before the trainer finished (and exited 0).
+    assert order == [
+        (event, step)
+        for step in (2, 4, 6, 8)
+        for event in ("checkpoint_started", "checkpoint_committed")
+    ] + [("finished", 8)]
+    committed = job.events("checkpoint_committed")
+    assert all(e["waited_s"] > 0 for e in committed[1:]), committed  # the guard did wait
+    assert all(e["blocking_s"] < e["seconds"] for e in committed)
+    assert committed_steps(store, "ck") == [6, 8]
+    runstore.verify_checkpoint(store, "ck", 8)
+
+    # Training went on while each save was in flight: the next step finished before it committed.
+    finished_at = {r["step"]: r["time"] for r in runstore.read_metrics(store, "ck")}
+    for event in committed[:-1]:
+        assert finished_at[event["step"] + 1] < timestamp(event), event
