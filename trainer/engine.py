@@ -163,6 +163,7 @@ class Trainer:
                 )
             if step % spec.checkpoint.every == 0 or step == spec.steps:
                 self._checkpoint(step)
+        self.checkpointer.close()  # saves are async: the last one must commit before exit 0
         if self.metrics is not None:
             self.metrics.flush()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
