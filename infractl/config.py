@@ -8,6 +8,7 @@ from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from infractl.errors import ConfigError
 
@@ -105,9 +106,39 @@ class RunSpec(_Spec):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
     seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
-    parallel: Literal["ddp"] = Field("ddp", description="Parallel scheme.")
+    parallel: Literal["ddp", "zero1", "fsdp"] = Field(
+        "ddp",
+        description=(
+            "Parallel scheme. `ddp`: every rank holds everything. `zero1`: DDP with AdamW's state "
+            "sharded over the ranks. `fsdp`: FSDP2, weights, gradients and optimizer state sharded."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each transformer block's activations in the backward pass (less memory, more compute)."
+    )
+    mixed_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="`bf16`: compute in bfloat16 (weights and optimizer state stay fp32)."
+    )
+    cpu_offload: bool = Field(
+        False, description="Keep sharded weights, gradients and optimizer state in host memory; `parallel: fsdp` only."
+    )
+    deterministic: bool = Field(
+        False,
+        description=(
+            "Deterministic kernels and one CPU thread per rank: reruns and resumes on the same world size "
+            "repeat every loss bit for bit (slower)."
+        ),
+    )
     nodes: NodeRange = Field(default_factory=NodeRange, description="Elastic node range {min, max}.")
     max_restarts: int = Field(3, ge=0, le=100, description="Times torchrun may restart the workers after a failure.")
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> "RunSpec":
+        if self.cpu_offload and self.parallel != "fsdp":
+            raise _field_error(
+                "cpu_offload", f"needs parallel: fsdp (parallel is {self.parallel}); only FSDP shards can live on the CPU"
+            )
+        return self
 
     @field_validator("lr", mode="before")
     @classmethod
@@ -116,6 +147,15 @@ class RunSpec(_Spec):
         if isinstance(value, str) and re.fullmatch(r"[0-9.]+[eE][-+]?[0-9]+", value):
             return float(value)
         return value
+
+
+def _field_error(field: str, message: str) -> ValidationError:
+    """A cross-field error located at ``field``: a model validator's own errors have no location,
+    and the loader reports ``<file>: <field>: <message>``."""
+    return ValidationError.from_exception_data(
+        "RunSpec",
+        [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=(field,), input=None)],
+    )
 
 
 def per_rank_batch(batch_size: int, world_size: int) -> int:

@@ -3,6 +3,7 @@ checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -23,8 +24,16 @@ from trainer.distributed import DistEnv
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
-from trainer.parallelize import parallelize
-from trainer.state import ModelState, OptimizerState, RNGState, TrainState, rng_key, seed_everything
+from trainer.parallelize import compute_dtype, parallelize
+from trainer.state import (
+    ModelState,
+    RNGState,
+    TrainState,
+    make_deterministic,
+    optimizer_state,
+    rng_key,
+    seed_everything,
+)
 
 __all__ = ["Trainer", "config_hash"]
 
@@ -40,7 +49,8 @@ def config_hash(spec: RunSpec) -> str:
     extended, re-cadenced or moved to other nodes and still be the same run.
     """
     fields = spec.model_dump(
-        mode="json", include={"model", "data", "batch_size", "lr", "seed", "parallel"}
+        mode="json",
+        include={"model", "data", "batch_size", "lr", "seed", "parallel", "mixed_precision"},
     )
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -74,13 +84,24 @@ class Trainer:
             world_size=env.world_size,
         )
 
+        if spec.deterministic:
+            make_deterministic()
         # Same seed on every rank for the initial weights, then a per-rank seed for
         # anything random during training (a resume restores these states).
         seed_everything(spec.seed)
         model = GPT(GPTConfig.from_spec(spec.model))
         seed_everything(spec.seed + env.rank)
-        self.model = parallelize(model, scheme=spec.parallel, device=device)
-        self.optimizer = build_optimizer(self.model, lr=spec.lr)
+        self.model = parallelize(
+            model,
+            scheme=spec.parallel,
+            device=device,
+            activation_checkpointing=spec.activation_checkpointing,
+            mixed_precision=spec.mixed_precision,
+            cpu_offload=spec.cpu_offload,
+        )
+        self.optimizer = build_optimizer(
+            self.model, lr=spec.lr, shard_state=spec.parallel == "zero1"
+        )
         self.progress = TrainState(
             scheduler=build_scheduler(self.optimizer, total_steps=spec.steps)
         )
@@ -98,7 +119,7 @@ class Trainer:
     def _state(self, loading: Manifest | None) -> dict[str, Any]:
         state: dict[str, Any] = {
             "model": ModelState(self.model),
-            "optimizer": OptimizerState(self.model, self.optimizer),
+            "optimizer": optimizer_state(self.model, self.optimizer),
             "progress": self.progress,
         }
         # RNG states are per rank: they only mean something on the same topology.
@@ -171,8 +192,10 @@ class Trainer:
 
     def _train_step(self, step: int) -> float:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+        with self._autocast():
+            logits = self.model(inputs)
+        # fsdp's bf16 policy returns bf16 logits; the loss is fp32 for every scheme.
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), _GRAD_CLIP)
@@ -182,6 +205,13 @@ class Trainer:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         return float(mean.item()) / self.env.world_size
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        """The forward's compute dtype, the same way for every scheme (fsdp also gathers its
+        weights in it; see ``parallelize``)."""
+        if self.spec.mixed_precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=compute_dtype(self.spec.mixed_precision))
 
     def _checkpoint(self, step: int) -> None:
         # Metrics first: once the step is committed a crash resumes after it, and

@@ -7,6 +7,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor", "warmup_steps"]
@@ -17,8 +18,13 @@ _BETAS = (0.9, 0.95)
 _FINAL_FACTOR = 0.1
 
 
-def build_optimizer(model: nn.Module, *, lr: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not biases, norms or embeddings' 1-D params)."""
+def build_optimizer(model: nn.Module, *, lr: float, shard_state: bool = False) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not biases, norms or embeddings' 1-D params).
+
+    ``shard_state`` (ZeRO-1): a ``ZeroRedundancyOptimizer`` gives each rank the AdamW state of
+    a partition of the parameters; after its step each rank broadcasts the parameters it
+    updated. For a model whose parameters are already sharded (FSDP), leave it False.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
@@ -26,6 +32,10 @@ def build_optimizer(model: nn.Module, *, lr: float) -> torch.optim.AdamW:
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # foreach=False: the per-tensor loop is deterministic and fast enough at these sizes.
+    if shard_state:
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=_BETAS, foreach=False
+        )
     return torch.optim.AdamW(groups, lr=lr, betas=_BETAS, foreach=False)
 
 

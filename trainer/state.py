@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["ModelState", "OptimizerState", "TrainState", "RNGState", "seed_everything", "rng_key"]
+__all__ = [
+    "ModelState",
+    "OptimizerState",
+    "ShardedOptimizerState",
+    "optimizer_state",
+    "TrainState",
+    "RNGState",
+    "seed_everything",
+    "make_deterministic",
+    "rng_key",
+]
 
 
 class ModelState(Stateful):
@@ -35,7 +48,10 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    """The optimizer's moments and step counts, keyed by parameter name."""
+    """The optimizer's moments and step counts, keyed by parameter name (DTensors under FSDP).
+
+    For ``ddp`` and ``fsdp``; ``zero1`` has ``ShardedOptimizerState``, in the same layout.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
@@ -46,6 +62,47 @@ class OptimizerState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class ShardedOptimizerState(Stateful):
+    """ZeRO-1's optimizer state: each rank contributes the AdamW state of the parameters it owns.
+
+    The layout is ``get_optimizer_state_dict``'s (``state.<param name>.<exp_avg|...>`` and
+    ``param_groups``), so DCP writes each parameter's state once, from the rank that owns it,
+    with no gather to rank 0 (``ZeroRedundancyOptimizer.consolidate_state_dict`` would send
+    everything there). Loading asks for the parameters this rank owns *now*: DCP reads each
+    from whichever rank's file holds it, so a checkpoint saved on any world size, or by
+    ``ddp``, re-partitions onto the current one (ZeRO's partition is a pure function of the
+    parameter sizes and the world size).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
+        self.optimizer = optimizer
+        names = {p: name for name, p in _unwrapped(model).named_parameters()}
+        # The local optimizer holds only this rank's partition.
+        self._owned = [
+            (names[p], p) for group in optimizer.optim.param_groups for p in group["params"]
+        ]
+        self._groups = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        local = self.optimizer.optim.state
+        state = {
+            name: dict(local[p]) if local.get(p) else _empty_adam_state(p)
+            for name, p in self._owned
+        }
+        groups = [
+            {k: v for k, v in group.items() if k != "params"} | {"params": names}
+            for group, names in zip(self.optimizer.param_groups, self._groups, strict=True)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name, p in self._owned:
+            self.optimizer.optim.state[p] = state_dict["state"][name]
+        # lr and the rest; ZeRO copies them to the local optimizer at its next step.
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 @dataclass
@@ -99,3 +156,38 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def make_deterministic() -> None:
+    """Same inputs, same bits: deterministic kernels and a fixed CPU thread count.
+
+    Seeds are fixed by ``seed_everything`` in every mode. The thread count is part of the
+    arithmetic on CPU (it decides how a kernel splits its reductions), so it is pinned to one
+    rather than left to the machine: a run resumed on another machine computes the same way.
+    """
+    # cuBLAS reads this when it creates its handle; before the first matmul is early enough.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.set_num_threads(1)
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
+    """The checkpoint entry for ``optimizer``: sharded for ZeRO-1, DCP's own helpers otherwise."""
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return ShardedOptimizerState(model, optimizer)
+    return OptimizerState(model, optimizer)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    # Parameter names as get_model_state_dict gives them: without DDP's "module." prefix.
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _empty_adam_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state for ``param`` before its first step: the shapes DCP loads into."""
+    return {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+    }
