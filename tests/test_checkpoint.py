@@ -14,12 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from infractl import proc, runstore
 from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
-from infractl.runstore import Manifest, ManifestEntry, checkpoint_prefix, committed_steps
+from infractl.runstore import (
+    CheckpointError,
+    Manifest,
+    ManifestEntry,
+    checkpoint_prefix,
+    committed_steps,
+)
 from infractl.store import FileStore, Store
-from trainer.checkpoint import UPLOAD_DELAY_ENV
+from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -76,6 +84,75 @@ def test_idle_prune_removes_partials_when_nothing_is_committed(store: FileStore)
     assert runstore.prune_checkpoints(store, "r", keep=2) == []
     assert runstore.prune_checkpoints(store, "r", keep=2, idle=True) == [5]
     assert store.list("runs/r/ckpt/") == []
+
+
+# -- the Checkpointer in a job of one, in this process ----------------------------------------
+
+
+class FlakyStore(FileStore):
+    """A file:// store whose uploads fail while ``down`` (an unreachable object store)."""
+
+    down = False
+
+    def put_file(self, key: str, path: Path) -> None:
+        if self.down:
+            raise OSError("store unreachable")
+        super().put_file(key, path)
+
+
+@pytest.fixture
+def one_rank() -> Any:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _checkpointer(store: Store, tmp_path: Path) -> Checkpointer:
+    return Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
+
+
+def test_a_failed_save_is_raised_by_wait_and_the_next_save_commits(
+    tmp_path: Path, one_rank: None
+) -> None:
+    store = FlakyStore(tmp_path / "store")
+    checkpointer = _checkpointer(store, tmp_path)
+    weight = torch.zeros(64)
+    checkpointer.save(1, {"w": weight}, extra={})
+    assert checkpointer.wait() == 1
+
+    store.down = True
+    checkpointer.save(2, {"w": weight}, extra={})
+    with pytest.raises(CheckpointError, match="step 2 failed: rank 0: OSError: store unreachable"):
+        checkpointer.wait()
+    assert committed_steps(store, "r") == [1]
+
+    store.down = False
+    checkpointer.save(3, {"w": weight}, extra={})
+    checkpointer.close()
+    assert committed_steps(store, "r") == [1, 3]
+    assert not (tmp_path / "work" / "staging").exists()
+
+
+def test_the_saved_state_is_the_one_at_save_time_and_a_committed_step_is_left_alone(
+    tmp_path: Path, one_rank: None
+) -> None:
+    store = FileStore(tmp_path / "store")
+    checkpointer = _checkpointer(store, tmp_path)
+    weight = torch.zeros(1000)
+    checkpointer.save(1, {"w": weight}, extra={})
+    weight.add_(1)  # training goes on while the save is in flight
+    checkpointer.wait()
+    shard = tmp_path / "store" / checkpoint_prefix("r", 1) / "__0_0.distcp"
+    saved = shard.read_bytes()
+
+    checkpointer.save(1, {"w": weight}, extra={})  # not a repair: step 1 is committed and fine
+    checkpointer.close()
+    assert shard.read_bytes() == saved
+
+    loaded = torch.full((1000,), 7.0)
+    manifest = _checkpointer(store, tmp_path).load(lambda _: {"w": loaded})
+    assert manifest is not None and manifest.step == 1
+    assert torch.equal(loaded, torch.zeros(1000))
 
 
 # -- torchrun on gloo (integration) -----------------------------------------------------------
