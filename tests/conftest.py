@@ -72,79 +72,11 @@ def write(path: Path, text: str) -> Path:
 # ``s3_auth_server`` a second moto server that enforces credentials (IAM), with one valid user.
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-AWS_TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    # Keep the developer's real AWS config out, and never wait on the EC2 metadata service.
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-AWS_TEST_ENV_UNSET = (
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _moto_server(
-    log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0
-) -> Iterator[str]:
-    """Run ``python -m moto.server`` on a free loopback port until the block ends; yield its URL."""
-    import urllib.request
-
-    for _attempt in range(3):  # the free port may be taken between probing and binding: retry
-        port = _free_port()
-        endpoint = f"http://127.0.0.1:{port}"
-        with log.open("ab") as out:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})},
-            )
-        deadline = time.monotonic() + startup_s
-        ready = False
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1):
-                    ready = True
-                    break
-            except OSError:
-                time.sleep(0.1)
-        if ready:
-            break
-        server.terminate()
-        server.wait(timeout=10)
-    else:
-        raise RuntimeError(f"moto server did not start; see {log}:\n{log.read_text()[-2000:]}")
-    try:
-        yield endpoint
-    finally:
-        server.terminate()  # by PID (Popen), never by name
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=10)
+from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
 
 
 @pytest.fixture(scope="session")
@@ -162,7 +94,7 @@ def s3_server(
     aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """Endpoint URL (``http://127.0.0.1:PORT``) of a moto S3 server for this test process."""
-    with _moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
+    with moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
         yield endpoint
 
 
@@ -226,7 +158,7 @@ def s3_auth_server(
     import boto3
 
     log = tmp_path_factory.mktemp("moto-auth") / "server.log"
-    with _moto_server(log, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
+    with moto_server(log, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
         iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
         iam.create_user(UserName="infractl-test")
         iam.put_user_policy(
