@@ -20,14 +20,13 @@ import torch.distributed as dist
 from infractl import proc, runstore
 from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
 from infractl.runstore import (
-    CheckpointError,
     Manifest,
     ManifestEntry,
     checkpoint_prefix,
     committed_steps,
 )
 from infractl.store import FileStore, Store
-from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
+from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer, SaveFailed
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -90,12 +89,14 @@ def test_idle_prune_removes_partials_when_nothing_is_committed(store: FileStore)
 
 
 class FlakyStore(FileStore):
-    """A file:// store whose uploads fail while ``down`` (an unreachable object store)."""
+    """A file:// store whose uploads of some steps fail (an object store that is down)."""
 
-    down = False
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.failing: set[int] = set()
 
     def put_file(self, key: str, path: Path) -> None:
-        if self.down:
+        if any(key.startswith(checkpoint_prefix("r", step) + "/") for step in self.failing):
             raise OSError("store unreachable")
         super().put_file(key, path)
 
@@ -111,25 +112,28 @@ def _checkpointer(store: Store, tmp_path: Path) -> Checkpointer:
     return Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
 
 
-def test_a_failed_save_is_raised_by_wait_and_the_next_save_commits(
+def test_a_failed_save_is_reported_training_goes_on_and_close_raises_if_the_last_fails(
     tmp_path: Path, one_rank: None
 ) -> None:
     store = FlakyStore(tmp_path / "store")
+    store.failing = {2, 3, 5}
     checkpointer = _checkpointer(store, tmp_path)
     weight = torch.zeros(64)
     checkpointer.save(1, {"w": weight}, extra={})
     assert checkpointer.wait() == 1
 
-    store.down = True
     checkpointer.save(2, {"w": weight}, extra={})
-    with pytest.raises(CheckpointError, match="step 2 failed: rank 0: OSError: store unreachable"):
+    with pytest.raises(SaveFailed, match="step 2 failed: rank 0: OSError: store unreachable"):
         checkpointer.wait()
-    assert committed_steps(store, "r") == [1]
-
-    store.down = False
     checkpointer.save(3, {"w": weight}, extra={})
-    checkpointer.close()
-    assert committed_steps(store, "r") == [1, 3]
+    checkpointer.save(4, {"w": weight}, extra={})  # step 3 failed in flight: logged, goes on
+    assert checkpointer.wait() == 4
+    assert committed_steps(store, "r") == [1, 4]
+
+    checkpointer.save(5, {"w": weight}, extra={})
+    with pytest.raises(SaveFailed, match="step 5 failed"):
+        checkpointer.close()  # the last checkpoint did not commit: the trainer must not exit 0
+    assert committed_steps(store, "r") == [1, 4]
     assert not (tmp_path / "work" / "staging").exists()
 
 

@@ -12,7 +12,9 @@ Save (every rank, collectively; at most one save in flight)::
                                   names and deletes it locally; then, over the checkpoint group:
                                   all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json,
                                   then COMMITTED create-only) and prunes, and tells every rank
-    wait(), next save, close()    block until that thread is done; raise if the save failed
+    wait(), next save, close()    block until that thread is done. A failed save (on any rank:
+                                  the outcome is agreed) raises from wait() and close(); the
+                                  next save logs it and training goes on, the store may be back
 
 Collectives issued off the training thread (DCP's own plan exchange, the manifest gather, the
 commit outcome) all go over one dedicated gloo group created with the Checkpointer, never over
@@ -66,7 +68,7 @@ from infractl.runstore import (
 )
 from infractl.store import Store, StoreKeyError
 
-__all__ = ["Checkpointer", "UPLOAD_DELAY_ENV"]
+__all__ = ["Checkpointer", "SaveFailed", "UPLOAD_DELAY_ENV"]
 
 log = get_logger(__name__)
 
@@ -80,6 +82,15 @@ UPLOAD_DELAY_ENV = "INFRACTL_CKPT_UPLOAD_DELAY_S"
 
 #: How long a checkpoint collective may wait for the slowest rank's write and upload.
 _GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class SaveFailed(CheckpointError):
+    """A save did not commit: its step, and what went wrong on which rank."""
+
+    def __init__(self, step: int, error: str) -> None:
+        super().__init__(f"checkpoint of step {step} failed: {error}")
+        self.step = step
+        self.error = error
 
 
 @dataclass
@@ -139,15 +150,21 @@ class Checkpointer:
     def save(self, step: int, state: dict[str, Any], *, extra: dict[str, Any]) -> None:
         """Start saving ``state`` as step ``step``; return once it is staged in host memory.
 
-        Waits first for the previous save to commit (raising CheckpointError if it failed).
-        The write, upload and commit run in the background; ``wait`` blocks until they are
-        done. Saving a step that is already committed rewrites it only where ``load`` skipped
-        it as corrupt (a repair); otherwise its files are left alone.
+        Waits first for the previous save to finish. If that one failed (the store was down,
+        say), the failure is logged and training goes on: this save tries again, and ``close``
+        raises if the last one fails. The write, upload and commit run in the background;
+        ``wait`` blocks until they are done. Saving a step that is already committed rewrites
+        it only where ``load`` skipped it as corrupt (a repair); otherwise its files are left
+        alone.
         """
         if self._closed:
             raise RuntimeError("Checkpointer.save after close()")
         called = time.monotonic()
-        self.wait()
+        try:
+            self.wait()
+        except SaveFailed as exc:
+            if self.rank == 0:  # every rank has the same outcome; rank 0 speaks for the job
+                log.error("checkpoint_failed", step=exc.step, error=exc.error)
         waited = time.monotonic() - called
         if self.rank == 0:
             log.info("checkpoint_started", step=step, waited_s=round(waited, 3))
@@ -170,15 +187,15 @@ class Checkpointer:
     def wait(self) -> int | None:
         """Block until the save in flight (if any) is done; return its step.
 
-        Raises CheckpointError if it failed on any rank (every rank raises: the outcome is
-        agreed over the checkpoint group).
+        Raises SaveFailed if it failed on any rank (every rank raises: the outcome is agreed
+        over the checkpoint group).
         """
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return None
         in_flight.thread.join()
         if in_flight.error is not None:
-            raise CheckpointError(f"checkpoint of step {in_flight.step} failed: {in_flight.error}")
+            raise SaveFailed(in_flight.step, in_flight.error)
         return in_flight.step
 
     def close(self) -> None:
