@@ -30,6 +30,11 @@ from trainer.parallelize import SCHEMES
 #: over 8 steps, for every scheme; 1e-5 leaves room for other CPUs' kernels.
 RESHARD_REL_TOL = 1e-5
 
+#: Largest relative loss difference between a bf16 run and the fp32 reference. bfloat16 keeps
+#: 8 bits of mantissa (~4e-3 relative per rounding), but this small model's loss stays near
+#: ln(256) early on and moves little with rounding. Measured: at most 4e-4 over 12 steps.
+BF16_REL_TOL = 1e-2
+
 STEPS = 12
 EVERY = 4  # checkpoints at 4, 8, 12; keep=3 keeps all of them
 
@@ -171,12 +176,12 @@ def test_zero1_writes_each_parameters_optimizer_state_once_from_its_owner(
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_activation_checkpointing_and_bf16_train_and_checkpoint(
-    scheme: str, tmp_path: Path
+def test_activation_checkpointing_bf16_and_offload_combine_with_each_scheme(
+    scheme: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    reference = reference_losses(reference_run(tmp_path_factory, scheme))
     spec = scheme_spec(
         scheme,
-        steps=4,
         activation_checkpointing=True,
         mixed_precision="bf16",
         cpu_offload=scheme == "fsdp",
@@ -185,10 +190,12 @@ def test_activation_checkpointing_and_bf16_train_and_checkpoint(
     ok(torchrun(tmp_path, spec))
 
     store = store_of(tmp_path)
-    records = read_metrics(store, "tiny")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert committed_steps(store, "tiny") == [4]
+    after = attempt_losses(store, 1)
+    assert after != reference  # bf16 is really used
+    assert [after[s] for s in sorted(after)] == pytest.approx(
+        [reference[s] for s in sorted(reference)], rel=BF16_REL_TOL
+    )
+    assert committed_steps(store, "tiny") == [4, 8, 12]
 
 
 @pytest.mark.parametrize("scheme", ["ddp", "zero1"])

@@ -18,7 +18,9 @@ _BETAS = (0.9, 0.95)
 _FINAL_FACTOR = 0.1
 
 
-def build_optimizer(model: nn.Module, *, lr: float, shard_state: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, *, lr: float, shard_state: bool = False
+) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms or embeddings' 1-D params).
 
     ``shard_state`` (ZeRO-1): a ``ZeroRedundancyOptimizer`` gives each rank the AdamW state of

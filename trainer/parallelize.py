@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.model import GPT
@@ -53,10 +58,10 @@ def parallelize(
         raise ValueError(f"cpu_offload needs parallel: fsdp (got parallel: {scheme})")
     model = model.to(device)
 
-    # Activation checkpointing first, on the bare blocks: the sharding below then wraps
-    # the recomputed region, so FSDP gathers a block's weights again before its recompute.
-    # The composable form adds hooks instead of a wrapper module, so parameter names, and
-    # with them checkpoint keys, are the same with and without it.
+    # Activation checkpointing before sharding: fully_shard then treats each checkpointed
+    # block as one unit, and its hooks gather the block's weights for the recompute in the
+    # backward pass as they do for the forward. The composable form adds hooks rather than
+    # a wrapper module, so parameter names (and checkpoint keys) do not change with it.
     if activation_checkpointing:
         for block in model.blocks:
             checkpoint(block)

@@ -74,6 +74,10 @@ class ShardedOptimizerState(Stateful):
     from whichever rank's file holds it, so a checkpoint saved on any world size, or by
     ``ddp``, re-partitions onto the current one (ZeRO's partition is a pure function of the
     parameter sizes and the world size).
+
+    Re-partitioning is exact because AdamW's state is per parameter; an inner optimizer with
+    state shared between parameters would need its own. A parameter not stepped yet is saved
+    with zero moments and step 0, which AdamW treats exactly as no state.
     """
 
     def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer) -> None:
@@ -101,7 +105,8 @@ class ShardedOptimizerState(Stateful):
         for name, p in self._owned:
             self.optimizer.optim.state[p] = state_dict["state"][name]
         # lr and the rest; ZeRO copies them to the local optimizer at its next step.
-        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"], strict=True):
+        saved_groups = state_dict["param_groups"]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
 
