@@ -10,6 +10,7 @@ A world of one rank goes through the same path: parallel degree 1 is a normal mo
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -80,14 +81,16 @@ def parallelize(
     offload_policy = (
         CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     )
-    options = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
+    shard = functools.partial(
+        fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy
+    )
     # Blocks first, then the root: each block is its own unit of all-gather and
     # reduce-scatter (communication overlaps the neighbouring block's compute); the root
     # unit takes what is left (embeddings, final norm). Every rank builds identical initial
     # weights from the same seed, and fully_shard keeps each rank's slice of them.
     for block in model.blocks:
-        fully_shard(block, **options)
+        shard(block)
     # The root's weights (the tied embedding) are used again right after the last block,
     # in the output projection: resharding them after forward would only gather them again.
-    fully_shard(model, reshard_after_forward=False, **options)
+    shard(model, reshard_after_forward=False)
     return model
