@@ -19,6 +19,7 @@ __all__ = [
     "ModelSpec",
     "DataSpec",
     "CheckpointSpec",
+    "EvalSpec",
     "NodeRange",
     "load_cluster",
     "load_run",
@@ -73,15 +74,33 @@ class ModelSpec(_Spec):
 
 
 class DataSpec(_Spec):
-    """Training text. `stdlib` is the Python standard library's .py files: on every machine, no download."""
+    """Training text: `stdlib` (the Python standard library's .py files: on every machine, no
+    download) or `prepared` (a directory written by `infractl data prepare`)."""
 
-    source: Literal["stdlib"] = Field("stdlib", description="Corpus to train on.")
-    max_bytes: int = Field(4_000_000, ge=10_000, description="Use at most this many bytes of the corpus.")
+    source: Literal["stdlib", "prepared"] = Field("stdlib", description="Corpus to train on.")
+    path: str | None = Field(None, description="Directory of a prepared dataset (source: prepared).")
+    max_bytes: int = Field(4_000_000, ge=10_000, description="Use at most this many bytes of the corpus (source: stdlib).")
+    val_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of documents held out for validation (source: stdlib; prepared datasets record their own)."
+    )
+
+    @model_validator(mode="after")
+    def _path_matches_source(self) -> "DataSpec":
+        if self.source == "prepared" and not self.path:
+            raise ValueError("path is required when source is prepared (the directory `infractl data prepare` wrote)")
+        if self.source == "stdlib" and self.path:
+            raise ValueError("path is only used with source: prepared")
+        return self
 
 
 class CheckpointSpec(_Spec):
     every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the last step).")
     keep: int = Field(2, ge=2, description="Committed checkpoints to keep (at least 2).")
+
+
+class EvalSpec(_Spec):
+    every: int = Field(0, ge=0, description="Compute the validation loss every N steps and at the last step (0 = never).")
+    batches: int = Field(2, ge=1, description="Global batches of the validation split to average over.")
 
 
 class NodeRange(_Spec):
@@ -105,6 +124,7 @@ class RunSpec(_Spec):
     steps: int = Field(50, ge=1, description="Optimizer steps to train.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
     seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation loss cadence.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
     parallel: Literal["ddp", "zero1", "fsdp"] = Field(
         "ddp",

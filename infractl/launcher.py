@@ -15,6 +15,7 @@ from typing import Any
 from infractl import proc, runstore
 from infractl.cluster import ensure_rendezvous, store_for
 from infractl.config import RunSpec, per_rank_batch
+from infractl.dataset import dataset_version
 from infractl.errors import ConfigError, TrainingError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.output import Output
@@ -46,10 +47,15 @@ class Plan:
     nodes: list[dict[str, Any]]
     resume_from: int
     complete: bool
+    replaces: bool  # `--new` over a run the store already holds: delete it first
 
 
-def prepare(state: ClusterState, spec: RunSpec, run_file: Path) -> Plan:
-    """Validate the run against the cluster and the store; change nothing."""
+def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = False) -> Plan:
+    """Validate the run against the cluster, its data and the store; change nothing.
+
+    With ``new``, the plan starts the run over: whatever the store holds for it is to be
+    deleted (``Plan.replaces``) rather than resumed or checked against.
+    """
     cluster = state.read()
     nodes = cluster["nodes"]
     if spec.nodes.min > len(nodes):
@@ -69,20 +75,22 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path) -> Plan:
             "see `infractl status` and `infractl logs`"
         )
     store = store_for(state)
-    record = runstore.read_run_record(store, spec.name) or {
-        "run_id": spec.name,
-        "cluster": state.name,
-        "attempts": [],
-    }
+    version = dataset_version(spec.data)
+    fresh = {"run_id": spec.name, "cluster": state.name, "attempts": [], "dataset_version": version}
+    existing = runstore.read_run_record(store, spec.name)
+    if new:
+        return Plan(store=store, cluster=cluster, record=fresh, nodes=nodes[: spec.nodes.max],
+                    resume_from=0, complete=False, replaces=existing is not None)
+    record = existing or fresh
+    if record.get("dataset_version", version) != version:
+        raise ConfigError(
+            f"{run_file}: data: run {spec.name!r} was trained on dataset version {record['dataset_version']}, "
+            f"but {spec.data.path or spec.data.source} is now version {version}; "
+            "use a new run name, or --new to start over"
+        )
     last = runstore.latest_committed_step(store, spec.name) or 0
-    return Plan(
-        store=store,
-        cluster=cluster,
-        record=record,
-        nodes=nodes[: spec.nodes.max],
-        resume_from=last,
-        complete=last >= spec.steps,
-    )
+    return Plan(store=store, cluster=cluster, record=record, nodes=nodes[: spec.nodes.max],
+                resume_from=last, complete=last >= spec.steps, replaces=False)
 
 
 def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str, rdzv_id: str,

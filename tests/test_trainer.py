@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec, load_run_json, per_rank_batch
+from infractl import dataset
+from infractl.config import CheckpointSpec, DataSpec, EvalSpec, ModelSpec, RunSpec, load_run_json, per_rank_batch
 from infractl.errors import ConfigError
 from infractl.runstore import (
     checkpoint_prefix,
@@ -380,3 +381,31 @@ def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_pa
     }  # one line per rank that got there
     assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refused(
+    tmp_path: Path,
+) -> None:
+    def prepared(name: str, salt: str) -> str:
+        src = tmp_path / f"src-{name}"
+        src.mkdir()
+        for i in range(60):
+            (src / f"doc{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i} + {salt!r}\n" * 40)
+        dataset.prepare([src], tmp_path / name, val_fraction=0.3)
+        return str(tmp_path / name)
+
+    spec = tiny_spec(
+        data=DataSpec(source="prepared", path=prepared("ds1", "a")), eval=EvalSpec(every=5, batches=1)
+    )
+    ok(torchrun(tmp_path, spec))
+    records = read_metrics(store_of(tmp_path), "tiny")
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
+    assert all(r["val_loss"] > 0 for r in records if "val_loss" in r)
+
+    changed = spec.model_copy(
+        update={"steps": 15, "data": DataSpec(source="prepared", path=prepared("ds2", "b"))}
+    )
+    refused = torchrun(tmp_path, changed, attempt=2)
+    assert not refused.ok
+    assert "was trained on dataset version" in refused.stderr
+    assert max(losses(store_of(tmp_path), "tiny")) == 10, "nothing trained on the changed data"

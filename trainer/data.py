@@ -1,4 +1,5 @@
-"""Training data: the corpus as bytes, and which samples each rank trains on at each step.
+"""Which samples each rank trains (and validates) on at each step. The bytes come from
+``infractl.dataset`` (a prepared dataset or the built-in stdlib corpus).
 
 Sample ``i`` is the window ``corpus[i*seq_len : i*seq_len + seq_len + 1]`` (inputs and the
 next-byte targets). The order of samples is a fixed permutation per epoch, seeded by
@@ -11,58 +12,20 @@ batch does not depend on the world size, and resuming at step ``s`` needs no rep
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import sysconfig
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from infractl.config import DataSpec, per_rank_batch
+from infractl.config import per_rank_batch
 from infractl.errors import ConfigError
 
 __all__ = [
-    "stdlib_files",
-    "load_corpus",
-    "corpus_sha256",
     "num_samples",
     "sample_indices",
     "ByteBatches",
+    "ValidationBatches",
 ]
-
-# Third-party packages differ between machines; the corpus must not.
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-
-
-def stdlib_files(root: Path | None = None) -> Iterator[Path]:
-    """The standard library's .py files in a fixed order (sorted walk, third-party dirs skipped)."""
-    root = root if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                yield Path(dirpath) / name
-
-
-def load_corpus(spec: DataSpec) -> np.ndarray:
-    """The first ``spec.max_bytes`` bytes of the corpus as a uint8 array."""
-    if spec.source != "stdlib":
-        raise ConfigError(f"data.source: unsupported corpus {spec.source!r}")
-    chunks: list[bytes] = []
-    remaining = spec.max_bytes
-    for path in stdlib_files():
-        data = path.read_bytes()[:remaining]
-        chunks.append(data)
-        remaining -= len(data)
-        if remaining <= 0:
-            break
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
-
-
-def corpus_sha256(corpus: np.ndarray) -> str:
-    return hashlib.sha256(corpus.tobytes()).hexdigest()
 
 
 def num_samples(corpus_len: int, seq_len: int) -> int:
@@ -70,7 +33,7 @@ def num_samples(corpus_len: int, seq_len: int) -> int:
     count = (corpus_len - 1) // seq_len
     if count < 1:
         raise ConfigError(
-            f"data.max_bytes: the corpus ({corpus_len} bytes) is shorter than one sample "
+            f"data: the split ({corpus_len} bytes) is shorter than one sample "
             f"(model.seq_len + 1 = {seq_len + 1} bytes)"
         )
     return count
@@ -136,3 +99,36 @@ class ByteBatches:
         windows = torch.from_numpy(self.corpus[indices[:, None] * self.seq_len + self._window])
         windows = windows.long()
         return windows[:, :-1], windows[:, 1:]
+
+
+class ValidationBatches:
+    """A fixed validation set: the first ``batches`` global batches of the split, in order.
+
+    Rank ``r`` takes its contiguous share of each, so every rank sees different samples and the
+    set is the same at any world size (the mean over all ranks is the validation loss).
+    """
+
+    def __init__(
+        self, tokens: np.ndarray, *, seq_len: int, batch_size: int, batches: int, rank: int, world_size: int
+    ) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.per_rank = per_rank_batch(batch_size, world_size)
+        samples = num_samples(len(tokens), seq_len)
+        total = min(batches * batch_size, samples - samples % batch_size)
+        if total == 0:
+            raise ConfigError(
+                f"data: the validation split holds {samples} sample(s), fewer than one batch ({batch_size}); "
+                "raise data.val_fraction or turn evaluation off (eval.every: 0)"
+            )
+        starts = [b + rank * self.per_rank for b in range(0, total, batch_size)]
+        self._indices = [np.arange(s, s + self.per_rank, dtype=np.int64) for s in starts]
+        self._window = np.arange(seq_len + 1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for indices in self._indices:
+            windows = torch.from_numpy(self.tokens[indices[:, None] * self.seq_len + self._window]).long()
+            yield windows[:, :-1], windows[:, 1:]

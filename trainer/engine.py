@@ -15,11 +15,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from infractl.config import RunSpec
+from infractl.dataset import open_dataset
+from infractl.errors import ConfigError
 from infractl.log import get_logger
 from infractl.runstore import Manifest
 from infractl.store import Store
 from trainer.checkpoint import Checkpointer
-from trainer.data import ByteBatches, corpus_sha256, load_corpus
+from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
@@ -73,15 +75,27 @@ class Trainer:
         self.device = device
         self.config_hash = config_hash(spec)
 
-        corpus = load_corpus(spec.data)
-        self.corpus_sha256 = corpus_sha256(corpus)
+        dataset = open_dataset(spec.data)
+        self.dataset_version = dataset.version
         self.data = ByteBatches(
-            corpus,
+            dataset.tokens("train"),
             seq_len=spec.model.seq_len,
             batch_size=spec.batch_size,
             seed=spec.seed,
             rank=env.rank,
             world_size=env.world_size,
+        )
+        self.validation = (
+            ValidationBatches(
+                dataset.tokens("val"),
+                seq_len=spec.model.seq_len,
+                batch_size=spec.batch_size,
+                batches=spec.eval.batches,
+                rank=env.rank,
+                world_size=env.world_size,
+            )
+            if spec.eval.every
+            else None
         )
 
         if spec.deterministic:
@@ -151,9 +165,13 @@ class Trainer:
             log.warning(
                 "config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash
             )
-        if manifest.extra.get("corpus_sha256") != self.corpus_sha256:
-            log.warning(
-                "corpus_changed", saved=manifest.extra.get("corpus_sha256"), now=self.corpus_sha256
+        saved_version = manifest.extra.get("dataset_version")
+        if saved_version is not None and saved_version != self.dataset_version:
+            # Continuing on other data would silently make a different model under the same name.
+            raise ConfigError(
+                f"data: run {self.checkpointer.run_id!r} was trained on dataset version {saved_version}, "
+                f"but {self.spec.data.path or self.spec.data.source} is now version {self.dataset_version}; "
+                "train it under a new run name, or start over with `infractl train --new`"
             )
         return self.progress.step
 
@@ -169,19 +187,20 @@ class Trainer:
             elapsed = time.perf_counter() - started
             self.progress.step = step
             self.progress.tokens_seen += tokens_per_step
+            record = StepRecord(
+                step=step,
+                loss=loss,
+                step_time_s=round(elapsed, 6),
+                tokens_per_s=round(tokens_per_step / elapsed, 1),
+                world_size=self.env.world_size,
+                attempt=self.env.attempt,
+                restart_count=self.env.restart_count,
+                time=time.time(),
+            )
+            if self.validation is not None and (step % spec.eval.every == 0 or step == spec.steps):
+                record["val_loss"] = self._evaluate(self.validation)
             if self.metrics is not None:
-                self.metrics.add(
-                    StepRecord(
-                        step=step,
-                        loss=loss,
-                        step_time_s=round(elapsed, 6),
-                        tokens_per_s=round(tokens_per_step / elapsed, 1),
-                        world_size=self.env.world_size,
-                        attempt=self.env.attempt,
-                        restart_count=self.env.restart_count,
-                        time=time.time(),
-                    )
-                )
+                self.metrics.add(record)
             if step % spec.checkpoint.every == 0 or step == spec.steps:
                 self._checkpoint(step)
         self.checkpointer.close()  # saves are async: the last one must commit before exit 0
@@ -206,6 +225,18 @@ class Trainer:
         dist.all_reduce(mean)
         return float(mean.item()) / self.env.world_size
 
+    @torch.no_grad()
+    def _evaluate(self, batches: ValidationBatches) -> float:
+        """Mean loss over the fixed validation batches, all ranks together (collective)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in batches:
+            with self._autocast():
+                logits = self.model(inputs.to(self.device))
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.to(self.device).reshape(-1))
+            total += loss.double()
+        dist.all_reduce(total)
+        return float(total.item()) / (len(batches) * self.env.world_size)
+
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """The forward's compute dtype, the same way for every scheme (fsdp also gathers its
         weights in it; see ``parallelize``)."""
@@ -224,6 +255,6 @@ class Trainer:
             extra={
                 "tokens_seen": self.progress.tokens_seen,
                 "config_hash": self.config_hash,
-                "corpus_sha256": self.corpus_sha256,
+                "dataset_version": self.dataset_version,
             },
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from infractl.runstore import write_metrics
 from infractl.store import Store
@@ -23,6 +23,7 @@ class StepRecord(TypedDict):
     attempt: int
     restart_count: int
     time: float
+    val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
 
 
 class MetricsWriter:

@@ -30,11 +30,10 @@ def train(
     spec = load_run(run_file)
     state, _ = resolve_cluster(cluster_opt)
     with state.lock("train"):
-        plan = launcher.prepare(state, spec, run_file)
-        if new and plan.record["attempts"]:
+        plan = launcher.prepare(state, spec, run_file, new=new)
+        if plan.replaces:
             confirm(f"Delete the checkpoints and metrics of run {spec.name!r} and start over?", yes=yes)
             plan.store.delete_prefix(runstore.run_prefix(spec.name))
-            plan = launcher.prepare(state, spec, run_file)
         if plan.complete:
             out.success(f"run {spec.name!r} already completed (committed step {plan.resume_from} of {spec.steps}); "
                         "use --new to start over")
