@@ -88,6 +88,14 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
             f"but {spec.data.path or spec.data.source} is now version {version}; "
             "use a new run name, or --new to start over"
         )
+    saved_model = record.get("spec", {}).get("model")
+    if saved_model is not None and saved_model != spec.model.model_dump(mode="json"):
+        changed = sorted(k for k, v in spec.model.model_dump(mode="json").items() if saved_model.get(k) != v)
+        was = ", ".join(f"model.{k}={saved_model.get(k)}" for k in changed)
+        raise ConfigError(
+            f"{run_file}: model: run {spec.name!r} has checkpoints of another shape ({was}); "
+            "its checkpoints cannot load into this model: use a new run name, or --new to start over"
+        )
     last = runstore.latest_committed_step(store, spec.name) or 0
     return Plan(store=store, cluster=cluster, record=record, nodes=nodes[: spec.nodes.max],
                 resume_from=last, complete=last >= spec.steps, replaces=False)

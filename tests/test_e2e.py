@@ -98,6 +98,9 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     other_data = write(cli.cwd / "other.yaml", (RUN % {"min": 1, "max": 2}).replace("max_bytes: 200000", "max_bytes: 150000"))
     refused = cli("train", str(other_data), expect=2)
     assert "other.yaml: data: run 'e2e' was trained on dataset version" in refused.stderr
+    other_shape = write(cli.cwd / "shape.yaml", (RUN % {"min": 1, "max": 2}).replace("hidden: 64", "hidden: 32"))
+    refused = cli("train", str(other_shape), expect=2)
+    assert "shape.yaml: model: run 'e2e' has checkpoints of another shape (model.hidden=64)" in refused.stderr
     refused = cli("train", str(run), "--new", expect=2)
     assert "pass --yes to confirm" in refused.stderr
     assert runstore.latest_committed_step(store, "e2e") == 240, "a refused --new deletes nothing"
