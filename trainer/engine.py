@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import RunSpec
 from infractl.dataset import open_dataset
@@ -23,7 +24,8 @@ from infractl.store import Store
 from trainer.checkpoint import Checkpointer
 from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
-from trainer.metrics import MetricsWriter, StepRecord
+from trainer.fingerprint import environment_fingerprint
+from trainer.metrics import CommTimer, MetricsWriter, StepClock, StepRecord, peak_memory_bytes
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype, parallelize
@@ -74,6 +76,8 @@ class Trainer:
         self.env = env
         self.device = device
         self.config_hash = config_hash(spec)
+        self.fingerprint = environment_fingerprint(world_size=env.world_size)
+        log.info("environment", **self.fingerprint)
 
         dataset = open_dataset(spec.data)
         self.dataset_version = dataset.version
@@ -128,7 +132,17 @@ class Trainer:
             world_size=env.world_size,
             keep=spec.checkpoint.keep,
         )
-        self.metrics = MetricsWriter(store, run_id) if env.rank == 0 else None
+        self.metrics = (
+            MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id)
+            if env.rank == 0
+            else None
+        )
+        self.clock = StepClock(device)
+        # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
+        self.comm: CommTimer | None = None
+        if isinstance(self.model, DistributedDataParallel):
+            self.comm = CommTimer(self.clock)
+            self.comm.attach(self.model)
 
     def _state(self, loading: Manifest | None) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -180,10 +194,11 @@ class Trainer:
         self.resume()
         spec = self.spec
         tokens_per_step = spec.batch_size * spec.model.seq_len
+        first = True
         while self.progress.step < spec.steps:
             step = self.progress.step + 1
             started = time.perf_counter()
-            loss = self._train_step(step)
+            loss, split = self._train_step(step)
             elapsed = time.perf_counter() - started
             self.progress.step = step
             self.progress.tokens_seen += tokens_per_step
@@ -196,34 +211,57 @@ class Trainer:
                 attempt=self.env.attempt,
                 restart_count=self.env.restart_count,
                 time=time.time(),
+                **split,
+                checkpoint_blocking_s=0.0,
+                peak_memory_bytes=peak_memory_bytes(self.device),
             )
+            if first:
+                record["environment"] = self.fingerprint
+                first = False
             if self.validation is not None and (step % spec.eval.every == 0 or step == spec.steps):
                 record["val_loss"] = self._evaluate(self.validation)
-            if self.metrics is not None:
-                self.metrics.add(record)
             if step % spec.checkpoint.every == 0 or step == spec.steps:
-                self._checkpoint(step)
+                self._checkpoint(step, record)
+            elif self.metrics is not None:
+                self.metrics.add(record)
         self.checkpointer.close()  # saves are async: the last one must commit before exit 0
         if self.metrics is not None:
-            self.metrics.flush()
+            self.metrics.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
 
-    def _train_step(self, step: int) -> float:
+    def _train_step(self, step: int) -> tuple[float, dict[str, Any]]:
+        """One optimizer step; return the global batch's loss and how the step's time split
+        (the ``StepRecord`` fields ``data_s`` .. ``comm_s``)."""
+        clock = self.clock
+        if self.comm is not None:
+            self.comm.reset()
+        start = clock.mark()
         inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
+        fetched = clock.mark()
         with self._autocast():
             logits = self.model(inputs)
         # fsdp's bf16 policy returns bf16 logits; the loss is fp32 for every scheme.
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        backward_done = clock.mark()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), _GRAD_CLIP)
         self.optimizer.step()
         self.progress.scheduler.step()
+        stepped = clock.mark()
         # The recorded loss is the global batch's, not rank 0's share of it.
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        return float(mean.item()) / self.env.world_size
+        global_loss = float(mean.item()) / self.env.world_size
+        # After .item(): on CUDA the marks are events, complete only once the stream synced.
+        split = {
+            "data_s": round(clock.seconds(start, fetched), 6),
+            "forward_backward_s": round(clock.seconds(fetched, backward_done), 6),
+            "optimizer_s": round(clock.seconds(backward_done, stepped), 6),
+            "comm_s": round(self.comm.seconds(), 6) if self.comm is not None else None,
+        }
+        return global_loss, split
 
     @torch.no_grad()
     def _evaluate(self, batches: ValidationBatches) -> float:
@@ -244,11 +282,16 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=compute_dtype(self.spec.mixed_precision))
 
-    def _checkpoint(self, step: int) -> None:
-        # Metrics first: once the step is committed a crash resumes after it, and
-        # records still buffered would never be written.
+    def _checkpoint(self, step: int, record: StepRecord) -> None:
+        """Save ``step`` and record it: ``record`` is the step's, still unwritten."""
+        # Metrics first: once the step is committed a crash resumes after it, and records
+        # still buffered would never be written. This step's record is among them, but its
+        # checkpoint_blocking_s is known only after the save: it is written now without it,
+        # and again after the save with it (read_metrics keeps a step's newest record).
         if self.metrics is not None:
+            self.metrics.add(record | {"checkpoint_blocking_s": None})
             self.metrics.flush()
+        started = time.perf_counter()
         self.checkpointer.save(
             step,
             self._state(None),
@@ -256,5 +299,9 @@ class Trainer:
                 "tokens_seen": self.progress.tokens_seen,
                 "config_hash": self.config_hash,
                 "dataset_version": self.dataset_version,
+                "environment": self.fingerprint,
             },
         )
+        blocking = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})

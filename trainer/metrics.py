@@ -1,15 +1,41 @@
-"""Per-step metrics, buffered and written to the store in chunks (object stores cannot append)."""
+"""Per-step metrics: how a step's time splits and what it cost, measured cheaply; records
+buffered and written to the store in chunks (object stores cannot append), mirrored into
+TensorBoard event files that are uploaded whole."""
 
 from __future__ import annotations
 
+import contextlib
+import resource
+import shutil
+import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import NotRequired, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-from infractl.runstore import write_metrics
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from infractl.log import get_logger
+from infractl.runstore import run_prefix, write_metrics
 from infractl.store import Store
+from trainer.fingerprint import Fingerprint
 
-__all__ = ["StepRecord", "MetricsWriter"]
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+__all__ = [
+    "StepRecord",
+    "MetricsWriter",
+    "StepClock",
+    "CommTimer",
+    "peak_memory_bytes",
+    "tensorboard_prefix",
+]
+
+log = get_logger(__name__)
 
 
 class StepRecord(TypedDict):
@@ -17,45 +43,250 @@ class StepRecord(TypedDict):
 
     step: int
     loss: float
-    step_time_s: float
+    step_time_s: float  # the training step alone: evaluation and checkpointing are outside it
     tokens_per_s: float
     world_size: int
     attempt: int
     restart_count: int
     time: float
+    # The split of step_time_s. The parts need not add up to it: the loss all-reduce for the
+    # record is in neither, and comm_s overlaps forward_backward_s (see CommTimer).
+    data_s: float  # fetching the batch and moving it to the device
+    forward_backward_s: float  # forward, loss, zero_grad, backward (DDP's all-reduce wait too)
+    optimizer_s: float  # gradient clipping, optimizer and LR scheduler step
+    comm_s: float | None  # gradient all-reduce window (DDP, zero1); None for fsdp
+    # Time the training thread spent in Checkpointer.save (staging, and waiting for the
+    # previous save) after this step; 0.0 on steps without a checkpoint. None only in the
+    # copy of a checkpoint step's record written before the save (see Trainer.train).
+    checkpoint_blocking_s: float | None
+    peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
     val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
+    environment: NotRequired[Fingerprint]  # in the first record of every process
+
+
+#: TensorBoard tags of the numeric record fields (the rest are not worth a chart).
+_SCALARS = {
+    "loss": "loss",
+    "val_loss": "val_loss",
+    "tokens_per_s": "tokens_per_s",
+    "step_time_s": "time/step_s",
+    "data_s": "time/data_s",
+    "forward_backward_s": "time/forward_backward_s",
+    "optimizer_s": "time/optimizer_s",
+    "comm_s": "time/comm_s",
+    "checkpoint_blocking_s": "time/checkpoint_blocking_s",
+    "peak_memory_bytes": "memory/peak_bytes",
+}
+
+
+def tensorboard_prefix(run_id: str) -> str:
+    """Where a run's TensorBoard event files are uploaded (one object per file)."""
+    return f"{run_prefix(run_id)}/tensorboard"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank so far: torch's allocations on CUDA, the max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in KiB on Linux, in bytes on macOS.
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+# A mark on the step's timeline: host seconds on CPU; on CUDA an event recorded on the current
+# stream, so that durations are the device's and need no synchronization to take.
+Mark = float | torch.cuda.Event
+
+
+class StepClock:
+    """Takes marks during a step and turns pairs of them into seconds.
+
+    On CPU every op has finished when the host moves on, so the host clock is the truth and a
+    mark costs one ``perf_counter``. On CUDA the host only queues work: marks are CUDA events,
+    read with ``seconds`` after the step's existing synchronization (the loss ``.item()``);
+    reading them earlier would block.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Mark:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Mark, end: Mark) -> float:
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return float(start.elapsed_time(end)) / 1000.0
+        assert isinstance(start, float) and isinstance(end, float)
+        return end - start
+
+
+class CommTimer:
+    """Times DDP's gradient all-reduce through a communication hook.
+
+    The hook is DDP's default all-reduce, with a mark when a bucket's all-reduce is launched
+    and one when it completes. ``comm_s`` is the window from the first launch to the last
+    completion in a step. DDP launches a bucket as soon as its gradients are ready, so this
+    window overlaps the backward pass: it is *not* a part to add to forward_backward_s; it
+    tells how long gradient communication was in flight. Where it is much shorter than the
+    backward, communication is hidden; where the backward ends with a long tail of it (the
+    last bucket), communication is what the step waits for.
+
+    FSDP2 has no such hook (its all-gathers and reduce-scatters are issued from its own
+    autograd hooks, on their own streams): measuring them would take the profiler, so its
+    ``comm_s`` is None.
+    """
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()  # completions arrive on the backend's threads
+        self._first: Mark | None = None
+        self._last: Mark | None = None
+
+    def attach(self, model: DistributedDataParallel) -> None:
+        model.register_comm_hook(self, _timed_allreduce)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._first = self._last = None
+
+    def launched(self) -> None:
+        mark = self.clock.mark()
+        with self._lock:
+            if self._first is None:
+                self._first = mark
+
+    def completed(self) -> None:
+        mark = self.clock.mark()
+        with self._lock:
+            self._last = mark
+
+    def seconds(self) -> float:
+        """The step's all-reduce window; read it after the step has synchronized."""
+        with self._lock:
+            if self._first is None or self._last is None:
+                return 0.0
+            return max(self.clock.seconds(self._first, self._last), 0.0)
+
+
+# No annotations: DDP checks a hook's annotations against the real types, and with postponed
+# annotations (this module's __future__ import) they are strings. (CommTimer, GradBucket) ->
+# Future[Tensor].
+def _timed_allreduce(timer, bucket):  # type: ignore[no-untyped-def]
+    timer.launched()
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        # On CUDA the callback runs with its stream made to wait for the all-reduce, so an
+        # event recorded here marks its completion on the device.
+        timer.completed()
+        return fut.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
 
 
 class MetricsWriter:
-    """Buffers records and writes a chunk every ``every_steps`` records or ``every_s`` seconds."""
+    """Buffers records and writes a chunk every ``every_steps`` records or ``every_s`` seconds.
+
+    With ``tensorboard_dir``, every record's numbers also go to a TensorBoard event file there;
+    ``flush`` uploads the event files whole to ``runs/<id>/tensorboard/`` (object stores
+    cannot append), and ``close`` uploads them a last time and deletes the local copies.
+    """
 
     def __init__(
         self,
         store: Store,
         run_id: str,
         *,
+        tensorboard_dir: Path | None = None,
         every_steps: int = 5,
         every_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.run_id = run_id
+        self.tensorboard_dir = tensorboard_dir
         self.every_steps = every_steps
         self.every_s = every_s
         self._clock = clock
         self._pending: list[StepRecord] = []
         self._last_flush = clock()
+        self._tensorboard: SummaryWriter | None = None
+        self._charted: dict[int, set[str]] = {}  # step -> fields already in TensorBoard
 
     def add(self, record: StepRecord) -> None:
+        """Buffer ``record``. Adding a step again supersedes it (``read_metrics`` keeps the
+        newest); TensorBoard then gets only the fields it did not have."""
         self._pending.append(record)
+        self._chart(record)
         if (
             len(self._pending) >= self.every_steps
             or self._clock() - self._last_flush >= self.every_s
         ):
-            self.flush()
+            self._write()
 
     def flush(self) -> None:
+        """Write the buffered records and upload the TensorBoard event files."""
+        self._write()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+            self._upload()
+
+    def close(self) -> None:
+        """Flush, then close TensorBoard's writer; once the event files are in the store the
+        local copies go (the workdir is scratch). Idempotent."""
+        self.flush()
+        if self._tensorboard is None:
+            return
+        self._tensorboard.close()
+        self._tensorboard = None
+        if self._upload():
+            assert self.tensorboard_dir is not None
+            shutil.rmtree(self.tensorboard_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the runs' shared parent, once it is empty
+                self.tensorboard_dir.parent.rmdir()
+
+    def _write(self) -> None:
         if self._pending:
             write_metrics(self.store, self.run_id, [dict(r) for r in self._pending])
             self._pending = []
         self._last_flush = self._clock()
+
+    def _chart(self, record: StepRecord) -> None:
+        if self.tensorboard_dir is None:
+            return
+        step = record["step"]
+        if self._tensorboard is None:
+            # Imported here: it takes a second or two and only rank 0 needs it. purge_step
+            # makes TensorBoard drop what an earlier attempt wrote from this step on, so a
+            # resumed run's replayed steps are not drawn twice.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(
+                str(self.tensorboard_dir), purge_step=step, flush_secs=3600
+            )
+        charted = self._charted.setdefault(step, set())
+        raw: dict[str, Any] = dict(record)
+        for field, tag in _SCALARS.items():
+            value = raw.get(field)
+            if value is not None and field not in charted:
+                self._tensorboard.add_scalar(tag, value, step, walltime=record["time"])
+                charted.add(field)
+        # Only the newest steps can be added again.
+        for old in [s for s in self._charted if s < step - 1]:
+            del self._charted[old]
+
+    def _upload(self) -> bool:
+        """Put every event file in the store, whole; False (logged) if the store failed:
+        training goes on and the next flush tries again."""
+        assert self.tensorboard_dir is not None
+        prefix = tensorboard_prefix(self.run_id)
+        try:
+            for path in sorted(self.tensorboard_dir.glob("events.out.tfevents.*")):
+                self.store.put_file(f"{prefix}/{path.name}", path)
+        except Exception as exc:
+            log.warning("tensorboard_upload_failed", error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
