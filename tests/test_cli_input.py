@@ -30,6 +30,12 @@ def test_mistyped_run_field_names_field_and_file(cli: Cli) -> None:
     assert "integer" in result.stderr
 
 
+def test_unknown_parallel_scheme_lists_the_allowed_ones(cli: Cli) -> None:
+    run = write(cli.cwd / "run.yaml", "name: r\nparallel: zero3\n")
+    result = cli("train", str(run), expect=2)
+    assert "run.yaml: parallel: Input should be 'ddp', 'zero1' or 'fsdp'" in result.stderr
+
+
 def test_missing_run_file(cli: Cli) -> None:
     result = cli("train", "nope.yaml", expect=2)
     assert "run file not found: nope.yaml" in result.stderr

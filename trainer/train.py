@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = load_run_json(args.spec)
         store = open_store(args.store, field="--store")
+        # Bad credentials or an unreachable store: one clear line now, not a traceback mid-run.
+        store.check()
         # Checked before joining the group, so a bad spec fails fast instead of in a collective.
         per_rank_batch(spec.batch_size, env.world_size)
     except UsageError as exc:
