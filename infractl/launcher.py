@@ -123,7 +123,7 @@ def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str
 
 
 def _node_env(state: ClusterState, node: dict[str, Any], run_id: str, attempt: int,
-              log_format: LogFormat) -> dict[str, str]:
+              log_format: LogFormat, image: str | None) -> dict[str, str]:
     env = dict(os.environ)
     network_env = Path(node["workdir"]) / "env" / "network.env"
     if network_env.is_file():
@@ -132,6 +132,8 @@ def _node_env(state: ClusterState, node: dict[str, Any], run_id: str, attempt: i
             if sep and not key.lstrip().startswith("#"):
                 env[key.strip()] = value.strip()
     env.setdefault("OMP_NUM_THREADS", "1")
+    if image:
+        env["INFRACTL_RUNTIME_IMAGE"] = image  # recorded in every checkpoint's environment fingerprint
     env.update(
         {
             "PYTHONUNBUFFERED": "1",
@@ -188,7 +190,7 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
                 store_uri=plan.store.uri,
                 workdir=workdir,
             ),
-            env=_node_env(state, node, spec.name, attempt, log_format),
+            env=_node_env(state, node, spec.name, attempt, log_format, plan.cluster["spec"]["runtime"]["image"]),
             cwd=workdir,
             log_path=log_path,
         )
