@@ -55,7 +55,7 @@ def metrics(
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
 ) -> None:
-    """Per-step records of a run: step, loss, step time, tokens/s, world size."""
+    """Per-step records of a run: loss, validation loss, step time, tokens/s, world size (--json: all fields)."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     store = cluster.store_for(state)
@@ -63,10 +63,11 @@ def metrics(
     if not records and runstore.read_run_record(store, run) is None:
         raise UsageError(f"RUN: no run named {run!r} in the store {store.uri}")
     table = Table(title=f"run {run}")
-    for col in ("step", "loss", "step time (s)", "tokens/s", "world", "attempt"):
+    for col in ("step", "loss", "val loss", "step time (s)", "tokens/s", "world", "attempt"):
         table.add_column(col, justify="right")
     for r in records:
-        table.add_row(str(r["step"]), f"{r['loss']:.4f}", f"{r['step_time_s']:.3f}",
+        val = f"{r['val_loss']:.4f}" if "val_loss" in r else ""
+        table.add_row(str(r["step"]), f"{r['loss']:.4f}", val, f"{r['step_time_s']:.3f}",
                       f"{r['tokens_per_s']:,.0f}", str(r.get("world_size", "-")), str(r.get("attempt", "-")))
     out.result(records, table)
 
