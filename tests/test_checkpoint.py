@@ -1,5 +1,5 @@
 """Checkpoints: the commit protocol (unit), and async saves and crash safety under real torchrun
-on gloo with a file:// store (integration)."""
+on gloo with a file:// store, and for a kill during upload also the S3 server (integration)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from infractl.runstore import (
     checkpoint_prefix,
     committed_steps,
 )
-from infractl.store import FileStore, Store
+from infractl.store import FileStore, Store, open_store
 from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer, SaveFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,9 +175,18 @@ def spec_of(**overrides: Any) -> RunSpec:
 
 
 class Job:
-    """One torchrun agent (2 workers) started in the background; its JSON log events."""
+    """One torchrun agent (2 workers) started in the background; its JSON log events. Its store
+    is ``store_uri`` (``file://`` or ``s3://``), by default ``tmp_path/store``."""
 
-    def __init__(self, tmp_path: Path, spec: RunSpec, *, attempt: int, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        spec: RunSpec,
+        *,
+        attempt: int,
+        env: dict[str, str],
+        store_uri: str | None = None,
+    ) -> None:
         spec_path = tmp_path / f"spec-{attempt}.json"
         spec_path.write_text(spec.model_dump_json())
         self.log_path = tmp_path / f"attempt{attempt}.log"
@@ -186,7 +195,7 @@ class Job:
             "--standalone", "--nnodes=1", "--nproc-per-node=2", "--monitor-interval=0.2",
             "-m", "trainer.train",
             "--spec", str(spec_path),
-            "--store", (tmp_path / "store").as_uri(),
+            "--store", store_uri or (tmp_path / "store").as_uri(),
             "--run-id", spec.name,
             "--workdir", str(tmp_path / "node0"),
         ]  # fmt: skip
@@ -222,8 +231,15 @@ class Job:
         return found
 
 
-def run(tmp_path: Path, spec: RunSpec, *, attempt: int = 1, **env: str) -> Job:
-    job = Job(tmp_path, spec, attempt=attempt, env=env)
+def run(
+    tmp_path: Path,
+    spec: RunSpec,
+    *,
+    attempt: int = 1,
+    store_uri: str | None = None,
+    **env: str,
+) -> Job:
+    job = Job(tmp_path, spec, attempt=attempt, env=env, store_uri=store_uri)
     assert job.wait() == 0, job.text()[-4000:]
     return job
 
@@ -233,18 +249,24 @@ def timestamp(event: dict[str, Any]) -> float:
 
 
 def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(
-    tmp_path: Path,
+    tmp_path: Path, store_uri: str
 ) -> None:
-    store = FileStore(tmp_path / "store")
-    run(tmp_path, spec_of(steps=5))
+    store = open_store(store_uri)  # file:// and the S3 server (conftest's store_uri)
+    run(tmp_path, spec_of(steps=5), store_uri=store_uri)
     assert committed_steps(store, "ck") == [5]
 
     # Resumed at 5, the save of step 10 uploads its shards, then (fault injection) waits
     # before the manifest and COMMITTED: kill the whole tree in that window.
-    job = Job(tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"})
-    step10 = tmp_path / "store" / checkpoint_prefix("ck", 10)
+    job = Job(
+        tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri
+    )
+    step10 = checkpoint_prefix("ck", 10)
+
+    def uploaded() -> set[str]:
+        return {o.key.rsplit("/", 1)[-1] for o in store.list(f"{step10}/")}
+
     deadline = time.monotonic() + TIMEOUT_S
-    while not (len(list(step10.glob("*.distcp"))) == 2 and (step10 / ".metadata").is_file()):
+    while not {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= uploaded():
         assert job.agent.poll() is None, job.text()[-4000:]
         assert time.monotonic() < deadline, job.text()[-4000:]
         time.sleep(0.05)
@@ -253,16 +275,17 @@ def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(
     proc.kill(tree)
     assert proc.wait_gone(tmp_path, timeout=20) == []
     job.agent.wait(timeout=20)
-    assert not (step10 / "COMMITTED").exists()
-    assert not (step10 / "MANIFEST.json").exists()
+    assert uploaded() == {"__0_0.distcp", "__1_0.distcp", ".metadata"}  # no MANIFEST, COMMITTED
     assert [e["step"] for e in job.events("checkpoint_started")] == [10]
     assert not job.events("checkpoint_committed")
 
-    resumed = run(tmp_path, spec_of(steps=7), attempt=3)
+    resumed = run(tmp_path, spec_of(steps=7), attempt=3, store_uri=store_uri)
 
     assert [e["step"] for e in resumed.events("resumed")] == [5]
     assert [e["steps"] for e in resumed.events("checkpoints_cleaned")] == [[10]]
-    assert not step10.exists()
+    assert store.list(f"{step10}/") == []
+    if isinstance(store, FileStore):
+        assert not (store.root / step10).exists()  # no empty directory left either
     assert committed_steps(store, "ck") == [5, 7]
     assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # no staging left
 

@@ -76,10 +76,16 @@ def reference_losses(root: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-def copy_of(root: Path, tmp_path: Path) -> Store:
-    """A copy of the reference run's store in ``tmp_path``, for a test to resume from."""
-    shutil.copytree(root / "store", tmp_path / "store")
-    return store_of(tmp_path)
+def copy_of(root: Path, tmp_path: Path, store_uri: str | None = None) -> Store:
+    """A copy of the reference run's store, for a test to resume from: in ``tmp_path`` (the
+    default store of ``torchrun``), or object by object into the empty store ``store_uri``."""
+    if store_uri is None:
+        shutil.copytree(root / "store", tmp_path / "store")
+        return store_of(tmp_path)
+    source, store = store_of(root), store_of(store_uri)
+    for obj in source.list(""):
+        store.put_bytes(obj.key, source.get_bytes(obj.key))
+    return store
 
 
 def uncommit(store: Store, *steps: int) -> None:
@@ -108,14 +114,16 @@ def test_identical_runs_repeat_every_loss_bit(
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_resume_on_the_same_world_size_repeats_every_loss_bit(
-    scheme: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    # The reference run stays on file://; the resumed run loads from, saves to and records in
+    # ``store_uri``: file:// and the S3 server (conftest's store_uri).
     root = reference_run(tmp_path_factory, scheme)
     reference = reference_losses(root)
-    store = copy_of(root, tmp_path)
+    store = copy_of(root, tmp_path, store_uri)
     uncommit(store, 8, 12)
 
-    run = ok(torchrun(tmp_path, scheme_spec(scheme), attempt=2))
+    run = ok(torchrun(tmp_path, scheme_spec(scheme), attempt=2, store_uri=store_uri))
 
     assert [e["step"] for e in run.event("resumed")] == [4]
     after = attempt_losses(store, 2)
@@ -125,20 +133,26 @@ def test_resume_on_the_same_world_size_repeats_every_loss_bit(
 # -- resharding: 2 ranks -> 1 -> 2 ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+#: Every scheme reshards on file://; on the S3 server only fsdp does (its DTensor shards are
+#: the ones DCP really re-partitions; two more torchrun launches per scheme would cost ~40 s).
+RESHARD_CASES = [*(("file", scheme) for scheme in SCHEMES), ("s3", "fsdp")]
+
+
+@pytest.mark.parametrize(("store_uri", "scheme"), RESHARD_CASES, indirect=["store_uri"])
 def test_resume_on_another_world_size_stays_within_tolerance(
-    scheme: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     root = reference_run(tmp_path_factory, scheme)
     reference = reference_losses(root)
-    store = copy_of(root, tmp_path)
+    store = copy_of(root, tmp_path, store_uri)
     spec = scheme_spec(scheme)
 
     uncommit(store, 8, 12)
-    shrunk = ok(torchrun(tmp_path, spec, nproc=1, attempt=2))  # commits 8 and 12 on 1 rank
+    # Commits 8 and 12 on 1 rank.
+    shrunk = ok(torchrun(tmp_path, spec, nproc=1, attempt=2, store_uri=store_uri))
     on_one = attempt_losses(store, 2)  # read now: the next run records steps 9..12 again
     uncommit(store, 12)
-    grown = ok(torchrun(tmp_path, spec, nproc=2, attempt=3))
+    grown = ok(torchrun(tmp_path, spec, nproc=2, attempt=3, store_uri=store_uri))
     on_two = attempt_losses(store, 3)
 
     for run, (step, saved, now) in ((shrunk, (4, 2, 1)), (grown, (8, 1, 2))):

@@ -25,7 +25,7 @@ from infractl.runstore import (
     read_metrics,
     verify_checkpoint,
 )
-from infractl.store import FileStore, Store
+from infractl.store import FileStore, Store, open_store
 from trainer.data import ByteBatches, sample_indices
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.optimizer import lr_factor
@@ -87,9 +87,19 @@ def free_port() -> int:
 
 
 def torchrun(
-    tmp_path: Path, spec: RunSpec, *, nproc: int = 2, nodes: int = 1, attempt: int = 1
+    tmp_path: Path,
+    spec: RunSpec,
+    *,
+    nproc: int = 2,
+    nodes: int = 1,
+    attempt: int = 1,
+    store_uri: str | None = None,
 ) -> Run:
-    """Run the trainer as the launcher does: one torchrun agent per node, each node its workdir."""
+    """Run the trainer as the launcher does: one torchrun agent per node, each node its workdir.
+
+    The store is ``store_uri`` (``file://`` or ``s3://...?endpoint_url=``; the trainers find S3
+    credentials in the inherited environment), by default ``tmp_path/store``."""
+    store_uri = store_uri or default_store_uri(tmp_path)
     spec_path = tmp_path / f"spec-{attempt}.json"
     spec_path.write_text(spec.model_dump_json())
     env = os.environ | {
@@ -118,7 +128,7 @@ def torchrun(
             *rdzv, f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
             "-m", "trainer.train",
             "--spec", str(spec_path),
-            "--store", (tmp_path / "store").as_uri(),
+            "--store", store_uri,
             "--run-id", spec.name,
             "--workdir", str(tmp_path / f"node{node}"),
         ]  # fmt: skip
@@ -139,8 +149,16 @@ def torchrun(
     return Run([a.returncode for a in agents], "".join(log.read_text() for log in logs))
 
 
-def store_of(tmp_path: Path) -> Store:
-    return FileStore(tmp_path / "store")
+def default_store_uri(tmp_path: Path) -> str:
+    """The store a test's runs use unless it names another: ``file://<tmp_path>/store``."""
+    return (tmp_path / "store").as_uri()
+
+
+def store_of(where: Path | str) -> Store:
+    """The store of a test: ``tmp_path`` (its default ``file://`` store) or a store URI."""
+    if isinstance(where, Path):
+        return FileStore(where / "store")
+    return open_store(where)
 
 
 def losses(store: Store, run_id: str) -> dict[int, float]:
@@ -301,16 +319,18 @@ def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Pa
     assert committed_steps(store, "tiny")[-1] == 12
 
 
-def test_uncommitted_step_is_never_loaded_and_resume_is_exact(tmp_path: Path) -> None:
-    store = store_of(tmp_path)
+def test_uncommitted_step_is_never_loaded_and_resume_is_exact(
+    tmp_path: Path, store_uri: str
+) -> None:
+    store = store_of(store_uri)  # file:// and the S3 server (conftest's store_uri)
     spec = tiny_spec(steps=10)
-    ok(torchrun(tmp_path, spec))
+    ok(torchrun(tmp_path, spec, store_uri=store_uri))
     before = losses(store, spec.name)
     # Killed between upload and commit: step 10's files and manifest exist, COMMITTED does not.
     store.delete_prefix(f"{checkpoint_prefix(spec.name, 10)}/COMMITTED")
     assert store.exists(f"{checkpoint_prefix(spec.name, 10)}/MANIFEST.json")
 
-    run = ok(torchrun(tmp_path, spec, attempt=2))
+    run = ok(torchrun(tmp_path, spec, attempt=2, store_uri=store_uri))
 
     assert [e["step"] for e in run.event("resumed")] == [5]
     after = losses(store, spec.name)
