@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from infractl import __version__
-from infractl.cli import cluster, data, observe, schema, train
+from infractl.cli import cluster, data, drill, observe, schema, train
 from infractl.errors import InfractlError
 from infractl.log import LogFormat, configure
 from infractl.output import Output
@@ -41,7 +41,7 @@ def _root(
     configure(log_format)
 
 
-for module in (cluster, train, observe, data, schema):
+for module in (cluster, train, observe, data, schema, drill):
     module.register(app)
 
 
