@@ -26,6 +26,11 @@ __all__ = ["Launch", "prepare", "launch", "watch", "torchrun_argv"]
 
 # Seconds between looks at the agents and the store while following a run in the foreground.
 _POLL_S = 1.0
+# Rendezvous timing (seconds): how long survivors wait for more nodes once nodes.min joined, and
+# the keep-alive interval by which a dead node is noticed. Agents of one launch start within
+# milliseconds of each other, so a short last call still gathers every node at the start.
+_LAST_CALL_S = 5
+_KEEP_ALIVE_S = 2
 
 
 @dataclass
@@ -110,8 +115,12 @@ def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rendezvous}",
         f"--rdzv-id={rdzv_id}",
-        # The endpoint is the cluster's own rendezvous server, never a training node.
-        "--rdzv-conf=is_host=false",
+        # The endpoint is the cluster's own rendezvous server, never a training node. After a node
+        # dies, survivors re-rendezvous and wait last_call_timeout for more nodes (default 30 s)
+        # once nodes.min is reached; a node that stops sending keep-alives is dropped after
+        # interval x attempts (default 15 s). Both defaults dominate recovery time.
+        f"--rdzv-conf=is_host=false,last_call_timeout={_LAST_CALL_S},"
+        f"keep_alive_interval={_KEEP_ALIVE_S},keep_alive_max_attempt=3",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=1",
         "-m", "trainer.train",
