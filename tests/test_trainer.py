@@ -400,14 +400,6 @@ def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path)
         assert not [p for p in (tmp_path / node).rglob("*") if p.is_file()]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "trainer/train.py main() calls store.check() before per_rank_batch() (since 496b061): "
-        "FileStore.check() mkdirs the store root, so a bad batch_size leaves an empty store "
-        "directory behind (bad config must change nothing); check the spec before the store"
-    ),
-)
 def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_path: Path) -> None:
     run = torchrun(tmp_path, tiny_spec(batch_size=9))
 

@@ -66,11 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     structlog.contextvars.bind_contextvars(rank=env.rank)
     try:
         spec = load_run_json(args.spec)
+        # Checked before joining the group, so a bad spec fails fast instead of in a collective,
+        # and before touching the store, so it changes nothing.
+        per_rank_batch(spec.batch_size, env.world_size)
         store = open_store(args.store, field="--store")
         # Bad credentials or an unreachable store: one clear line now, not a traceback mid-run.
         store.check()
-        # Checked before joining the group, so a bad spec fails fast instead of in a collective.
-        per_rank_batch(spec.batch_size, env.world_size)
     except UsageError as exc:
         # Every rank says it: torchrun stops the others as soon as the first one exits.
         log.error(exc.message)
