@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from infractl import proc
+from infractl import proc, runstore
+from infractl.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,6 +61,17 @@ def cli(tmp_path: Path) -> "Cli":
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float) -> int:
+    """Poll until the run has a committed checkpoint at ``at_least`` or later; return its step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step = runstore.latest_committed_step(store, run_id)
+        if step is not None and step >= at_least:
+            return step
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
 
 
 # --- S3: a real S3 API server (moto's standalone server) over HTTP on loopback -------------------

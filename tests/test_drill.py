@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from conftest import Cli, write
+from conftest import Cli, wait_for_commit, write
 from infractl import drill, proc, runstore
 from infractl.store import FileStore
 
@@ -25,16 +24,6 @@ max_restarts: 3
 """
 
 
-def _wait_for_commit(store: FileStore, run_id: str, *, at_least: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        step = runstore.latest_committed_step(store, run_id)
-        if step is not None and step >= at_least:
-            return step
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
-
-
 def test_kill_node_drill_recovers_and_is_recorded(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", RUN)
     cluster_dir = cli.home / "local"
@@ -45,7 +34,7 @@ def test_kill_node_drill_recovers_and_is_recorded(cli: Cli) -> None:
     assert "no run is running on cluster 'local'" in refused.stderr
 
     cli("train", str(run), "--detach")
-    _wait_for_commit(store, "drill", at_least=10, timeout=120)
+    wait_for_commit(store, "drill", at_least=10, timeout=120)
     refused = cli("drill", "kill-node", "--node", "node-7", expect=2)
     assert "--node: no node 'node-7' in cluster 'local'" in refused.stderr
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from conftest import Cli, write
+from conftest import Cli, wait_for_commit, write
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
 
@@ -23,16 +22,6 @@ checkpoint: {every: 10, keep: 2}
 nodes: {min: %(min)d, max: %(max)d}
 max_restarts: 0
 """
-
-
-def _wait_for_commit(store: FileStore, run_id: str, *, at_least: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        step = runstore.latest_committed_step(store, run_id)
-        if step is not None and step >= at_least:
-            return step
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
 
 
 def test_up_train_kill_resume_teardown(cli: Cli) -> None:
@@ -62,7 +51,7 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     assert set(started["agents"]) == {"node-0", "node-1"}
 
     # Kill the training mid-run: every process of both nodes (agents and their workers).
-    _wait_for_commit(store, "e2e", at_least=20, timeout=180)
+    wait_for_commit(store, "e2e", at_least=20, timeout=180)
     victims = proc.find(cluster_dir, run="e2e")
     assert len(victims) >= 4, "expected an agent and a worker per node"
     proc.kill(victims)
@@ -107,7 +96,7 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
 
     restarted = json.loads(cli("train", str(run), "--new", "--yes", "--detach", "--json").stdout)
     assert restarted["attempt"] == 1 and restarted["resume_from"] == 0
-    _wait_for_commit(store, "e2e", at_least=10, timeout=180)
+    wait_for_commit(store, "e2e", at_least=10, timeout=180)
     assert runstore.committed_steps(store, "e2e")[0] < 240, "--new starts over from step 0"
 
     done = json.loads(cli("teardown", "--yes", "--json").stdout)
