@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from infractl import proc, runstore
-from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec
+from infractl.config import CheckpointSpec, ModelSpec, RunSpec
+from test_trainer import tiny_spec
 from infractl.runstore import (
     Manifest,
     ManifestEntry,
@@ -163,15 +164,9 @@ def test_the_saved_state_is_the_one_at_save_time_and_a_committed_step_is_left_al
 
 
 def spec_of(**overrides: Any) -> RunSpec:
-    fields: dict[str, Any] = {
-        "name": "ck",
-        "model": ModelSpec(layers=2, hidden=64, heads=2, seq_len=32),
-        "data": DataSpec(max_bytes=100_000),
-        "batch_size": 8,
-        "steps": 10,
-        "checkpoint": CheckpointSpec(every=5, keep=2),
-    }
-    return RunSpec(**(fields | overrides))
+    """test_trainer's tiny spec, a little wider so that saves take measurable time."""
+    fields: dict[str, Any] = {"name": "ck", "model": ModelSpec(layers=2, hidden=64, heads=2, seq_len=32)}
+    return tiny_spec(**(fields | overrides))
 
 
 class Job:
