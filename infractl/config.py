@@ -21,6 +21,8 @@ __all__ = [
     "CheckpointSpec",
     "EvalSpec",
     "NodeRange",
+    "WatchdogSpec",
+    "PreemptionSpec",
     "load_cluster",
     "load_run",
     "load_run_json",
@@ -114,6 +116,35 @@ class NodeRange(_Spec):
         return self
 
 
+class WatchdogSpec(_Spec):
+    """Hang detection: a rank that stops making progress is turned into a failed node."""
+
+    step_timeout_s: float = Field(
+        300,
+        ge=5,
+        le=86400,
+        description=(
+            "After the first step of each (re)start, a rank that completes no training step for this long is "
+            "killed by its node's torchrun agent and the run goes on as after a node failure. Also the "
+            "collective timeout after that first step, so survivors of a hung peer do not wait the 30-minute default."
+        ),
+    )
+
+
+class PreemptionSpec(_Spec):
+    """What a SIGTERM (spot reclaim, maintenance notice) gives the run."""
+
+    grace_s: int = Field(
+        30,
+        ge=1,
+        le=3600,
+        description=(
+            "Seconds between SIGTERM to a node and SIGKILL of its workers. Within them every rank saves an "
+            "emergency checkpoint of the current step and waits for it to commit; the next attempt resumes from it."
+        ),
+    )
+
+
 class RunSpec(_Spec):
     """run.yaml: what to train and how."""
 
@@ -150,7 +181,17 @@ class RunSpec(_Spec):
         ),
     )
     nodes: NodeRange = Field(default_factory=NodeRange, description="Elastic node range {min, max}.")
-    max_restarts: int = Field(3, ge=0, le=100, description="Times torchrun may restart the workers after a failure.")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description=(
+            "Times each node's torchrun agent may restart its workers after a failure, and times a node may "
+            "rejoin the run (`infractl rejoin`): a flapping node cannot loop forever."
+        ),
+    )
+    watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec, description="Hang detection.")
+    preemption: PreemptionSpec = Field(default_factory=PreemptionSpec, description="Grace period after SIGTERM.")
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> "RunSpec":
