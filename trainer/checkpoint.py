@@ -10,11 +10,17 @@ Save (every rank, collectively; at most one save in flight)::
                                   (this rank's shards; rank 0 also writes .metadata)
     the save's own thread         uploads what this rank wrote to ckpt/step-<N>/ under the same
                                   names and deletes it locally; then, over the checkpoint group:
-                                  all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json,
-                                  then COMMITTED create-only) and prunes, and tells every rank
+                                  all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json
+                                  with ``committed_at`` added to the caller's extra, then
+                                  COMMITTED create-only) and prunes, and tells every rank
     wait(), next save, close()    block until that thread is done. A failed save (on any rank:
                                   the outcome is agreed) raises from wait() and close(); the
                                   next save logs it and training goes on, the store may be back
+
+The caller keeps training from waiting on a slow or unreachable store: before a scheduled
+save it asks ``busy`` on every rank and, if the previous save is still running anywhere,
+skips this one (the ranks agree on that in the training step's all-reduce; see
+``Trainer.train``). Only a save that must happen (the last step, a preemption) waits.
 
 Collectives issued off the training thread (DCP's own plan exchange, the manifest gather, the
 commit outcome) all go over one dedicated gloo group created with the Checkpointer, never over
@@ -184,6 +190,17 @@ class Checkpointer:
         self._in_flight = in_flight
         in_flight.thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """True while this rank's part of the save in flight is still running (a ``save`` or
+        ``wait`` now would block)."""
+        return self._in_flight is not None and self._in_flight.thread.is_alive()
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step of the save started last and not yet waited for, if any."""
+        return self._in_flight.step if self._in_flight is not None else None
+
     def wait(self) -> int | None:
         """Block until the save in flight (if any) is done; return its step.
 
@@ -312,7 +329,7 @@ class Checkpointer:
             step=step,
             world_size=self.world_size,
             files=sorted(files, key=lambda e: e.key),
-            extra=extra | measured,
+            extra=extra | measured | {"committed_at": time.time()},
         )
         repair = step in self._repair
         committed = commit_checkpoint(self.store, self.run_id, manifest, replace=repair)

@@ -1,12 +1,21 @@
 """The training engine: one ``Trainer`` per rank builds the model, data, optimizer and
-checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, and trains."""
+checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, and trains.
+
+Each step's loss all-reduce also carries two flags, summed over the ranks, so the ranks agree
+on them without a collective of their own: whether a rank got a preemption notice (then every
+rank saves this step, waits for the commit and exits; see ``Preempted``), and whether a rank's
+previous checkpoint save is still running (then a scheduled save due now is skipped: training
+does not wait for a slow or unreachable store).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +30,8 @@ from infractl.errors import ConfigError
 from infractl.log import get_logger
 from infractl.runstore import Manifest
 from infractl.store import Store
-from trainer.checkpoint import Checkpointer
+from trainer.backoff import retry_delays
+from trainer.checkpoint import Checkpointer, SaveFailed
 from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.fingerprint import environment_fingerprint
@@ -29,6 +39,7 @@ from trainer.metrics import CommTimer, MetricsWriter, StepClock, StepRecord, pea
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype, parallelize
+from trainer.preemption import PreemptionNotice
 from trainer.state import (
     ModelState,
     RNGState,
@@ -38,8 +49,9 @@ from trainer.state import (
     rng_key,
     seed_everything,
 )
+from trainer.watchdog import StepWatchdog
 
-__all__ = ["Trainer", "config_hash"]
+__all__ = ["Preempted", "Trainer", "config_hash"]
 
 log = get_logger(__name__)
 
@@ -59,6 +71,24 @@ def config_hash(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+class Preempted(Exception):
+    """Training stopped at ``step`` because a rank got a preemption notice; ``step`` is
+    committed. ``signalled``: whether this rank got it (else a peer did)."""
+
+    def __init__(self, step: int, *, signalled: bool) -> None:
+        super().__init__(f"preempted at step {step}")
+        self.step = step
+        self.signalled = signalled
+
+
+@dataclass(frozen=True)
+class _Peers:
+    """What the step's all-reduce told every rank: how many ranks ..."""
+
+    preempted: int  # ... got a preemption notice
+    saving: int  # ... were still running their previous checkpoint save
+
+
 class Trainer:
     """Trains one run on this rank. Construct and ``train()`` on every rank of the job."""
 
@@ -71,8 +101,11 @@ class Trainer:
         workdir: Path,
         env: DistEnv,
         device: torch.device,
+        preemption: PreemptionNotice,
     ) -> None:
         self.spec = spec
+        self.preemption = preemption
+        self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.env = env
         self.device = device
         self.config_hash = config_hash(spec)
@@ -190,49 +223,116 @@ class Trainer:
         return self.progress.step
 
     def train(self) -> int:
-        """Resume, train until ``spec.steps``, checkpoint on schedule; return the last step."""
+        """Resume, train until ``spec.steps``, checkpoint on schedule; return the last step.
+
+        Raises ``Preempted`` once the step at which any rank got a preemption notice is
+        committed.
+        """
         self.resume()
         spec = self.spec
         tokens_per_step = spec.batch_size * spec.model.seq_len
         first = True
         while self.progress.step < spec.steps:
             step = self.progress.step + 1
-            started = time.perf_counter()
-            loss, split = self._train_step(step)
-            elapsed = time.perf_counter() - started
-            self.progress.step = step
-            self.progress.tokens_seen += tokens_per_step
-            record = StepRecord(
-                step=step,
-                loss=loss,
-                step_time_s=round(elapsed, 6),
-                tokens_per_s=round(tokens_per_step / elapsed, 1),
-                world_size=self.env.world_size,
-                attempt=self.env.attempt,
-                restart_count=self.env.restart_count,
-                time=time.time(),
-                **split,
-                checkpoint_blocking_s=0.0,
-                peak_memory_bytes=peak_memory_bytes(self.device),
-            )
+            final = step == spec.steps
+            # Under the watchdog (once started): the step and whatever else must not block,
+            # but never a wait for a commit, which depends on the store (see _finish).
+            with self.watchdog.step():
+                started = time.perf_counter()
+                loss, peers, split = self._train_step(step)
+                elapsed = time.perf_counter() - started
+                self.progress.step = step
+                self.progress.tokens_seen += tokens_per_step
+                record = StepRecord(
+                    step=step,
+                    loss=loss,
+                    step_time_s=round(elapsed, 6),
+                    tokens_per_s=round(tokens_per_step / elapsed, 1),
+                    world_size=self.env.world_size,
+                    attempt=self.env.attempt,
+                    restart_count=self.env.restart_count,
+                    time=time.time(),
+                    **split,
+                    checkpoint_blocking_s=0.0,
+                    peak_memory_bytes=peak_memory_bytes(self.device),
+                )
+                if first:
+                    record["environment"] = self.fingerprint
+                if self.validation is not None and (step % spec.eval.every == 0 or final):
+                    record["val_loss"] = self._evaluate(self.validation)
+                scheduled = step % spec.checkpoint.every == 0 and not final
+                if scheduled and peers.saving:
+                    if self.env.rank == 0:
+                        log.warning(
+                            "checkpoint_skipped",
+                            step=step,
+                            reason="the previous save is still running",
+                            ranks_saving=peers.saving,
+                        )
+                    scheduled = False
+                if scheduled:
+                    self._checkpoint(step, record, reason="scheduled")
+                elif not (final or peers.preempted) and self.metrics is not None:
+                    self.metrics.add(record)
             if first:
-                record["environment"] = self.fingerprint
+                self._warmed_up()
                 first = False
-            if self.validation is not None and (step % spec.eval.every == 0 or step == spec.steps):
-                record["val_loss"] = self._evaluate(self.validation)
-            if step % spec.checkpoint.every == 0 or step == spec.steps:
-                self._checkpoint(step, record)
-            elif self.metrics is not None:
-                self.metrics.add(record)
+            if final:
+                self._save_final(step, record)
+            elif peers.preempted:
+                self._save_preempted(step, record, ranks_signalled=peers.preempted)
         self.checkpointer.close()  # saves are async: the last one must commit before exit 0
         if self.metrics is not None:
             self.metrics.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
 
-    def _train_step(self, step: int) -> tuple[float, dict[str, Any]]:
-        """One optimizer step; return the global batch's loss and how the step's time split
-        (the ``StepRecord`` fields ``data_s`` .. ``comm_s``)."""
+    def _warmed_up(self) -> None:
+        """After the first step of this process: loading and the first step may be slow; from
+        now on a step has ``watchdog.step_timeout_s``, and so has every collective on the
+        default group, so survivors of a hung or dead peer fail in that time, not the
+        backend's default (30 minutes on gloo), and their agent restarts them."""
+        timeout_s = self.spec.watchdog.step_timeout_s
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        self.watchdog.start()
+        log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
+
+    def _save_final(self, step: int, record: StepRecord) -> None:
+        """Save the last step and wait until it is committed: the state is still in memory,
+        so a failed save (the store is down) is retried with backoff, for up to 10 minutes,
+        before the last failure is raised."""
+        self._checkpoint(step, record, reason="final")
+        for delay in [*retry_delays(), None]:
+            try:
+                self.checkpointer.wait()
+                return
+            except SaveFailed as exc:
+                if delay is None:
+                    raise
+                if self.env.rank == 0:
+                    log.warning("checkpoint_failed", step=exc.step, error=exc.error, retry_in_s=delay)
+                time.sleep(delay)
+                self.checkpointer.save(step, self._state(None), extra=self._extra("final"))
+
+    def _save_preempted(self, step: int, record: StepRecord, *, ranks_signalled: int) -> None:
+        """A rank got a preemption notice: commit ``step`` (unless its save is already in
+        flight), wait for it, and stop. The agent kills this process if the grace ends first;
+        the previous committed step then stays the one to resume from."""
+        if self.checkpointer.in_flight_step != step:
+            self._checkpoint(step, record, reason="preemption")
+        self.checkpointer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        signalled = self.preemption.signalled
+        if self.env.rank == 0:
+            log.warning("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
+        else:
+            log.info("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
+        raise Preempted(step, signalled=signalled)
+
+    def _train_step(self, step: int) -> tuple[float, _Peers, dict[str, Any]]:
+        """One optimizer step; return the global batch's loss, what the ranks' flags summed to,
+        and how the step's time split (the ``StepRecord`` fields ``data_s`` .. ``comm_s``)."""
         clock = self.clock
         if self.comm is not None:
             self.comm.reset()
@@ -250,10 +350,15 @@ class Trainer:
         self.optimizer.step()
         self.progress.scheduler.step()
         stepped = clock.mark()
-        # The recorded loss is the global batch's, not rank 0's share of it.
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        global_loss = float(mean.item()) / self.env.world_size
+        # The recorded loss is the global batch's, not rank 0's share of it; the flags ride
+        # along (see the module doc).
+        flags = [float(self.preemption.signalled), float(self.checkpointer.busy)]
+        summed = torch.cat(
+            [loss.detach().float().reshape(1), torch.tensor(flags, device=self.device)]
+        )
+        dist.all_reduce(summed)
+        total, preempted, saving = summed.tolist()
+        global_loss = total / self.env.world_size
         # After .item(): on CUDA the marks are events, complete only once the stream synced.
         split = {
             "data_s": round(clock.seconds(start, fetched), 6),
@@ -261,7 +366,7 @@ class Trainer:
             "optimizer_s": round(clock.seconds(backward_done, stepped), 6),
             "comm_s": round(self.comm.seconds(), 6) if self.comm is not None else None,
         }
-        return global_loss, split
+        return global_loss, _Peers(preempted=round(preempted), saving=round(saving)), split
 
     @torch.no_grad()
     def _evaluate(self, batches: ValidationBatches) -> float:
@@ -282,8 +387,9 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=compute_dtype(self.spec.mixed_precision))
 
-    def _checkpoint(self, step: int, record: StepRecord) -> None:
-        """Save ``step`` and record it: ``record`` is the step's, still unwritten."""
+    def _checkpoint(self, step: int, record: StepRecord, *, reason: str) -> None:
+        """Start saving ``step`` and record it: ``record`` is the step's, still unwritten.
+        ``reason``: "scheduled", "final" or "preemption" (kept in the manifest)."""
         # Metrics first: once the step is committed a crash resumes after it, and records
         # still buffered would never be written. This step's record is among them, but its
         # checkpoint_blocking_s is known only after the save: it is written now without it,
@@ -292,16 +398,17 @@ class Trainer:
             self.metrics.add(record | {"checkpoint_blocking_s": None})
             self.metrics.flush()
         started = time.perf_counter()
-        self.checkpointer.save(
-            step,
-            self._state(None),
-            extra={
-                "tokens_seen": self.progress.tokens_seen,
-                "config_hash": self.config_hash,
-                "dataset_version": self.dataset_version,
-                "environment": self.fingerprint,
-            },
-        )
+        self.checkpointer.save(step, self._state(None), extra=self._extra(reason))
         blocking = time.perf_counter() - started
         if self.metrics is not None:
             self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})
+
+    def _extra(self, reason: str) -> dict[str, Any]:
+        """What a checkpoint's manifest records besides the files."""
+        return {
+            "reason": reason,
+            "tokens_seen": self.progress.tokens_seen,
+            "config_hash": self.config_hash,
+            "dataset_version": self.dataset_version,
+            "environment": self.fingerprint,
+        }

@@ -5,12 +5,13 @@ TensorBoard event files that are uploaded whole."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import resource
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from infractl.log import get_logger
 from infractl.runstore import run_prefix, write_metrics
 from infractl.store import Store
+from trainer.backoff import retry_delays
 from trainer.fingerprint import Fingerprint
 
 if TYPE_CHECKING:
@@ -190,6 +192,14 @@ def _timed_allreduce(timer, bucket):  # type: ignore[no-untyped-def]
 class MetricsWriter:
     """Buffers records and writes a chunk every ``every_steps`` records or ``every_s`` seconds.
 
+    Chunks are written by a background thread, so a store that is down or slow never stops
+    training: the training thread hands a chunk over and waits for it (at most
+    ``handoff_wait_s``) only while the writer is idle and the store healthy, which keeps writes
+    effectively synchronous in normal runs. A chunk the store refuses stays queued and goes
+    out with the next one (``read_metrics`` keeps a step's newest record, so nothing is lost
+    and rewriting is harmless); a failure streak is logged once when it starts and once when
+    it ends. ``close`` writes what is left, retrying while the store is down.
+
     With ``tensorboard_dir``, every record's numbers also go to a TensorBoard event file there;
     ``flush`` uploads the event files whole to ``runs/<id>/tensorboard/`` (object stores
     cannot append), and ``close`` uploads them a last time and deletes the local copies.
@@ -203,18 +213,39 @@ class MetricsWriter:
         tensorboard_dir: Path | None = None,
         every_steps: int = 5,
         every_s: float = 2.0,
+        handoff_wait_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        close_retry_delays: Sequence[float] | None = None,
     ) -> None:
         self.store = store
         self.run_id = run_id
         self.tensorboard_dir = tensorboard_dir
         self.every_steps = every_steps
         self.every_s = every_s
+        self.handoff_wait_s = handoff_wait_s
         self._clock = clock
-        self._pending: list[StepRecord] = []
+        self._close_retry_delays = (
+            retry_delays() if close_retry_delays is None else list(close_retry_delays)
+        )
+        self._pending: list[StepRecord] = []  # the training thread's, not yet handed over
         self._last_flush = clock()
         self._tensorboard: SummaryWriter | None = None
         self._charted: dict[int, set[str]] = {}  # step -> fields already in TensorBoard
+        # Shared with the writer thread, under _cond.
+        self._cond = threading.Condition()
+        self._queue: list[StepRecord] = []  # handed over, not yet in the store
+        self._upload_due = False
+        self._requested = False  # handed over, not yet taken by the writer
+        self._busy = False  # the writer is writing
+        self._failing = False  # the last write failed
+        self._stopping = False
+        self._closed = False
+        # The thread carries the caller's log context (the rank) into its log lines.
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="metrics-writer", daemon=True
+        )
+        self._thread.start()
 
     def add(self, record: StepRecord) -> None:
         """Buffer ``record``. Adding a step again supersedes it (``read_metrics`` keeps the
@@ -225,34 +256,100 @@ class MetricsWriter:
             len(self._pending) >= self.every_steps
             or self._clock() - self._last_flush >= self.every_s
         ):
-            self._write()
+            self._hand_over(upload=False)
 
     def flush(self) -> None:
-        """Write the buffered records and upload the TensorBoard event files."""
-        self._write()
+        """Hand the buffered records and the TensorBoard event files to the writer."""
         if self._tensorboard is not None:
             self._tensorboard.flush()
-            self._upload()
+        self._hand_over(upload=self._tensorboard is not None)
 
     def close(self) -> None:
-        """Flush, then close TensorBoard's writer; once the event files are in the store the
-        local copies go (the workdir is scratch). Idempotent."""
-        self.flush()
-        if self._tensorboard is None:
+        """Write everything (retrying while the store is down), then close TensorBoard's
+        writer; once the event files are in the store the local copies go (the workdir is
+        scratch). Raises the store's error if records are still unwritten after the retries.
+        Idempotent."""
+        if self._closed:
             return
-        self._tensorboard.close()
-        self._tensorboard = None
-        if self._upload():
-            assert self.tensorboard_dir is not None
+        self._closed = True
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()  # then everything below is this thread's alone
+        self._queue.extend(self._pending)
+        self._pending = []
+        for delay in [*self._close_retry_delays, None]:
+            try:
+                self._write(self._queue)
+            except Exception as exc:
+                self._report(exc, unwritten=len(self._queue))
+                if delay is None:
+                    raise
+                time.sleep(delay)
+            else:
+                self._report(None, unwritten=0)
+                self._queue.clear()
+                break
+        if self.tensorboard_dir is not None and self._upload():
             shutil.rmtree(self.tensorboard_dir, ignore_errors=True)
             with contextlib.suppress(OSError):  # the runs' shared parent, once it is empty
                 self.tensorboard_dir.parent.rmdir()
 
-    def _write(self) -> None:
-        if self._pending:
-            write_metrics(self.store, self.run_id, [dict(r) for r in self._pending])
+    def _hand_over(self, *, upload: bool) -> None:
+        """Training thread: queue the pending records for the writer. Wait (bounded) for
+        them to be written only if the writer was idle and the store healthy."""
+        with self._cond:
+            self._queue.extend(self._pending)
             self._pending = []
+            self._upload_due = self._upload_due or upload
+            wait = not self._busy and not self._failing
+            self._requested = True
+            self._cond.notify_all()
+            if wait:
+                self._cond.wait_for(
+                    lambda: not self._requested and not self._busy, timeout=self.handoff_wait_s
+                )
         self._last_flush = self._clock()
+
+    def _run(self) -> None:
+        """The writer thread: write what is queued whenever something was handed over."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._requested or self._stopping)
+                if self._stopping:
+                    return
+                self._requested = False
+                self._busy = True
+                records = list(self._queue)
+                upload, self._upload_due = self._upload_due, False
+            error: Exception | None = None
+            try:
+                self._write(records)
+            except Exception as exc:
+                error = exc
+            uploaded = not upload or (error is None and self._upload())
+            with self._cond:
+                if error is None:
+                    del self._queue[: len(records)]
+                self._upload_due = self._upload_due or not uploaded  # the next hand-over retries
+                self._report(error, unwritten=len(self._queue))
+                self._busy = False
+                self._cond.notify_all()
+
+    def _report(self, error: Exception | None, *, unwritten: int) -> None:
+        """Log a failure streak once at its start and once at its end (under _cond)."""
+        if error is not None and not self._failing:
+            log.warning("metrics_write_failed", error=_describe(error), unwritten=unwritten)
+        elif error is None and self._failing:
+            log.info("metrics_write_recovered")
+        self._failing = error is not None
+
+    def _write(self, records: list[StepRecord]) -> None:
+        if records:
+            write_metrics(self.store, self.run_id, [dict(r) for r in records])
 
     def _chart(self, record: StepRecord) -> None:
         if self.tensorboard_dir is None:
@@ -287,6 +384,10 @@ class MetricsWriter:
             for path in sorted(self.tensorboard_dir.glob("events.out.tfevents.*")):
                 self.store.put_file(f"{prefix}/{path.name}", path)
         except Exception as exc:
-            log.warning("tensorboard_upload_failed", error=f"{type(exc).__name__}: {exc}")
+            log.warning("tensorboard_upload_failed", error=_describe(exc))
             return False
         return True
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -2,8 +2,11 @@
 
     torchrun ... -m trainer.train --spec SPEC.json --store STORE_URI --run-id RUN_ID --workdir DIR
 
-Exit codes: 0 when the run reached ``spec.steps`` (its last step committed); 2 for a bad
-spec or bad arguments (one line on stderr, nothing written); anything else is a crash.
+Exit codes: 0 when the run reached ``spec.steps`` (its last step committed), or when this
+rank got SIGTERM (preemption) and the emergency checkpoint committed; ``PEER_PREEMPTED_EXIT``
+(75) when another rank was preempted and this one saved with it: its agent restarts it to
+continue without the preempted node; 2 for a bad spec or bad arguments (one line on stderr,
+nothing written); anything else is a crash.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from infractl.errors import UsageError
 from infractl.log import configure, get_logger
 from infractl.store import Store, open_store
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
-from trainer.engine import Trainer
+from trainer.engine import Preempted, Trainer
+from trainer.preemption import PEER_PREEMPTED_EXIT, PreemptionNotice
 
 __all__ = ["main"]
 
@@ -60,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # First: a SIGTERM from now on asks for an emergency checkpoint instead of killing.
+    preemption = PreemptionNotice()
+    preemption.install()
     env = DistEnv.from_environ()
     # Rank 0 speaks for the job; the others report only what goes wrong.
     configure(level=logging.INFO if env.rank == 0 else logging.WARNING)
@@ -79,10 +86,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = init_process_group(env)
     try:
-        _train(spec, store=store, run_id=args.run_id, workdir=args.workdir, env=env, device=device)
+        _train(
+            spec,
+            store=store,
+            run_id=args.run_id,
+            workdir=args.workdir,
+            env=env,
+            device=device,
+            preemption=preemption,
+        )
     except BaseException as exc:
         # Drop the frames' locals so the trainer can be freed before the group (see _train).
         traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, Preempted):
+            return 0 if exc.signalled else PEER_PREEMPTED_EXIT
         if not isinstance(exc, UsageError):
             raise
         log.error(exc.message)  # e.g. a corpus too short for one sample
@@ -94,14 +111,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(
-    spec: RunSpec, *, store: Store, run_id: str, workdir: Path, env: DistEnv, device: torch.device
+    spec: RunSpec,
+    *,
+    store: Store,
+    run_id: str,
+    workdir: Path,
+    env: DistEnv,
+    device: torch.device,
+    preemption: PreemptionNotice,
 ) -> None:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
     # group; if the reducer outlives destroy_process_group, the group's destructor runs
     # from it with the GIL held and joins gloo threads that may be waiting for the GIL:
     # a deadlock at exit. Freed first, the group is destroyed by destroy_process_group,
     # which releases the GIL.
-    Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
+    Trainer(
+        spec,
+        store=store,
+        run_id=run_id,
+        workdir=workdir,
+        env=env,
+        device=device,
+        preemption=preemption,
+    ).train()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Preemption: a SIGTERM (spot reclaim, maintenance notice, the node being stopped) asks this
+rank to save an emergency checkpoint and exit.
+
+torchrun's agent, on SIGTERM, forwards it to its workers and SIGKILLs them after its
+``--shutdown-timeout`` (the launcher passes ``preemption.grace_s``). The handler only records
+the notice: the training loop tells every rank about it in the step's all-reduce (see
+``Trainer.train``), so all ranks save the same step together, without a collective of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+__all__ = ["PEER_PREEMPTED_EXIT", "PreemptionNotice"]
+
+#: Exit code of a rank that was not signalled but whose peer was: "a peer was preempted;
+#: restart me". Non-zero, so its agent restarts it; it then re-rendezvouses without the
+#: preempted node and resumes from the emergency checkpoint. (75 is EX_TEMPFAIL.)
+PEER_PREEMPTED_EXIT = 75
+
+
+class PreemptionNotice:
+    """Whether this process got SIGTERM. ``install`` from the main thread (Python runs signal
+    handlers only there)."""
+
+    def __init__(self) -> None:
+        self.signalled = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signalled = True

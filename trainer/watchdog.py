@@ -1,0 +1,70 @@
+"""Hang detection: a deadline around every training step, kept by this node's torchrun agent.
+
+When the agent runs with ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` it serves a ``FileTimerServer``
+on the named pipe ``$TORCHELASTIC_TIMER_FILE`` and passes that path to its workers. Each step
+this rank arms a timer there and releases it when the step is done; a rank that misses its
+deadline (hung in a collective, stopped, stuck in I/O) is SIGKILLed by the agent's server.
+
+What follows a reap, on torch 2.13: after killing an expired worker, ``FileTimerServer`` kills
+its own process, the agent, with the same signal. The hung rank's node is then lost as a
+whole, which is the failure model's "a node hangs: it turns into a node failure": the other
+nodes' workers fail their next collective within the lowered group timeout (see
+``Trainer.train``), their agents restart them, and they re-rendezvous without that node and
+resume from the last committed step. Workers of the lost node that were not hung are left
+orphaned by the dead agent; they fail the same way and exit.
+
+Without the environment variable (plain torchrun, tests) there is no watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+from torch.distributed.elastic.timer import FileTimerClient
+
+__all__ = ["StepWatchdog", "TIMER_FILE_ENV"]
+
+#: Set by torchrun's agent for its workers when it serves a file timer.
+TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
+
+_SCOPE = "training-step"
+
+
+class StepWatchdog:
+    """Arms ``timeout_s`` around each training step once ``start`` was called.
+
+    Before ``start`` (loading a checkpoint, the first step: both may be slow) and without a
+    timer file, ``step()`` arms nothing.
+    """
+
+    def __init__(self, timeout_s: float, *, timer_file: str | None) -> None:
+        self.timeout_s = timeout_s
+        self._client = FileTimerClient(timer_file) if timer_file else None
+        self._started = False
+
+    @classmethod
+    def from_environ(cls, timeout_s: float) -> StepWatchdog:
+        return cls(timeout_s, timer_file=os.environ.get(TIMER_FILE_ENV) or None)
+
+    @property
+    def enabled(self) -> bool:
+        return self._client is not None
+
+    def start(self) -> None:
+        """From now on every ``step()`` is under a deadline."""
+        self._started = True
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """The block must finish within ``timeout_s`` or the agent kills this process."""
+        if self._client is None or not self._started:
+            yield
+            return
+        self._client.acquire(_SCOPE, time.time() + self.timeout_s)
+        try:
+            yield
+        finally:
+            self._client.release(_SCOPE)
