@@ -57,6 +57,7 @@ def step_time(tmp: Path, *, layers: int, hidden: int, steps: int) -> dict[str, A
     )
     spec_path = tmp / "spec.json"
     spec_path.write_text(spec.model_dump_json())
+    (tmp / "store").mkdir()
     store_uri = (tmp / "store").as_uri()
     _torchrun(["-m", "trainer.train", "--spec", str(spec_path), "--store", store_uri,
                "--run-id", "bench", "--workdir", str(tmp / "work")], cwd=tmp)

@@ -16,7 +16,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import InfractlError
 from infractl.output import Output
 from infractl.state import ClusterState
-from infractl.store import Store, open_store
+from infractl.store import FileStore, Store, open_store
 
 __all__ = ["UpResult", "TeardownResult", "up", "teardown", "store_for", "ensure_rendezvous", "RENDEZVOUS_NODE"]
 
@@ -100,8 +100,11 @@ def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
     """Provision and configure the cluster; running it again on an unchanged cluster changes nothing."""
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
-    # Refuse a bad URI, bad credentials or an unreachable store before anything changes.
-    open_store(uri, field="cluster.store").check()
+    # Refuse a bad URI, bad credentials or an unreachable store before anything else changes.
+    store = open_store(uri, field="cluster.store")
+    if isinstance(store, FileStore):
+        store.create_root()
+    store.check()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied = infra.apply(

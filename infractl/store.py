@@ -2,7 +2,10 @@
 
 Two backends sit behind the same methods:
 
-- ``file:///abs/path``: a directory (the local provider's default).
+- ``file:///abs/path``: a directory (the local provider's default). Like a bucket, the directory
+  must exist (`infractl up` creates the cluster's); the store never creates it, so a store whose
+  directory vanished (an unmounted volume, say) fails every call with ``StoreUnavailable``
+  instead of silently starting an empty store in its place.
 - ``s3://BUCKET[/PREFIX][?endpoint_url=http://HOST:PORT&region=REGION]``: an S3 bucket (AWS or
   any S3-compatible server) through boto3. Keys live under PREFIX. Credentials come only from
   boto3's standard chain (env vars, profile, instance role), never from the URI.
@@ -36,6 +39,7 @@ __all__ = [
     "ObjectInfo",
     "S3Store",
     "Store",
+    "StoreUnavailable",
     "StoreKeyError",
     "open_store",
 ]
@@ -77,6 +81,10 @@ _S3_QUERY_KEYS = ("endpoint_url", "region")
 
 class StoreKeyError(KeyError):
     """The key does not exist in the store."""
+
+
+class StoreUnavailable(OSError):
+    """The store cannot be reached at all (not: a key is missing). Callers retry later."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +147,25 @@ class FileStore(Store):
             raise ValueError(f"store key escapes the store root: {key!r}")
         return path
 
-    def _write_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
+    def _root_exists(self) -> None:
+        if not self.root.is_dir():
+            raise StoreUnavailable(f"store directory {self.root} does not exist (removed or unmounted?)")
+
+    def _parent_of(self, key: str) -> Path:
+        """The key's path, its parent directories created below the root (never the root)."""
         final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._root_exists()
+        parent = self.root
+        for part in final.parent.relative_to(self.root).parts:
+            parent = parent / part
+            try:
+                parent.mkdir(exist_ok=True)
+            except FileNotFoundError:  # the root vanished meanwhile
+                raise StoreUnavailable(f"store directory {self.root} does not exist (removed or unmounted?)") from None
+        return final
+
+    def _write_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
+        final = self._parent_of(key)
         fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -154,8 +178,7 @@ class FileStore(Store):
         os.replace(tmp, final)
 
     def put_file(self, key: str, path: Path) -> None:
-        final = self._path(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        final = self._parent_of(key)
         fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
         os.close(fd)
         shutil.copyfile(path, tmp)
@@ -176,19 +199,25 @@ class FileStore(Store):
         try:
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError):
+            self._root_exists()
             raise StoreKeyError(key) from None
 
     def get_file(self, key: str, path: Path) -> None:
         src = self._path(key)
         if not src.is_file():
+            self._root_exists()
             raise StoreKeyError(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, path)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        if self._path(key).is_file():
+            return True
+        self._root_exists()
+        return False
 
     def list(self, prefix: str) -> list[ObjectInfo]:
+        self._root_exists()
         base = self._path(prefix) if prefix else self.root
         if base.is_file():
             return [ObjectInfo(prefix, base.stat().st_size)]
@@ -208,6 +237,7 @@ class FileStore(Store):
         return sorted(found, key=lambda o: o.key)
 
     def delete_prefix(self, prefix: str) -> int:
+        self._root_exists()
         base = self._path(prefix)
         if base.is_file():
             base.unlink()
@@ -218,10 +248,18 @@ class FileStore(Store):
         shutil.rmtree(base, ignore_errors=True)
         return count
 
-    def check(self) -> None:
-        """Create the root directory if needed and prove a file can be written there."""
+    def create_root(self) -> None:
+        """Create the store's directory (`infractl up` does; nothing else creates it)."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"{self.field}: cannot create {self.uri}: {e.strerror or e}") from None
+
+    def check(self) -> None:
+        """Prove a file can be written in the root directory (which must exist)."""
+        if not self.root.is_dir():
+            raise ConfigError(f"{self.field}: store directory {self.root} does not exist")
+        try:
             fd, probe = tempfile.mkstemp(dir=self.root, prefix=".tmp-probe-")
             os.close(fd)
             os.unlink(probe)

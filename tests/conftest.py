@@ -141,6 +141,7 @@ def s3_store_uri(s3_server: str) -> str:
 def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh store URI on each backend: ``file://<tmp>/store`` and ``s3_store_uri``."""
     if request.param == "file":
+        (tmp_path / "store").mkdir()
         return (tmp_path / "store").as_uri()
     return str(request.getfixturevalue("s3_store_uri"))
 

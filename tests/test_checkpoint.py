@@ -38,6 +38,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture
 def store(tmp_path: Path) -> FileStore:
+    (tmp_path / "store").mkdir()
     return FileStore(tmp_path / "store")
 
 
@@ -116,6 +117,7 @@ def _checkpointer(store: Store, tmp_path: Path) -> Checkpointer:
 def test_a_failed_save_is_reported_training_goes_on_and_close_raises_if_the_last_fails(
     tmp_path: Path, one_rank: None
 ) -> None:
+    (tmp_path / "store").mkdir()
     store = FlakyStore(tmp_path / "store")
     store.failing = {2, 3, 5}
     checkpointer = _checkpointer(store, tmp_path)
@@ -141,6 +143,7 @@ def test_a_failed_save_is_reported_training_goes_on_and_close_raises_if_the_last
 def test_the_saved_state_is_the_one_at_save_time_and_a_committed_step_is_left_alone(
     tmp_path: Path, one_rank: None
 ) -> None:
+    (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
     checkpointer = _checkpointer(store, tmp_path)
     weight = torch.zeros(1000)
@@ -184,6 +187,7 @@ class Job:
     ) -> None:
         spec_path = tmp_path / f"spec-{attempt}.json"
         spec_path.write_text(spec.model_dump_json())
+        (tmp_path / "store").mkdir(exist_ok=True)
         self.log_path = tmp_path / f"attempt{attempt}.log"
         argv = [
             sys.executable, "-m", "torch.distributed.run",
@@ -289,6 +293,7 @@ def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     # Big enough (20 MB of model and optimizer state) that writing and uploading take a while.
     spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
     job = run(tmp_path, spec)
+    (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 
     committed = job.events("checkpoint_committed")
@@ -313,6 +318,7 @@ def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     # Each save holds for 0.5 s after its upload: the next save (two steps later) finds it in
     # flight and must wait for it.
     job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "0.5"})
+    (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 
     order = [

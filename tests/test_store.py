@@ -20,7 +20,7 @@ from conftest import S3AuthServer, s3_client
 from infractl import runstore
 from infractl.errors import ConfigError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
-from infractl.store import FileStore, S3Store, Store, StoreKeyError, open_store
+from infractl.store import FileStore, S3Store, Store, StoreKeyError, StoreUnavailable, open_store
 
 MIB = 1024 * 1024
 
@@ -172,20 +172,49 @@ def test_open_store_refuses_unknown_scheme() -> None:
         open_store("gs://b/x", field="run.store")
 
 
-def test_file_check_creates_the_root(tmp_path: Path) -> None:
+def test_file_create_root_makes_the_directory_and_check_leaves_it_empty(tmp_path: Path) -> None:
     store = open_store((tmp_path / "a" / "b").as_uri(), field="cluster.store")
+    assert isinstance(store, FileStore)
+    store.create_root()
     store.check()
-    assert isinstance(store, FileStore) and store.root.is_dir()
     assert list(store.root.iterdir()) == []
 
 
-def test_file_check_names_the_field_when_the_root_cannot_be_made(tmp_path: Path) -> None:
+def test_file_store_root_is_made_only_by_create_root_and_check_names_the_field(tmp_path: Path) -> None:
     (tmp_path / "plain-file").write_text("x")
     uri = (tmp_path / "plain-file" / "store").as_uri()
+    store = open_store(uri, field="cluster.store")
+    assert isinstance(store, FileStore)
     with pytest.raises(ConfigError) as err:
-        open_store(uri, field="cluster.store").check()
-    assert str(err.value).startswith(f"cluster.store: cannot write to {uri}: ")
+        store.check()
+    assert str(err.value) == f"cluster.store: store directory {store.root} does not exist"
+    with pytest.raises(ConfigError) as err:
+        store.create_root()
+    assert str(err.value).startswith(f"cluster.store: cannot create {uri}: ")
     assert "\n" not in str(err.value)
+
+
+def test_file_store_whose_directory_vanished_is_unavailable_and_not_recreated(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    store.create_root()
+    store.put_bytes("runs/x/run.json", b"{}")
+    moved = tmp_path / "elsewhere"
+    store.root.rename(moved)
+    for call in (
+        lambda: store.put_bytes("runs/x/a", b"1"),
+        lambda: store.put_file("runs/x/b", moved / "runs/x/run.json"),
+        lambda: store.put_if_absent("runs/x/c", b"1"),
+        lambda: store.get_bytes("runs/x/run.json"),
+        lambda: store.get_file("runs/x/run.json", tmp_path / "out"),
+        lambda: store.exists("runs/x/run.json"),
+        lambda: store.list("runs"),
+        lambda: store.delete_prefix("runs"),
+    ):
+        with pytest.raises(StoreUnavailable, match="does not exist"):
+            call()
+    assert not store.root.exists()
+    moved.rename(store.root)
+    assert store.get_bytes("runs/x/run.json") == b"{}"
 
 
 # --- s3:// URIs -------------------------------------------------------------------------------

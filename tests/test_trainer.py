@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from infractl.runstore import (
     read_metrics,
     verify_checkpoint,
 )
-from infractl.store import FileStore, Store, open_store
+from infractl.store import Store, open_store
 from trainer.data import ByteBatches, sample_indices
 from trainer.metrics import MetricsWriter, StepRecord
 from trainer.optimizer import lr_factor
@@ -105,16 +107,76 @@ def torchrun(
 
     The store is ``store_uri`` (``file://`` or ``s3://...?endpoint_url=``; the trainers find S3
     credentials in the inherited environment), by default ``tmp_path/store``."""
+    return start_torchrun(
+        tmp_path, spec, nproc=nproc, nodes=nodes, attempt=attempt, store_uri=store_uri
+    ).finish()
+
+
+@dataclass
+class Agents:
+    """torchrun agents running in the background (``start_torchrun``), one per node."""
+
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+
+    def finish(self) -> Run:
+        """Wait for every agent; fail the test (after stopping them) if one takes too long."""
+        try:
+            for agent in self.procs:
+                agent.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not SIGKILL: the agents then stop their workers (own sessions).
+            for agent in self.procs:
+                agent.terminate()
+            for agent in self.procs:
+                agent.wait(timeout=60)
+            pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{self.text()[-4000:]}")
+        return Run([a.returncode for a in self.procs], self.text())
+
+    def text(self) -> str:
+        """What the agents and their workers wrote to stderr so far."""
+        return "".join(log.read_text() for log in self.logs)
+
+
+def start_torchrun(
+    tmp_path: Path,
+    spec: RunSpec,
+    *,
+    nproc: int = 2,
+    nodes: int = 1,
+    attempt: int = 1,
+    store_uri: str | None = None,
+    rendezvous_endpoint: str | None = None,
+    torchrun_args: Sequence[str] = (),
+    node_env: Sequence[Mapping[str, str]] = (),
+    env: Mapping[str, str] | None = None,
+) -> Agents:
+    """Start what ``torchrun`` runs and return at once.
+
+    ``rendezvous_endpoint``: elastic, as the launcher does (``--nnodes=1:NODES``, c10d
+    rendezvous on that endpoint, served by someone else); else a static rendezvous.
+    ``torchrun_args`` go to every agent; ``node_env[n]`` and ``env`` add to node n's and to
+    every node's environment."""
     store_uri = store_uri or default_store_uri(tmp_path)
     spec_path = tmp_path / f"spec-{attempt}.json"
     spec_path.write_text(spec.model_dump_json())
-    env = os.environ | {
+    common = os.environ | {
         "OMP_NUM_THREADS": "1",
         "INFRACTL_ATTEMPT": str(attempt),
         "INFRACTL_LOG_FORMAT": "json",
         "PYTHONPATH": str(REPO),
-    }
-    if nodes == 1:
+    } | dict(env or {})
+    if rendezvous_endpoint is not None:
+        elastic = [
+            f"--nnodes=1:{nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous_endpoint}",
+            f"--rdzv-id={spec.name}-{attempt}",
+            "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,"
+            "keep_alive_max_attempt=3",
+        ]
+        rendezvous = [elastic] * nodes
+    elif nodes == 1:
         rendezvous = [["--standalone", "--nnodes=1"]]
     else:
         port = free_port()
@@ -131,39 +193,32 @@ def torchrun(
     for node, rdzv in enumerate(rendezvous):
         argv = [
             sys.executable, "-m", "torch.distributed.run",
-            *rdzv, f"--nproc-per-node={nproc}", "--monitor-interval=0.2",
+            *rdzv, f"--nproc-per-node={nproc}", "--monitor-interval=0.2", *torchrun_args,
             "-m", "trainer.train",
             "--spec", str(spec_path),
             "--store", store_uri,
             "--run-id", spec.name,
             "--workdir", str(tmp_path / f"node{node}"),
         ]  # fmt: skip
+        node_vars = dict(node_env[node]) if node < len(node_env) else {}
         logs.append(tmp_path / f"node{node}-attempt{attempt}.log")
         with logs[-1].open("w") as log:
-            agents.append(subprocess.Popen(argv, cwd=REPO, env=env, stderr=log))
-    try:
-        for agent in agents:
-            agent.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # SIGTERM, not SIGKILL: the agents then stop their workers (own sessions).
-        for agent in agents:
-            agent.terminate()
-        for agent in agents:
-            agent.wait(timeout=60)
-        text = "".join(log.read_text() for log in logs)
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s:\n{text[-4000:]}")
-    return Run([a.returncode for a in agents], "".join(log.read_text() for log in logs))
+            agents.append(
+                subprocess.Popen(argv, cwd=REPO, env=common | node_vars, stderr=log)
+            )
+    return Agents(agents, logs)
 
 
 def default_store_uri(tmp_path: Path) -> str:
     """The store a test's runs use unless it names another: ``file://<tmp_path>/store``."""
+    (tmp_path / "store").mkdir(exist_ok=True)
     return (tmp_path / "store").as_uri()
 
 
 def store_of(where: Path | str) -> Store:
     """The store of a test: ``tmp_path`` (its default ``file://`` store) or a store URI."""
     if isinstance(where, Path):
-        return FileStore(where / "store")
+        return open_store(default_store_uri(where))
     return open_store(where)
 
 
@@ -408,7 +463,7 @@ def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_pa
         e["event"] for e in run.events if e["level"] == "error"
     }  # one line per rank that got there
     assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
-    assert not (tmp_path / "store").exists()
+    assert list((tmp_path / "store").iterdir()) == []
 
 
 def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refused(
