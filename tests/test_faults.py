@@ -1,0 +1,255 @@
+"""Faults the trainer must ride out: a hung worker (watchdog), preemption (SIGTERM), a store outage.
+
+Unit tests for the pure parts, then real torchrun runs on gloo with tiny models.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import structlog
+
+from conftest import wait_for_commit
+from infractl.config import CheckpointSpec, WatchdogSpec
+from infractl.runstore import (
+    committed_steps,
+    latest_committed_step,
+    latest_metrics,
+    read_metrics,
+    verify_checkpoint,
+)
+from infractl.store import FileStore
+from test_trainer import REPO, free_port, ok, start_torchrun, store_of, tiny_spec, torchrun
+from trainer.backoff import retry_delays
+from trainer.checkpoint import UPLOAD_DELAY_ENV
+from trainer.metrics import MetricsWriter, StepRecord
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+class OutageStore(FileStore):
+    """A file store whose writes fail while ``down`` (unit tests only; the integration test
+    takes the real store's directory away)."""
+
+    down = False
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if self.down:
+            raise OSError("store unreachable")
+        super().put_bytes(key, data)
+
+
+def record(step: int) -> StepRecord:
+    return StepRecord(step=step, loss=1.0, step_time_s=0.1, tokens_per_s=1.0, world_size=1,
+                      attempt=1, restart_count=0, time=0.0)  # fmt: skip
+
+
+def worker_pids(agent: subprocess.Popen[bytes], count: int, *, timeout: float = 60) -> list[int]:
+    """The pids of the agent's ``count`` workers, once it started them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = psutil.Process(agent.pid).children()
+        if len(children) >= count:
+            return [c.pid for c in children]
+        time.sleep(0.1)
+    raise AssertionError(f"torchrun {agent.pid} did not start {count} workers in {timeout}s")
+
+
+def wait_for_step(store: FileStore, run_id: str, *, at_least: int, timeout: float) -> int:
+    """Poll the metrics until a record of ``at_least`` or later is written; return its step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        newest = latest_metrics(store, run_id)
+        if newest is not None and newest["step"] >= at_least:
+            return int(newest["step"])
+        time.sleep(0.05)
+    raise AssertionError(f"run {run_id} recorded no step {at_least} within {timeout}s")
+
+
+@pytest.fixture
+def rendezvous() -> Iterator[str]:
+    """A rendezvous endpoint served off the training nodes, as the launcher runs it."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infractl.rendezvous", "--port", str(port)],
+        cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert server.stdout is not None
+        assert b"serving" in server.stdout.readline()
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+# -- unit -------------------------------------------------------------------------------------
+
+
+def test_retry_delays_double_up_to_the_cap_and_stay_within_the_total() -> None:
+    delays = retry_delays(first_s=1.0, cap_s=15.0, total_s=600.0)
+    assert delays[:6] == [1.0, 2.0, 4.0, 8.0, 15.0, 15.0]
+    assert 600.0 - 15.0 < sum(delays) <= 600.0
+
+
+def test_metrics_refused_by_the_store_are_kept_and_written_when_it_is_back(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "store").mkdir()
+    store = OutageStore(tmp_path / "store")
+    writer = MetricsWriter(store, "r", every_steps=2, every_s=3600.0)
+    store.down = True
+    with structlog.testing.capture_logs() as logs:
+        for step in range(1, 7):
+            writer.add(record(step))  # three failed chunks: training is not interrupted
+        store.down = False
+        writer.add(record(7))
+        writer.flush()
+        writer.close()
+
+    assert [r["step"] for r in read_metrics(store, "r")] == list(range(1, 8))
+    events = [e["event"] for e in logs if e["event"].startswith("metrics_write")]
+    assert events == ["metrics_write_failed", "metrics_write_recovered"]  # one per streak
+
+
+def test_closing_the_metrics_retries_until_the_store_is_back(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    store = OutageStore(tmp_path / "store")
+    writer = MetricsWriter(store, "r", close_retry_delays=[0.0] * 5)
+    writer.add(record(1))
+    store.down = True
+    retries = iter(range(5))
+
+    def sleep(seconds: float) -> None:  # the store comes back during the third wait
+        store.down = next(retries) < 2
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("trainer.metrics.time.sleep", sleep)
+        writer.close()
+    assert [r["step"] for r in read_metrics(store, "r")] == [1]
+
+
+def test_closing_the_metrics_raises_once_the_retries_are_spent(tmp_path: Path) -> None:
+    (tmp_path / "store").mkdir()
+    store = OutageStore(tmp_path / "store")
+    writer = MetricsWriter(store, "r", close_retry_delays=[0.0, 0.0])
+    writer.add(record(1))
+    store.down = True
+    with pytest.raises(OSError, match="store unreachable"):
+        writer.close()
+
+
+# -- torchrun on gloo (integration) -----------------------------------------------------------
+
+
+def test_a_hung_worker_is_killed_by_the_watchdog_and_the_run_resumes_without_its_node(
+    tmp_path: Path, rendezvous: str
+) -> None:
+    # One worker per node, two nodes, elastic 1:2. torch 2.13's FileTimerServer kills its
+    # agent too after reaping a worker (see trainer/watchdog.py): the hung rank's node is lost.
+    spec = tiny_spec(
+        steps=150,
+        checkpoint=CheckpointSpec(every=5, keep=2),
+        watchdog=WatchdogSpec(step_timeout_s=6),
+        max_restarts=1,
+    )
+    store = store_of(tmp_path)
+    agents = start_torchrun(
+        tmp_path, spec, nproc=1, nodes=2, rendezvous_endpoint=rendezvous,
+        torchrun_args=["--max-restarts=1"],
+        node_env=[
+            {"TORCHELASTIC_ENABLE_FILE_TIMER": "1",
+             "TORCHELASTIC_TIMER_FILE": str(tmp_path / f"timer-node{n}")}
+            for n in range(2)
+        ],
+    )  # fmt: skip
+    [hung] = worker_pids(agents.procs[1], 1)
+    wait_for_commit(store, spec.name, at_least=5, timeout=60)
+    os.kill(hung, signal.SIGSTOP)
+    time.sleep(1)  # a commit whose files were all uploaded may still land
+    committed_before = latest_committed_step(store, spec.name)
+
+    run = agents.finish()
+
+    assert run.returncodes[0] == 0, run.stderr[-4000:]
+    assert run.returncodes[1] == -signal.SIGKILL  # the agent of the hung worker: its node is lost
+    assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+    assert committed_steps(store, spec.name)[-1] == spec.steps
+    assert committed_before is not None and committed_before > 0
+    assert [e["step"] for e in run.event("resumed")] == [committed_before]
+    records = read_metrics(store, spec.name)
+    assert [r["step"] for r in records] == list(range(1, spec.steps + 1))
+    resumed = [r for r in records if r["restart_count"] >= 1]
+    assert resumed[0]["step"] == committed_before + 1
+    assert {r["world_size"] for r in resumed} == {1}
+
+
+def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    # No scheduled save within the run: the only checkpoint is the emergency one.
+    spec = tiny_spec(steps=60, checkpoint=CheckpointSpec(every=1000, keep=2))
+    store = store_of(tmp_path)
+    agents = start_torchrun(tmp_path, spec, torchrun_args=["--shutdown-timeout=30"])
+    worker_pids(agents.procs[0], 2)
+    reached = wait_for_step(store, spec.name, at_least=3, timeout=60)
+    agents.procs[0].send_signal(signal.SIGTERM)
+    run = agents.finish()
+
+    [preempted] = run.event("preempted")  # rank 0 speaks for the job
+    step = preempted["step"]
+    assert preempted["signalled"] is True and preempted["ranks_signalled"] == 2
+    assert reached <= step < spec.steps
+    assert committed_steps(store, spec.name) == [step]
+    manifest = verify_checkpoint(store, spec.name, step)
+    assert manifest.extra["reason"] == "preemption"
+    assert abs(manifest.extra["committed_at"] - manifest.created) < 5
+    # The agent itself reports the signal with a traceback; the trainers exit cleanly.
+    assert f'File "{REPO / "trainer"}' not in run.stderr, run.stderr[-4000:]
+    assert not [e for e in run.events if e["level"] == "error"], run.stderr[-4000:]
+
+    again = ok(torchrun(tmp_path, spec, attempt=2))
+
+    assert [e["step"] for e in again.event("resumed")] == [step]
+    records = read_metrics(store, spec.name)
+    assert [r["step"] for r in records if r["attempt"] == 2][0] == step + 1
+    assert [r["step"] for r in records] == list(range(1, spec.steps + 1))
+    assert verify_checkpoint(store, spec.name, spec.steps).extra["reason"] == "final"
+
+
+def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
+    tmp_path: Path,
+) -> None:
+    spec = tiny_spec(steps=120, checkpoint=CheckpointSpec(every=5, keep=2))
+    store = store_of(tmp_path)
+    root, away = tmp_path / "store", tmp_path / "store-away"
+    # Each save takes over a second: saves overlap each other and the outage.
+    agents = start_torchrun(tmp_path, spec, env={UPLOAD_DELAY_ENV: "1"})
+    wait_for_commit(store, spec.name, at_least=5, timeout=60)
+    root.rename(away)
+    try:
+        with pytest.raises(OSError):
+            FileStore(root).put_bytes("probe", b"")
+        assert not root.exists(), "FileStore must never re-create its vanished root"
+        time.sleep(5)
+    finally:
+        away.rename(root)
+    run = ok(agents.finish())
+
+    assert committed_steps(store, spec.name)[-1] == spec.steps
+    for step in committed_steps(store, spec.name):
+        verify_checkpoint(store, spec.name, step)
+    assert [r["step"] for r in read_metrics(store, spec.name)] == list(range(1, spec.steps + 1))
+    assert run.event("checkpoint_failed") or run.event("checkpoint_skipped")
+    assert len(run.event("metrics_write_failed")) == 1  # one warning for the whole outage
+    assert not run.event("resumed")  # nothing was loaded, let alone an uncommitted step
