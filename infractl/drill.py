@@ -1,106 +1,246 @@
-"""Fault drills against a running job: inject a fault, measure recovery from the store.
+"""Fault drills against a running job: inject a fault, measure recovery from the outside.
 
-``kill_node`` kills every process of one training node (its torchrun agent and the workers,
-which run in their own sessions) and then watches only what an operator could watch: the
-surviving node's processes and the run's objects in the store (metrics and commits).
+A drill injects one fault into a run started with ``infractl train --detach`` and then watches
+only what an operator could watch: the nodes' processes and the run's objects in the store
+(metrics records, committed checkpoints and their manifests). Kinds:
 
-Definitions (all times are unix seconds; ``fault_time`` is taken just before the kill):
+``kill-node``               SIGKILL every process of one node (its torchrun agent and workers).
+``kill-during-checkpoint``  wait until a checkpoint is uploading (its files are in the store, it
+                            is not committed yet), then kill one node as ``kill-node`` does.
+``hang-node``               SIGSTOP one node's workers (the agent stays up): the node's
+                            watchdog must kill them (``watchdog.step_timeout_s``).
+``preempt``                 SIGTERM one node's agent, as a spot reclaim or maintenance notice
+                            does: the workers save an emergency checkpoint within
+                            ``preemption.grace_s``, the node leaves, the others go on.
+``store-outage``            the store refuses every call for ``seconds``: a file:// store's
+                            directory is moved away and back; an S3 endpoint served on this
+                            machine is SIGSTOPped and resumed.
+
+Measurements (unix seconds; ``fault_time`` is taken just before the fault):
 
 ``detect_s``
-    fault -> the first pre-fault *worker* process of a surviving node is gone. A survivor's
-    worker exits when its collective fails against the dead peer, or its agent tears the worker
-    group down on a membership change; either way it is the first observable sign that the
-    survivors noticed. Observed by polling the workers' PIDs every ``_PROC_POLL_S`` seconds, so
-    it is an upper bound by at most that much. ``None`` if no survivor worker went away.
+    fault -> the first worker that was running at the fault (and that the drill did not kill
+    itself) is gone: the first sign that the job noticed. Polled every ``_PROC_POLL_S`` s, so an
+    upper bound by that much. ``None`` for ``store-outage`` (no process needs to die).
 ``restart_s``
-    fault -> the ``time`` field of the first metrics record written after the fault whose
-    ``restart_count`` increased or whose ``world_size`` changed (the first step completed after
-    resume, per REFERENCES.md "Recovery time, defined").
+    fault -> the ``time`` of the first step completed by a restarted worker group (the first
+    metrics record after the fault that carries ``environment``, which every trainer process
+    adds to its first step). ``store-outage``: fault -> the first checkpoint committed after
+    the store came back.
 ``resumed_from_step``
-    that record's step - 1 (the committed step the survivors loaded).
+    that record's step - 1: the committed step the workers loaded. ``expected_resume_step`` is
+    the newest step committed before that record (from the manifests), and the drill checks
+    the two are equal: a run never resumes from anything but its last committed step.
 ``lost_work_steps``
-    ``step_at_fault - last_committed_step``: steps trained but not committed at the fault.
+    ``step_at_fault - resumed_from_step``: steps trained but not kept. ``step_at_fault`` is the
+    newest step in the store at the fault; metrics are flushed every few steps or seconds, so
+    it may trail the ranks by that much.
 ``outcome``
-    ``recovered`` once the run resumed and its final checkpoint (``spec.steps``) is committed;
-    ``failed`` if every process of the run exited without that; ``timeout`` otherwise.
+    ``recovered`` once the run resumed (``store-outage``: committed after the outage) and, when
+    the drill waits for the end, its final checkpoint (``spec.steps``) is committed; ``failed``
+    if every process of the run exited without that; ``timeout`` otherwise.
 
-The result goes to ``runs/<run>/drills/<drill-id>.json`` in the store.
+``--repeat N`` runs N drills in series on the same run: after each recovery a node the fault
+removed is brought back (``launcher.rejoin``) and the drill waits until the world is whole
+again (``rejoin_s``) before the next fault. Every result goes to
+``runs/<run>/drills/<drill-id>.json`` in the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import signal
+import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlparse
 
 import psutil
 
-from infractl import proc, runstore
-from infractl.cluster import RENDEZVOUS_NODE, store_for
+from infractl import launcher, proc, runstore
+from infractl.cluster import store_for
 from infractl.errors import StateError, UsageError
+from infractl.runstore import Manifest
 from infractl.state import ClusterState
-from infractl.store import Store
+from infractl.store import FileStore, S3Store, Store
 
-__all__ = ["KillNodeResult", "running_runs", "kill_node", "drill_key"]
+__all__ = ["KINDS", "DrillResult", "Series", "run_drill", "run_series", "drill_key"]
 
-_PROC_POLL_S = 0.05  # survivor workers: cheap liveness checks on held process handles
-_STORE_POLL_S = 0.5  # metrics and commits
+KINDS = ("kill-node", "kill-during-checkpoint", "hang-node", "preempt", "store-outage")
+#: Kinds after which the faulted node is out of the run (a series rejoins it).
+_NODE_LEAVES = ("kill-node", "kill-during-checkpoint", "preempt")
+
+_PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
+_STORE_POLL_S = 0.5  # metrics, commits, manifests
 _GONE_TIMEOUT_S = 30.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+Progress = Callable[[str], None]
 
 
 @dataclass
-class KillNodeResult:
+class DrillResult:
     drill_id: str
     drill: str
     run_id: str
     cluster: str
-    node: str
+    node: str | None
     survivors: list[str]
     fault_time: float
+    fault: dict[str, Any]
     step_at_fault: int | None
     last_committed_step: int
     world_size_at_fault: int | None
-    detect_s: float | None
-    restart_s: float | None
-    resumed_from_step: int | None
-    lost_work_steps: int | None
-    world_size_after: int | None
-    final_step: int | None
-    final_committed: bool
-    steps: int
-    outcome: str  # recovered | failed | timeout
-    finished_time: float
-    timeout_s: float
+    detect_s: float | None = None
+    restart_s: float | None = None
+    resumed_from_step: int | None = None
+    expected_resume_step: int | None = None
+    lost_work_steps: int | None = None
+    world_size_after: int | None = None
+    emergency_checkpoint_step: int | None = None
+    emergency_checkpoint_s: float | None = None
+    rejoin_s: float | None = None
+    final_step: int | None = None
+    final_committed: bool = False
+    steps: int = 0
+    outcome: str = "timeout"  # recovered | failed | timeout
+    finished_time: float = 0.0
+    timeout_s: float = 0.0
+
+    @property
+    def resumed_correctly(self) -> bool:
+        """Resumed from the newest committed step (never step 0 when something was committed)."""
+        return self.resumed_from_step is not None and self.resumed_from_step == self.expected_resume_step
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(self) | {"resumed_correctly": self.resumed_correctly}
+
+
+@dataclass
+class Series:
+    """``--repeat N``: the drills in order, and what an operator asks of them."""
+
+    results: list[DrillResult] = field(default_factory=list)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(1 for r in self.results if r.outcome == "recovered" and (r.drill == "store-outage" or r.resumed_correctly))
+
+    def restart_times(self) -> list[float]:
+        return [r.restart_s for r in self.results if r.restart_s is not None]
+
+    def summary(self) -> dict[str, Any]:
+        times = self.restart_times()
+        return {
+            "drills": len(self.results),
+            "succeeded": self.succeeded,
+            "median_restart_s": round(statistics.median(times), 3) if times else None,
+            "worst_restart_s": max(times) if times else None,
+            "drill_ids": [r.drill_id for r in self.results],
+        }
 
 
 def drill_key(run_id: str, drill_id: str) -> str:
     return f"{runstore.run_prefix(run_id)}/drills/{drill_id}.json"
 
 
-def running_runs(state: ClusterState) -> dict[str, set[str]]:
-    """run id -> names of the nodes that have live processes of it (the rendezvous server excluded)."""
-    runs: dict[str, set[str]] = {}
-    for p in proc.find(state.dir):
+# -- the target ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    run_id: str
+    node: str | None
+    survivors: list[str]
+    spec: dict[str, Any]
+
+
+def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -> _Target:
+    """Validate the target; change nothing."""
+    if kind not in KINDS:
+        raise UsageError(f"KIND: unknown drill {kind!r} (one of: {', '.join(KINDS)})")
+    cluster_nodes = [n["name"] for n in state.read()["nodes"]]
+    if kind == "store-outage" and node is not None:
+        raise UsageError("--node: store-outage takes down the store, not a node; drop --node")
+    if node is not None and node not in cluster_nodes:
+        raise UsageError(f"--node: no node {node!r} in cluster {state.name!r} (nodes: {', '.join(cluster_nodes)})")
+    runs = launcher.running_nodes(state)
+    if run is None:
+        if not runs:
+            raise StateError(
+                f"no run is running on cluster {state.name!r}; start one with `infractl train RUN.yaml --detach`"
+            )
+        if len(runs) > 1:
+            raise UsageError(f"several runs are running on cluster {state.name!r} ({', '.join(sorted(runs))}); "
+                             "pick one with --run")
+        run = next(iter(runs))
+    elif run not in runs:
+        raise StateError(f"--run: run {run!r} is not running on cluster {state.name!r}")
+    live = [n for n in cluster_nodes if n in runs[run]]
+    record = runstore.read_run_record(store_for(state), run)
+    if record is None or "spec" not in record:
+        raise StateError(f"run {run!r} has no run.json with its spec in the store of cluster {state.name!r}")
+    spec = record["spec"]
+    if kind == "store-outage":
+        return _Target(run, None, live, spec)
+    if node is None:
+        node = live[-1]
+    elif node not in live:
+        raise StateError(f"--node: node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})")
+    survivors = [n for n in live if n != node]
+    minimum = int(spec["nodes"]["min"])
+    if kind in _NODE_LEAVES and len(survivors) < minimum:
+        raise UsageError(f"--node: {kind} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
+                         f"fewer than its nodes.min ({minimum})")
+    return _Target(run, node, survivors, spec)
+
+
+# -- what the store shows ----------------------------------------------------------------------
+
+
+def _commits_since(store: Store, run_id: str, since: float) -> list[Manifest]:
+    """Manifests of the committed steps whose commit is later than ``since``, oldest first."""
+    found = []
+    for step in runstore.committed_steps(store, run_id):
+        manifest = runstore.read_manifest(store, run_id, step)
+        if manifest is not None and manifest.created > since:
+            found.append(manifest)
+    return sorted(found, key=lambda m: m.created)
+
+
+def _newest_committed_before(store: Store, run_id: str, when: float) -> int | None:
+    steps = [s for s in runstore.committed_steps(store, run_id)
+             if (m := runstore.read_manifest(store, run_id, s)) is not None and m.created < when]
+    return max(steps) if steps else None
+
+
+def _uploading_step(store: Store, run_id: str, after: int) -> int | None:
+    """A step newer than ``after`` with files in the store and no COMMITTED yet."""
+    dirs = runstore.step_objects(store, run_id)
+    pending = [step for step, names in dirs.items() if step > after and names and "COMMITTED" not in names]
+    return min(pending) if pending else None
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+
+def _workers(procs: list[psutil.Process]) -> list[psutil.Process]:
+    def is_agent(p: psutil.Process) -> bool:
         try:
-            env = p.environ()
+            return "torch.distributed.run" in p.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        run, node = env.get(proc.RUN_ENV), env.get(proc.NODE_ENV)
-        if run and node and node != RENDEZVOUS_NODE:
-            runs.setdefault(run, set()).add(node)
-    return runs
+            return True  # gone: not a worker to watch
+
+    return [p for p in procs if not is_agent(p)]
 
 
-def _is_agent(p: psutil.Process) -> bool:
-    try:
-        return "torch.distributed.run" in p.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
+def _agents(procs: list[psutil.Process]) -> list[psutil.Process]:
+    workers = {p.pid for p in _workers(procs)}
+    return [p for p in procs if p.pid not in workers]
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -110,129 +250,257 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _select(state: ClusterState, node: str | None, run: str | None) -> tuple[str, str, list[str], dict[str, Any]]:
-    """Validate the target; return (run, node, surviving nodes, run spec). Changes nothing."""
-    cluster_nodes = [n["name"] for n in state.read()["nodes"]]
-    if node is not None and node not in cluster_nodes:
-        raise UsageError(f"--node: no node {node!r} in cluster {state.name!r} (nodes: {', '.join(cluster_nodes)})")
-    runs = running_runs(state)
-    if run is None:
-        if not runs:
-            raise StateError(
-                f"no run is running on cluster {state.name!r}; start one with `infractl train RUN.yaml --detach`"
-            )
-        if len(runs) > 1:
-            names = ", ".join(sorted(runs))
-            raise UsageError(f"several runs are running on cluster {state.name!r} ({names}); pick one with --run")
-        run = next(iter(runs))
-    elif run not in runs:
-        raise StateError(f"--run: run {run!r} is not running on cluster {state.name!r}")
-    live = [n for n in cluster_nodes if n in runs[run]]
-    if node is None:
-        node = live[-1]
-    elif node not in live:
-        raise StateError(f"--node: node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})")
-    record = runstore.read_run_record(store_for(state), run)
-    if record is None or "spec" not in record:
-        raise StateError(f"run {run!r} has no run.json with its spec in the store of cluster {state.name!r}")
-    spec = record["spec"]
-    minimum = int(spec["nodes"]["min"])
-    survivors = [n for n in live if n != node]
-    if len(survivors) < minimum:
+@contextlib.contextmanager
+def _store_down(store: Store, drill_id: str) -> Iterator[dict[str, Any]]:
+    """Make every call to ``store`` fail while inside; bring it back on the way out, whatever happens."""
+    if isinstance(store, FileStore):
+        parked = store.root.with_name(f"{store.root.name}.outage-{drill_id}")
+        store.root.rename(parked)
+        try:
+            yield {"how": "directory moved away", "parked": str(parked)}
+        finally:
+            parked.rename(store.root)
+        return
+    if isinstance(store, S3Store):
+        server = _local_endpoint_server(store)
+        server.suspend()
+        try:
+            yield {"how": "endpoint server stopped (SIGSTOP)", "pid": server.pid}
+        finally:
+            server.resume()
+        return
+    raise UsageError(f"store-outage: cannot take down a {type(store).__name__} store")
+
+
+def _local_endpoint_server(store: S3Store) -> psutil.Process:
+    """The process serving the store's S3 endpoint on this machine (what store-outage pauses)."""
+    endpoint = urlparse(store.endpoint_url or "")
+    if endpoint.hostname not in _LOOPBACK or endpoint.port is None:
         raise UsageError(
-            f"--node: killing {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
-            f"fewer than its nodes.min ({minimum})"
+            f"store-outage: the store {store.uri} is not served on this machine; the drill can take down a "
+            "file:// store or an S3 endpoint on loopback (for AWS S3, block the endpoint on the nodes instead)"
         )
-    return run, node, survivors, spec
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == endpoint.port and conn.pid:
+            return psutil.Process(conn.pid)
+    raise UsageError(f"store-outage: no process listens on {endpoint.hostname}:{endpoint.port}")
 
 
-def _records_since(store: Store, run_id: str, since: float) -> list[dict[str, Any]]:
-    return [r for r in runstore.read_metrics(store, run_id) if float(r.get("time", 0)) > since]
+# -- one drill -----------------------------------------------------------------------------------
 
 
-def kill_node(
+def run_drill(
     state: ClusterState,
+    kind: str,
     *,
     node: str | None = None,
     run: str | None = None,
+    seconds: float = 10.0,
     timeout: float = 600.0,
-    progress: Callable[[str], None] = lambda _msg: None,
-) -> KillNodeResult:
-    """Kill one node of a running job, measure its recovery, record the result in the store."""
-    run_id, node, survivors, spec = _select(state, node, run)
+    wait_finish: bool = True,
+    progress: Progress = lambda _msg: None,
+) -> DrillResult:
+    """Inject one ``kind`` fault into a running job, measure its recovery, record the result."""
+    target = _select(state, kind, node, run)
     store = store_for(state)
-    steps = int(spec["steps"])
+    run_id, spec = target.run_id, target.spec
+    deadline = time.monotonic() + timeout
+    drill_id = f"{kind}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+    fault: dict[str, Any] = {}
+
+    last_committed = runstore.latest_committed_step(store, run_id) or 0
+    if kind == "kill-during-checkpoint":
+        partial = None
+        while partial is None:
+            if time.monotonic() >= deadline:
+                raise StateError(f"run {run_id!r} uploaded no checkpoint within --timeout {timeout:g}s")
+            partial = _uploading_step(store, run_id, last_committed)
+            if partial is None:
+                time.sleep(_PROC_POLL_S)
+                last_committed = runstore.latest_committed_step(store, run_id) or 0
+        fault["partial_step"] = partial
 
     latest = runstore.latest_metrics(store, run_id)
     step_at_fault = int(latest["step"]) if latest else None
-    restart_before = int(latest.get("restart_count", 0)) if latest else 0
     world_before = int(latest["world_size"]) if latest and "world_size" in latest else None
-    last_committed = runstore.latest_committed_step(store, run_id) or 0
-    survivor_workers = [
-        p for name in survivors for p in proc.find(state.dir, node=name, run=run_id) if not _is_agent(p)
-    ]
-    victims = proc.find(state.dir, node=node, run=run_id)
+    workers = _workers(proc.find(state.dir, run=run_id))
+    victims = proc.find(state.dir, node=target.node, run=run_id) if target.node else []
+    victim_pids = {p.pid for p in victims}
 
     fault_time = time.time()
-    proc.kill(victims)
-    progress(f"killed node {node!r} ({len(victims)} process(es)) of run {run_id!r} at step {step_at_fault}, "
-             f"last committed step {last_committed}")
-    if proc.wait_gone(state.dir, node=node, run=run_id, timeout=_GONE_TIMEOUT_S):
-        raise StateError(f"node {node!r}: processes of run {run_id!r} survived SIGKILL for {_GONE_TIMEOUT_S:g}s")
+    outage: contextlib.ExitStack | None = None
+    if kind in ("kill-node", "kill-during-checkpoint"):
+        proc.kill(victims)
+        watched = [p for p in workers if p.pid not in victim_pids]
+        fault["signal"] = "SIGKILL"
+    elif kind == "hang-node":
+        stopped = _workers(victims)
+        proc.kill(stopped, signal.SIGSTOP)
+        watched = workers
+        fault |= {"signal": "SIGSTOP", "processes": len(stopped)}
+    elif kind == "preempt":
+        proc.kill(_agents(victims), signal.SIGTERM)
+        watched = workers
+        fault |= {"signal": "SIGTERM", "grace_s": spec.get("preemption", {}).get("grace_s")}
+    else:
+        outage = contextlib.ExitStack()
+        fault |= outage.enter_context(_store_down(store, drill_id)) | {"seconds": seconds}
+        watched = []
+    where = f"node {target.node!r}" if target.node else "the store"
+    progress(f"{kind}: fault on {where} of run {run_id!r} at step {step_at_fault}, last committed step {last_committed}")
 
-    deadline = time.monotonic() + timeout
-    detect_time: float | None = None
-    resume: dict[str, Any] | None = None
-    final_committed = False
-    outcome = "timeout"
-    next_store = 0.0
-    while time.monotonic() < deadline:
-        if detect_time is None and survivor_workers and not all(_alive(p) for p in survivor_workers):
-            detect_time = time.time()
-        if time.monotonic() >= next_store:
-            next_store = time.monotonic() + _STORE_POLL_S
-            if resume is None:
-                fresh = [
-                    r for r in _records_since(store, run_id, fault_time)
-                    if int(r.get("restart_count", 0)) > restart_before
-                    or (world_before is not None and r.get("world_size") != world_before)
-                ]
-                if fresh:
-                    resume = min(fresh, key=lambda r: float(r["time"]))
-                    progress(f"resumed at step {resume['step']} on world size {resume.get('world_size')}")
-            if resume is not None and (runstore.latest_committed_step(store, run_id) or 0) >= steps:
-                final_committed = True
-                outcome = "recovered"
-                break
-            if not proc.find(state.dir, run=run_id):
-                final_committed = (runstore.latest_committed_step(store, run_id) or 0) >= steps
-                outcome = "recovered" if resume is not None and final_committed else "failed"
-                break
-        time.sleep(_PROC_POLL_S)
-
-    newest = runstore.latest_metrics(store, run_id)
-    result = KillNodeResult(
-        drill_id=f"kill-node-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(fault_time))}-{secrets.token_hex(3)}",
-        drill="kill-node",
-        run_id=run_id,
-        cluster=state.name,
-        node=node,
-        survivors=survivors,
-        fault_time=fault_time,
-        step_at_fault=step_at_fault,
-        last_committed_step=last_committed,
-        world_size_at_fault=world_before,
-        detect_s=round(detect_time - fault_time, 3) if detect_time is not None else None,
-        restart_s=round(float(resume["time"]) - fault_time, 3) if resume is not None else None,
-        resumed_from_step=int(resume["step"]) - 1 if resume is not None else None,
-        lost_work_steps=step_at_fault - last_committed if step_at_fault is not None else None,
-        world_size_after=resume.get("world_size") if resume is not None else None,
-        final_step=int(newest["step"]) if newest else None,
-        final_committed=final_committed,
-        steps=steps,
-        outcome=outcome,
-        finished_time=time.time(),
+    result = DrillResult(
+        drill_id=drill_id, drill=kind, run_id=run_id, cluster=state.name, node=target.node,
+        survivors=target.survivors, fault_time=fault_time, fault=fault, step_at_fault=step_at_fault,
+        last_committed_step=last_committed, world_size_at_fault=world_before, steps=int(spec["steps"]),
         timeout_s=timeout,
     )
+    try:
+        if kind in ("kill-node", "kill-during-checkpoint") and proc.wait_gone(
+            state.dir, node=target.node, run=run_id, timeout=_GONE_TIMEOUT_S
+        ):
+            raise StateError(f"node {target.node!r}: processes of run {run_id!r} survived SIGKILL for {_GONE_TIMEOUT_S:g}s")
+        _observe(state, store, result, watched=watched, outage=outage, seconds=seconds, deadline=deadline,
+                 wait_finish=wait_finish, progress=progress)
+    finally:
+        if outage is not None:
+            outage.close()
+        if kind == "hang-node":
+            # Whatever the watchdog did not kill must not stay stopped forever.
+            proc.kill([p for p in victims if _alive(p)], signal.SIGCONT)
+    newest = runstore.latest_metrics(store, run_id)
+    result.final_step = int(newest["step"]) if newest else None
+    result.finished_time = time.time()
     store.put_bytes(drill_key(run_id, result.drill_id), json.dumps(result.to_dict(), indent=1).encode())
     return result
+
+
+def _observe(state: ClusterState, store: Store, result: DrillResult, *, watched: list[psutil.Process],
+             outage: contextlib.ExitStack | None, seconds: float, deadline: float, wait_finish: bool,
+             progress: Progress) -> None:
+    """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
+    run_id, fault_time = result.run_id, result.fault_time
+    back_time: float | None = None
+    recovered = False
+    next_store = 0.0
+    while time.monotonic() < deadline:
+        now = time.time()
+        if outage is not None and back_time is None and now - fault_time >= seconds:
+            outage.close()
+            back_time = time.time()
+            progress(f"store is back after {back_time - fault_time:.1f}s")
+        if result.detect_s is None and watched and not all(_alive(p) for p in watched):
+            result.detect_s = round(time.time() - fault_time, 3)
+        if time.monotonic() < next_store or (outage is not None and back_time is None):
+            time.sleep(_PROC_POLL_S)
+            continue
+        next_store = time.monotonic() + _STORE_POLL_S
+        if result.drill == "preempt" and result.emergency_checkpoint_step is None:
+            for manifest in _commits_since(store, run_id, fault_time):
+                if manifest.extra.get("reason") == "preemption":
+                    result.emergency_checkpoint_step = manifest.step
+                    result.emergency_checkpoint_s = round(manifest.created - fault_time, 3)
+        if not recovered:
+            recovered = _recovered(store, result, back_time)
+            if recovered:
+                progress(f"recovered: {_describe(result)}")
+        committed = runstore.latest_committed_step(store, run_id) or 0
+        if recovered and (not wait_finish or committed >= result.steps):
+            result.final_committed = committed >= result.steps
+            result.outcome = "recovered"
+            return
+        if not proc.find(state.dir, run=run_id):
+            result.final_committed = committed >= result.steps
+            result.outcome = "recovered" if recovered and result.final_committed else "failed"
+            return
+        time.sleep(_PROC_POLL_S)
+
+
+def _recovered(store: Store, result: DrillResult, back_time: float | None) -> bool:
+    """Fill in the resume fields once the store shows recovery; True then."""
+    if result.drill == "store-outage":
+        after = [m for m in _commits_since(store, result.run_id, back_time or result.fault_time)]
+        if not after:
+            return False
+        result.restart_s = round(after[0].created - result.fault_time, 3)
+        return True
+    records = [r for r in runstore.read_metrics(store, result.run_id)
+               if float(r.get("time", 0)) > result.fault_time and "environment" in r]
+    if not records:
+        return False
+    first = min(records, key=lambda r: float(r["time"]))
+    result.restart_s = round(float(first["time"]) - result.fault_time, 3)
+    result.resumed_from_step = int(first["step"]) - 1
+    result.expected_resume_step = _newest_committed_before(store, result.run_id, float(first["time"])) or 0
+    result.world_size_after = first.get("world_size")
+    if result.step_at_fault is not None:
+        result.lost_work_steps = result.step_at_fault - result.resumed_from_step
+    return True
+
+
+def _describe(r: DrillResult) -> str:
+    if r.drill == "store-outage":
+        return f"first commit after the outage {r.restart_s}s after the fault"
+    return (f"resumed from step {r.resumed_from_step} (last committed {r.expected_resume_step}) on world size "
+            f"{r.world_size_after}, {r.restart_s}s after the fault")
+
+
+# -- a series --------------------------------------------------------------------------------
+
+
+def run_series(
+    state: ClusterState,
+    kind: str,
+    repeat: int,
+    *,
+    node: str | None = None,
+    run: str | None = None,
+    seconds: float = 10.0,
+    timeout: float = 600.0,
+    progress: Progress = lambda _msg: None,
+) -> Series:
+    """``repeat`` drills in a row on one run; a node a fault removed rejoins before the next one.
+
+    Each drill waits only for recovery; the last also waits for the run to finish. Stops early
+    if a drill does not recover (the run is then in no state for the next one).
+    """
+    target = _select(state, kind, node, run)
+    budget = int(target.spec["max_restarts"])
+    if repeat > budget:
+        raise UsageError(f"--repeat: {repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
+                         f"(it is {budget}): every fault costs the surviving agents one restart")
+    series = Series()
+    for i in range(repeat):
+        last = i == repeat - 1
+        progress(f"drill {i + 1}/{repeat}")
+        result = run_drill(state, kind, node=target.node, run=target.run_id, seconds=seconds, timeout=timeout,
+                           wait_finish=last, progress=progress)
+        series.results.append(result)
+        if result.outcome != "recovered":
+            break
+        if kind in _NODE_LEAVES and not last:
+            _rejoin(state, store_for(state), result, timeout=timeout, progress=progress)
+            store_for(state).put_bytes(drill_key(result.run_id, result.drill_id),
+                                       json.dumps(result.to_dict(), indent=1).encode())
+            if result.rejoin_s is None:
+                break
+    return series
+
+
+def _rejoin(state: ClusterState, store: Store, result: DrillResult, *, timeout: float, progress: Progress) -> None:
+    """Bring the drill's node back and wait until a step runs on the whole world again."""
+    assert result.node is not None
+    proc.wait_gone(state.dir, node=result.node, run=result.run_id, timeout=_GONE_TIMEOUT_S)
+    started = time.time()
+    launcher.rejoin(state, result.node, run=result.run_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        grown = [r for r in runstore.read_metrics(store, result.run_id)
+                 if float(r.get("time", 0)) > started and r.get("world_size") == result.world_size_at_fault]
+        if grown:
+            result.rejoin_s = round(min(float(r["time"]) for r in grown) - started, 3)
+            progress(f"node {result.node!r} rejoined: world size {result.world_size_at_fault} again after {result.rejoin_s}s")
+            return
+        if not proc.find(state.dir, run=result.run_id):
+            return
+        time.sleep(_STORE_POLL_S)

@@ -12,17 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from infractl import proc, runstore
-from infractl.cluster import ensure_rendezvous, store_for
+from infractl.cluster import RENDEZVOUS_NODE, ensure_rendezvous, store_for
 from infractl.config import RunSpec, per_rank_batch
 from infractl.dataset import dataset_version
-from infractl.errors import ConfigError, TrainingError, UsageError
+from infractl.errors import ConfigError, StateError, TrainingError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.output import Output
 from infractl.state import ClusterState, write_private
 from infractl.store import Store
 
-__all__ = ["Launch", "prepare", "launch", "watch", "torchrun_argv"]
+__all__ = ["Launch", "prepare", "launch", "rejoin", "watch", "torchrun_argv"]
 
 # Seconds between looks at the agents and the store while following a run in the foreground.
 _POLL_S = 1.0
@@ -123,6 +125,9 @@ def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str
         f"keep_alive_interval={_KEEP_ALIVE_S},keep_alive_max_attempt=3",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=1",
+        # SIGTERM to the agent (a preemption notice) reaches the workers, which save an emergency
+        # checkpoint; they are SIGKILLed only after the grace period.
+        f"--shutdown-timeout={spec.preemption.grace_s}",
         "-m", "trainer.train",
         "--spec", str(spec_path),
         "--store", store_uri,
@@ -145,6 +150,16 @@ def _node_env(state: ClusterState, node: dict[str, Any], run_id: str, attempt: i
         env["INFRACTL_RUNTIME_IMAGE"] = image  # recorded in every checkpoint's environment fingerprint
     env.update(
         {
+            # The agent runs torchrun's file-timer watchdog: a worker whose step deadline
+            # (watchdog.step_timeout_s, armed by the trainer) passes is SIGKILLed, and the agent
+            # handles it as any other worker failure. The named pipe is per node and run.
+            "TORCHELASTIC_ENABLE_FILE_TIMER": "1",
+            "TORCHELASTIC_TIMER_FILE": str(Path(node["workdir"]) / "runs" / run_id / "watchdog.fifo"),
+            # torchrun shares its rendezvous TCP store with the workers by default, and then the
+            # rank-0 agent publishes the workers' MASTER_ADDR only in its first round: a node that
+            # joins later (`infractl rejoin`) waits for it forever. Without sharing, every round
+            # publishes a fresh address and the workers' rank 0 hosts their store.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "PYTHONUNBUFFERED": "1",
             "INFRACTL_ATTEMPT": str(attempt),
             LOG_FORMAT_ENV: log_format,
@@ -167,7 +182,6 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
     # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
     # earlier run of the same name, say before `--new`) can never be joined again.
     rdzv_id = f"{spec.name}-{attempt}-{secrets.token_hex(4)}"
-    rendezvous = f"{plan.cluster['rendezvous']['host']}:{plan.cluster['rendezvous']['port']}"
     plan.record["spec"] = spec.model_dump(mode="json")
     plan.record["attempts"].append(
         {
@@ -180,34 +194,118 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
     )
     runstore.write_run_record(plan.store, spec.name, plan.record)
 
-    agents: dict[str, subprocess.Popen[bytes]] = {}
-    for node in plan.nodes:
-        workdir = Path(node["workdir"])
-        spec_path = workdir / "runs" / spec.name / "spec.json"
-        write_private(spec_path, spec.model_dump_json(indent=1))
-        log_path = node_log(node, spec.name)
-        with log_path.open("a") as log:
-            log.write(f"=== infractl: attempt {attempt} of run {spec.name} on {node['name']} ===\n")
-        agents[node["name"]] = proc.spawn(
-            torchrun_argv(
-                spec,
-                nnodes=len(plan.nodes),
-                processes=int(node["processes"]),
-                rendezvous=rendezvous,
-                rdzv_id=rdzv_id,
-                spec_path=spec_path,
-                store_uri=plan.store.uri,
-                workdir=workdir,
-            ),
-            env=_node_env(state, node, spec.name, attempt, log_format, plan.cluster["spec"]["runtime"]["image"]),
-            cwd=workdir,
-            log_path=log_path,
-        )
+    agents = {
+        node["name"]: _start_agent(state, spec, node, cluster=plan.cluster, store=plan.store, attempt=attempt,
+                                   nnodes=len(plan.nodes), rdzv_id=rdzv_id, log_format=log_format)
+        for node in plan.nodes
+    }
     write_private(
         state.run_record_path(spec.name),
         json.dumps({"run_id": spec.name, "attempt": attempt, "agents": {n: p.pid for n, p in agents.items()}}, indent=1),
     )
     return Launch(spec.name, attempt, plan.resume_from, plan.nodes, agents)
+
+
+def _start_agent(state: ClusterState, spec: RunSpec, node: dict[str, Any], *, cluster: dict[str, Any], store: Store,
+                 attempt: int, nnodes: int, rdzv_id: str, log_format: LogFormat,
+                 note: str = "") -> subprocess.Popen[bytes]:
+    workdir = Path(node["workdir"])
+    spec_path = workdir / "runs" / spec.name / "spec.json"
+    write_private(spec_path, spec.model_dump_json(indent=1))
+    log_path = node_log(node, spec.name)
+    with log_path.open("a") as log:
+        log.write(f"=== infractl: attempt {attempt} of run {spec.name} on {node['name']}{note} ===\n")
+    return proc.spawn(
+        torchrun_argv(
+            spec,
+            nnodes=nnodes,
+            processes=int(node["processes"]),
+            rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
+            rdzv_id=rdzv_id,
+            spec_path=spec_path,
+            store_uri=store.uri,
+            workdir=workdir,
+        ),
+        env=_node_env(state, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"]),
+        cwd=workdir,
+        log_path=log_path,
+    )
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    run_id: str
+    node: str
+    attempt: int
+    pid: int
+    rejoins: int  # times this node has rejoined this attempt, this one included
+    budget: int
+
+
+def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
+           log_format: LogFormat = "console") -> Rejoin:
+    """Start the agent of a node that left a running run, so it joins at the next rendezvous.
+
+    The running agents see a node waiting and restart their workers on the larger world (no
+    restart budget spent); the run resumes there from its last committed checkpoint. Each
+    rejoin is recorded in the run record in the store, and a node may rejoin an attempt at
+    most ``max_restarts`` times: a flapping node cannot loop forever.
+    """
+    cluster = state.read()
+    nodes = {n["name"]: n for n in cluster["nodes"]}
+    if node_name not in nodes:
+        raise UsageError(f"NODE: no node {node_name!r} in cluster {state.name!r} (nodes: {', '.join(nodes)})")
+    live = running_nodes(state)
+    if run is None:
+        if len(live) != 1:
+            found = ", ".join(sorted(live)) or "none"
+            raise UsageError(f"--run: name the run to rejoin (runs running on cluster {state.name!r}: {found})")
+        run = next(iter(live))
+    if run not in live:
+        raise StateError(f"--run: run {run!r} is not running on cluster {state.name!r}; start it with `infractl train`")
+    if node_name in live[run]:
+        raise UsageError(f"NODE: node {node_name!r} is already running run {run!r}")
+    store = store_for(state)
+    record = runstore.read_run_record(store, run)
+    if record is None or not record.get("attempts") or "spec" not in record:
+        raise StateError(f"run {run!r} has no run.json with its spec and attempts in the store")
+    spec = RunSpec.model_validate(record["spec"])
+    attempt = record["attempts"][-1]
+    if len(live[run]) >= spec.nodes.max:
+        raise UsageError(f"run {run!r} already runs on nodes.max ({spec.nodes.max}) node(s): {', '.join(sorted(live[run]))}")
+    rejoins = attempt.setdefault("rejoins", [])
+    done = sum(1 for r in rejoins if r["node"] == node_name)
+    if done >= spec.max_restarts:
+        raise StateError(
+            f"node {node_name!r} has already rejoined attempt {attempt['attempt']} of run {run!r} {done} time(s) "
+            f"(max_restarts: {spec.max_restarts}); find out why it keeps failing (`infractl logs --node {node_name}`)"
+        )
+    agent = _start_agent(state, spec, nodes[node_name], cluster=cluster, store=store, attempt=attempt["attempt"],
+                         nnodes=len(attempt["nodes"]), rdzv_id=attempt["rdzv_id"], log_format=log_format,
+                         note=" (rejoined)")
+    rejoins.append({"node": node_name, "time": time.time(), "pid": agent.pid})
+    runstore.write_run_record(store, run, record)
+    local = state.run_record_path(run)
+    if local.is_file():
+        agents = json.loads(local.read_text())
+        agents.setdefault("agents", {})[node_name] = agent.pid
+        write_private(local, json.dumps(agents, indent=1))
+    return Rejoin(run_id=run, node=node_name, attempt=attempt["attempt"], pid=agent.pid, rejoins=done + 1,
+                  budget=spec.max_restarts)
+
+
+def running_nodes(state: ClusterState) -> dict[str, set[str]]:
+    """run id -> names of the nodes that have live processes of it (the rendezvous server excluded)."""
+    runs: dict[str, set[str]] = {}
+    for p in proc.find(state.dir):
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        run, node = env.get(proc.RUN_ENV), env.get(proc.NODE_ENV)
+        if run and node and node != RENDEZVOUS_NODE:
+            runs.setdefault(run, set()).add(node)
+    return runs
 
 
 def watch(started: Launch, spec: RunSpec, plan: Plan, out: Output) -> dict[str, Any]:

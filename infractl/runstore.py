@@ -31,6 +31,8 @@ __all__ = [
     "checkpoint_prefix",
     "file_sha256",
     "commit_checkpoint",
+    "step_objects",
+    "read_manifest",
     "committed_steps",
     "latest_committed_step",
     "verify_checkpoint",
@@ -109,8 +111,8 @@ def commit_checkpoint(
     return store.put_if_absent(committed, str(manifest.step).encode())
 
 
-def _step_dirs(store: Store, run_id: str) -> dict[int, set[str]]:
-    """Map step -> names of the objects directly known under ckpt/step-<N>/."""
+def step_objects(store: Store, run_id: str) -> dict[int, set[str]]:
+    """Map step -> names of the objects under ckpt/step-<N>/ (committed or not)."""
     steps: dict[int, set[str]] = {}
     base = f"{run_prefix(run_id)}/ckpt/"
     for obj in store.list(base):
@@ -121,8 +123,16 @@ def _step_dirs(store: Store, run_id: str) -> dict[int, set[str]]:
     return steps
 
 
+def read_manifest(store: Store, run_id: str, step: int) -> Manifest | None:
+    """The step's MANIFEST.json, or None if it has none (yet, or any more)."""
+    try:
+        return Manifest.from_json(store.get_bytes(f"{checkpoint_prefix(run_id, step)}/MANIFEST.json"))
+    except StoreKeyError:
+        return None
+
+
 def committed_steps(store: Store, run_id: str) -> list[int]:
-    return sorted(step for step, names in _step_dirs(store, run_id).items() if "COMMITTED" in names)
+    return sorted(step for step, names in step_objects(store, run_id).items() if "COMMITTED" in names)
 
 
 def latest_committed_step(store: Store, run_id: str) -> int | None:
@@ -138,10 +148,9 @@ def verify_checkpoint(store: Store, run_id: str, step: int) -> Manifest:
     prefix = checkpoint_prefix(run_id, step)
     if not store.exists(f"{prefix}/COMMITTED"):
         raise CheckpointError(f"step {step} of run {run_id!r} is not committed")
-    try:
-        manifest = Manifest.from_json(store.get_bytes(f"{prefix}/MANIFEST.json"))
-    except StoreKeyError:
-        raise CheckpointError(f"step {step} of run {run_id!r} has no MANIFEST.json") from None
+    manifest = read_manifest(store, run_id, step)
+    if manifest is None:
+        raise CheckpointError(f"step {step} of run {run_id!r} has no MANIFEST.json")
     present = {o.key[len(prefix) + 1:]: o.size for o in store.list(prefix)}
     for entry in manifest.files:
         if entry.key not in present:
@@ -163,7 +172,7 @@ def prune_checkpoints(store: Store, run_id: str, *, keep: int, idle: bool = Fals
     """
     if keep < 2:
         raise ValueError("keep must be at least 2")
-    dirs = _step_dirs(store, run_id)
+    dirs = step_objects(store, run_id)
     committed = sorted(s for s, names in dirs.items() if "COMMITTED" in names)
     newest = committed[-1] if committed else -1
     partial = [s for s, names in dirs.items() if "COMMITTED" not in names]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -56,5 +56,24 @@ def train(
     out.result({"run_id": spec.name, **attempt})
 
 
+def rejoin(
+    node: Annotated[str, typer.Argument(help="The node to bring back into the run (e.g. node-1).")],
+    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run to rejoin. Default: the run running on the cluster.")] = None,
+    cluster_opt: ClusterOpt = None,
+    json_mode: JsonOpt = False,
+    log_format: Annotated[LogFormat, typer.Option("--log-format", help="Trainer log lines: console or json.")] = "console",
+) -> None:
+    """Start NODE's agent again for a running run that lost it; the run grows back at the next rendezvous."""
+    out = output(json_mode)
+    state, _ = resolve_cluster(cluster_opt)
+    with state.lock("rejoin"):
+        joined = launcher.rejoin(state, node, run=run, log_format=log_format)
+    out.success(f"node {joined.node!r} is joining run {joined.run_id!r} (attempt {joined.attempt}; "
+                f"rejoin {joined.rejoins} of at most {joined.budget}); the run restarts its workers on the larger world")
+    out.result({"run_id": joined.run_id, "node": joined.node, "attempt": joined.attempt, "pid": joined.pid,
+                "rejoins": joined.rejoins, "budget": joined.budget})
+
+
 def register(app: typer.Typer) -> None:
     app.command()(train)
+    app.command()(rejoin)
