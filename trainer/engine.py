@@ -101,10 +101,9 @@ class Trainer:
         workdir: Path,
         env: DistEnv,
         device: torch.device,
-        preemption: PreemptionNotice,
     ) -> None:
         self.spec = spec
-        self.preemption = preemption
+        self.preemption = PreemptionNotice()
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.env = env
         self.device = device
@@ -226,9 +225,11 @@ class Trainer:
         """Resume, train until ``spec.steps``, checkpoint on schedule; return the last step.
 
         Raises ``Preempted`` once the step at which any rank got a preemption notice is
-        committed.
+        committed. Until the loop starts, SIGTERM ends the process at once: there is nothing
+        new to save, and the agent (restarting its workers, say) need not wait its grace.
         """
         self.resume()
+        self.preemption.install()  # from the main thread: torchrun's worker runs us there
         spec = self.spec
         tokens_per_step = spec.batch_size * spec.model.seq_len
         first = True
@@ -288,12 +289,19 @@ class Trainer:
         return self.progress.step
 
     def _warmed_up(self) -> None:
-        """After the first step of this process: loading and the first step may be slow; from
-        now on a step has ``watchdog.step_timeout_s``, and so has every collective on the
-        default group, so survivors of a hung or dead peer fail in that time, not the
-        backend's default (30 minutes on gloo), and their agent restarts them."""
+        """After the first step of this process (loading and the first step may be slow): from
+        now on a step must finish within ``watchdog.step_timeout_s``, and every collective on
+        the default group within half of it.
+
+        Half: a rank waiting in a collective for a hung peer is not hung itself. Its
+        collective fails before its own deadline, it exits with an error and its agent
+        restarts the workers (see trainer/watchdog.py). With equal timeouts the deadlines of
+        the waiting ranks, armed before their collective began, would expire first, and every
+        node's agent would be killed with its reaped worker. Either way survivors fail within
+        the step timeout instead of the backend's default (30 minutes on gloo).
+        """
         timeout_s = self.spec.watchdog.step_timeout_s
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s / 2))
         self.watchdog.start()
         log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
 

@@ -2,7 +2,9 @@
 rank to save an emergency checkpoint and exit.
 
 torchrun's agent, on SIGTERM, forwards it to its workers and SIGKILLs them after its
-``--shutdown-timeout`` (the launcher passes ``preemption.grace_s``). The handler only records
+``--shutdown-timeout`` (the launcher passes ``preemption.grace_s``). An agent restarting its
+workers (a peer failed, a node joined) SIGTERMs them too, with 30 s before SIGKILL: they then
+save the step they reached as well, which costs little and loses nothing. The handler only records
 the notice: the training loop tells every rank about it in the step's all-reduce (see
 ``Trainer.train``), so all ranks save the same step together, without a collective of its own.
 """
@@ -21,8 +23,8 @@ PEER_PREEMPTED_EXIT = 75
 
 
 class PreemptionNotice:
-    """Whether this process got SIGTERM. ``install`` from the main thread (Python runs signal
-    handlers only there)."""
+    """Whether this process got SIGTERM since ``install``. Install from the main thread (Python
+    runs signal handlers only there)."""
 
     def __init__(self) -> None:
         self.signalled = False

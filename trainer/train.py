@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 from pathlib import Path
 
 import structlog
@@ -29,7 +31,7 @@ from infractl.log import configure, get_logger
 from infractl.store import Store, open_store
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import Preempted, Trainer
-from trainer.preemption import PEER_PREEMPTED_EXIT, PreemptionNotice
+from trainer.preemption import PEER_PREEMPTED_EXIT
 
 __all__ = ["main"]
 
@@ -64,9 +66,6 @@ def _parser() -> argparse.ArgumentParser:
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # First: a SIGTERM from now on asks for an emergency checkpoint instead of killing.
-    preemption = PreemptionNotice()
-    preemption.install()
     env = DistEnv.from_environ()
     # Rank 0 speaks for the job; the others report only what goes wrong.
     configure(level=logging.INFO if env.rank == 0 else logging.WARNING)
@@ -93,7 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir=args.workdir,
             env=env,
             device=device,
-            preemption=preemption,
         )
     except BaseException as exc:
         # Drop the frames' locals so the trainer can be freed before the group (see _train).
@@ -118,7 +116,6 @@ def _train(
     workdir: Path,
     env: DistEnv,
     device: torch.device,
-    preemption: PreemptionNotice,
 ) -> None:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
     # group; if the reducer outlives destroy_process_group, the group's destructor runs
@@ -132,9 +129,23 @@ def _train(
         workdir=workdir,
         env=env,
         device=device,
-        preemption=preemption,
     ).train()
 
 
+def _crash() -> NoReturn:
+    """Report the exception being handled and end the process now, without the interpreter's
+    exit: that joins DCP's save thread, which may be blocked in a collective with a hung or
+    dead peer for the checkpoint group's timeout (30 minutes). The agent restarts this rank
+    only once it has exited."""
+    traceback.print_exc()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except Exception:  # @record has reported it to torchrun; SystemExit (argparse) passes
+        _crash()
+    sys.exit(code)

@@ -5,13 +5,21 @@ on the named pipe ``$TORCHELASTIC_TIMER_FILE`` and passes that path to its worke
 this rank arms a timer there and releases it when the step is done; a rank that misses its
 deadline (hung in a collective, stopped, stuck in I/O) is SIGKILLed by the agent's server.
 
-What follows a reap, on torch 2.13: after killing an expired worker, ``FileTimerServer`` kills
-its own process, the agent, with the same signal. The hung rank's node is then lost as a
-whole, which is the failure model's "a node hangs: it turns into a node failure": the other
-nodes' workers fail their next collective within the lowered group timeout (see
-``Trainer.train``), their agents restart them, and they re-rendezvous without that node and
-resume from the last committed step. Workers of the lost node that were not hung are left
-orphaned by the dead agent; they fail the same way and exit.
+How a hang ends, on torch 2.13 (checked with gloo):
+
+- The ranks waiting for the hung one fail their collective first: after the first step the
+  default group's timeout is half the step timeout (``Trainer._warmed_up``), so they raise
+  before their own deadline, exit non-zero, and their agent restarts its workers. An agent
+  that restarts stops its timer server and SIGTERMs its workers, then SIGKILLs them after 30 s
+  (hard-coded in LocalElasticAgent._stop_workers): a stopped or deadlocked worker on that node
+  dies then, not at its deadline. Agents on other nodes see the new rendezvous round and do
+  the same. Every node comes back and the run resumes from the last committed step.
+- If the hung rank's deadline expires first (no peer noticed: a job of one rank, or every
+  rank stuck), the timer server SIGKILLs it (nothing else ends a stopped process) and then,
+  after reaping, kills its own process, the agent, with the same signal. That node is lost
+  as a whole, the failure model's "a node hangs: it turns into a node failure"; the other
+  nodes go on without it if ``nodes.min`` allows, and its workers that were not hung fail
+  their next collective and exit.
 
 Without the environment variable (plain torchrun, tests) there is no watchdog.
 """
