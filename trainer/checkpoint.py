@@ -17,10 +17,10 @@ Save (every rank, collectively; at most one save in flight)::
                                   the outcome is agreed) raises from wait() and close(); the
                                   next save logs it and training goes on, the store may be back
 
-The caller keeps training from waiting on a slow or unreachable store: before a scheduled
-save it asks ``busy`` on every rank and, if the previous save is still running anywhere,
-skips this one (the ranks agree on that in the training step's all-reduce; see
-``Trainer.train``). Only a save that must happen (the last step, a preemption) waits.
+The caller keeps training from waiting long on a slow or unreachable store: before a
+scheduled save it calls ``settle`` (a bounded wait for the previous save) on every rank and,
+if that save is still running anywhere, skips this one (the ranks agree on it; see
+``Trainer.train``). Only a save that must happen (the last step, a preemption) waits it out.
 
 Collectives issued off the training thread (DCP's own plan exchange, the manifest gather, the
 commit outcome) all go over one dedicated gloo group created with the Checkpointer, never over
@@ -144,6 +144,7 @@ class Checkpointer:
         # Collective: every rank creates it here, in the same order as any other group.
         self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
         self._in_flight: _InFlight | None = None
+        self._settled_s = 0.0  # waited by ``settle`` since the last save
         # Committed steps that ``load`` found corrupt: saving one of them again repairs it.
         self._repair: set[int] = set()
         self._closed = False
@@ -165,7 +166,7 @@ class Checkpointer:
         """
         if self._closed:
             raise RuntimeError("Checkpointer.save after close()")
-        called = time.monotonic()
+        called, self._settled_s = time.monotonic() - self._settled_s, 0.0
         try:
             self.wait()
         except SaveFailed as exc:
@@ -190,11 +191,16 @@ class Checkpointer:
         self._in_flight = in_flight
         in_flight.thread.start()
 
-    @property
-    def busy(self) -> bool:
-        """True while this rank's part of the save in flight is still running (a ``save`` or
-        ``wait`` now would block)."""
-        return self._in_flight is not None and self._in_flight.thread.is_alive()
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for this rank's part of the save in flight; return True if
+        it is still running (a ``save`` or ``wait`` now would block). The time waited counts
+        as the next save's ``waited_s``."""
+        if self._in_flight is None:
+            return False
+        started = time.monotonic()
+        self._in_flight.thread.join(timeout_s)
+        self._settled_s += time.monotonic() - started
+        return self._in_flight.thread.is_alive()
 
     @property
     def in_flight_step(self) -> int | None:

@@ -1,11 +1,13 @@
 """The training engine: one ``Trainer`` per rank builds the model, data, optimizer and
 checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, and trains.
 
-Each step's loss all-reduce also carries two flags, summed over the ranks, so the ranks agree
-on them without a collective of their own: whether a rank got a preemption notice (then every
-rank saves this step, waits for the commit and exits; see ``Preempted``), and whether a rank's
-previous checkpoint save is still running (then a scheduled save due now is skipped: training
-does not wait for a slow or unreachable store).
+Each step's loss all-reduce also carries a flag, summed over the ranks, so the ranks agree on
+it without a collective of their own: whether a rank got a preemption notice (then every rank
+saves this step, waits for the commit and exits; see ``Preempted``).
+
+Training does not wait long for a slow or unreachable store: a scheduled save whose previous
+save is still running after a short wait (``_SAVE_WAIT_S``) on any rank is skipped, which the
+ranks agree on in a one-number all-reduce on checkpoint steps.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import datetime
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,11 @@ def config_hash(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+#: How long a scheduled save waits for the previous one before it is skipped (at most a
+#: quarter of the step timeout): enough for a healthy store, short next to the watchdog.
+_SAVE_WAIT_S = 5.0
+
+
 class Preempted(Exception):
     """Training stopped at ``step`` because a rank got a preemption notice; ``step`` is
     committed. ``signalled``: whether this rank got it (else a peer did)."""
@@ -79,14 +85,6 @@ class Preempted(Exception):
         super().__init__(f"preempted at step {step}")
         self.step = step
         self.signalled = signalled
-
-
-@dataclass(frozen=True)
-class _Peers:
-    """What the step's all-reduce told every rank: how many ranks ..."""
-
-    preempted: int  # ... got a preemption notice
-    saving: int  # ... were still running their previous checkpoint save
 
 
 class Trainer:
@@ -240,7 +238,7 @@ class Trainer:
             # but never a wait for a commit, which depends on the store (see _finish).
             with self.watchdog.step():
                 started = time.perf_counter()
-                loss, peers, split = self._train_step(step)
+                loss, preempted, split = self._train_step(step)
                 elapsed = time.perf_counter() - started
                 self.progress.step = step
                 self.progress.tokens_seen += tokens_per_step
@@ -262,31 +260,41 @@ class Trainer:
                 if self.validation is not None and (step % spec.eval.every == 0 or final):
                     record["val_loss"] = self._evaluate(self.validation)
                 scheduled = step % spec.checkpoint.every == 0 and not final
-                if scheduled and peers.saving:
-                    if self.env.rank == 0:
-                        log.warning(
-                            "checkpoint_skipped",
-                            step=step,
-                            reason="the previous save is still running",
-                            ranks_saving=peers.saving,
-                        )
+                if scheduled and self._previous_save_running(step):
                     scheduled = False
                 if scheduled:
                     self._checkpoint(step, record, reason="scheduled")
-                elif not (final or peers.preempted) and self.metrics is not None:
+                elif not (final or preempted) and self.metrics is not None:
                     self.metrics.add(record)
             if first:
                 self._warmed_up()
                 first = False
             if final:
                 self._save_final(step, record)
-            elif peers.preempted:
-                self._save_preempted(step, record, ranks_signalled=peers.preempted)
+            elif preempted:
+                self._save_preempted(step, record, ranks_signalled=preempted)
         self.checkpointer.close()  # saves are async: the last one must commit before exit 0
         if self.metrics is not None:
             self.metrics.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
+
+    def _previous_save_running(self, step: int) -> bool:
+        """Collective: wait a little for the previous save on every rank; True (logged) if it
+        is still running on any: the scheduled save of ``step`` is then skipped."""
+        wait_s = min(_SAVE_WAIT_S, self.spec.watchdog.step_timeout_s / 4)
+        running = torch.tensor([float(self.checkpointer.settle(wait_s))], device=self.device)
+        dist.all_reduce(running)
+        ranks = round(running.item())
+        if ranks and self.env.rank == 0:
+            log.warning(
+                "checkpoint_skipped",
+                step=step,
+                reason="the previous save is still running",
+                ranks_saving=ranks,
+                waited_s=wait_s,
+            )
+        return ranks > 0
 
     def _warmed_up(self) -> None:
         """After the first step of this process (loading and the first step may be slow): from
@@ -338,9 +346,10 @@ class Trainer:
             log.info("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
         raise Preempted(step, signalled=signalled)
 
-    def _train_step(self, step: int) -> tuple[float, _Peers, dict[str, Any]]:
-        """One optimizer step; return the global batch's loss, what the ranks' flags summed to,
-        and how the step's time split (the ``StepRecord`` fields ``data_s`` .. ``comm_s``)."""
+    def _train_step(self, step: int) -> tuple[float, int, dict[str, Any]]:
+        """One optimizer step; return the global batch's loss, how many ranks got a preemption
+        notice, and how the step's time split (the ``StepRecord`` fields ``data_s`` ..
+        ``comm_s``)."""
         clock = self.clock
         if self.comm is not None:
             self.comm.reset()
@@ -358,14 +367,12 @@ class Trainer:
         self.optimizer.step()
         self.progress.scheduler.step()
         stepped = clock.mark()
-        # The recorded loss is the global batch's, not rank 0's share of it; the flags ride
-        # along (see the module doc).
-        flags = [float(self.preemption.signalled), float(self.checkpointer.busy)]
-        summed = torch.cat(
-            [loss.detach().float().reshape(1), torch.tensor(flags, device=self.device)]
-        )
+        # The recorded loss is the global batch's, not rank 0's share of it; the preemption
+        # flag rides along (see the module doc).
+        flag = torch.tensor([float(self.preemption.signalled)], device=self.device)
+        summed = torch.cat([loss.detach().float().reshape(1), flag])
         dist.all_reduce(summed)
-        total, preempted, saving = summed.tolist()
+        total, preempted = summed.tolist()
         global_loss = total / self.env.world_size
         # After .item(): on CUDA the marks are events, complete only once the stream synced.
         split = {
@@ -374,7 +381,7 @@ class Trainer:
             "optimizer_s": round(clock.seconds(backward_done, stepped), 6),
             "comm_s": round(self.comm.seconds(), 6) if self.comm is not None else None,
         }
-        return global_loss, _Peers(preempted=round(preempted), saving=round(saving)), split
+        return global_loss, round(preempted), split
 
     @torch.no_grad()
     def _evaluate(self, batches: ValidationBatches) -> float:
