@@ -29,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch.distributed.elastic.timer import FileTimerClient
+
+from infractl.log import get_logger
 
 __all__ = ["StepWatchdog", "TIMER_FILE_ENV"]
 
@@ -39,6 +41,8 @@ __all__ = ["StepWatchdog", "TIMER_FILE_ENV"]
 TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
 
 _SCOPE = "training-step"
+
+log = get_logger(__name__)
 
 
 class StepWatchdog:
@@ -50,6 +54,7 @@ class StepWatchdog:
 
     def __init__(self, timeout_s: float, *, timer_file: str | None) -> None:
         self.timeout_s = timeout_s
+        self._timer_file = timer_file or ""
         self._client = FileTimerClient(timer_file) if timer_file else None
         self._started = False
 
@@ -71,8 +76,25 @@ class StepWatchdog:
         if self._client is None or not self._started:
             yield
             return
-        self._client.acquire(_SCOPE, time.time() + self.timeout_s)
+        armed = self._send(lambda client: client.acquire(_SCOPE, time.time() + self.timeout_s))
         try:
             yield
         finally:
-            self._client.release(_SCOPE)
+            if armed:
+                self._send(lambda client: client.release(_SCOPE))
+
+    def _send(self, request: Callable[[FileTimerClient], None]) -> bool:
+        """Send a timer request; False, and no watchdog from now on, once the agent's timer
+        server is gone. An agent stops its server first when it shuts its workers down (on
+        SIGTERM: a preemption; or to restart them), and the workers must still be able to
+        finish their emergency checkpoint then, not crash on the missing pipe."""
+        assert self._client is not None
+        try:
+            if not os.path.exists(self._timer_file):
+                raise BrokenPipeError(f"{self._timer_file} is gone")
+            request(self._client)
+            return True
+        except BrokenPipeError as exc:
+            log.warning("watchdog_stopped", reason=f"the agent's timer server is gone ({exc})")
+            self._client = None
+            return False
