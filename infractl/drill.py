@@ -75,7 +75,8 @@ KINDS = ("kill-node", "kill-during-checkpoint", "hang-node", "preempt", "store-o
 _NODE_LEAVES = ("kill-node", "kill-during-checkpoint", "preempt")
 
 _PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
-_STORE_POLL_S = 0.5  # metrics, commits, manifests
+_COMMIT_POLL_S = 0.2  # committed steps and their manifests
+_STORE_POLL_S = 0.5  # metrics records
 _GONE_TIMEOUT_S = 30.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -164,8 +165,6 @@ def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -
     if kind not in KINDS:
         raise UsageError(f"KIND: unknown drill {kind!r} (one of: {', '.join(KINDS)})")
     cluster_nodes = [n["name"] for n in state.read()["nodes"]]
-    if kind == "store-outage" and node is not None:
-        raise UsageError("--node: store-outage takes down the store, not a node; drop --node")
     if node is not None and node not in cluster_nodes:
         raise UsageError(f"--node: no node {node!r} in cluster {state.name!r} (nodes: {', '.join(cluster_nodes)})")
     runs = launcher.running_nodes(state)
@@ -202,20 +201,30 @@ def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -
 # -- what the store shows ----------------------------------------------------------------------
 
 
-def _commits_since(store: Store, run_id: str, since: float) -> list[Manifest]:
-    """Manifests of the committed steps whose commit is later than ``since``, oldest first."""
-    found = []
-    for step in runstore.committed_steps(store, run_id):
-        manifest = runstore.read_manifest(store, run_id, step)
-        if manifest is not None and manifest.created > since:
-            found.append(manifest)
-    return sorted(found, key=lambda m: m.created)
+class _Commits:
+    """Every commit of the run seen since the drill began (step -> its manifest).
 
+    Retention deletes old steps within seconds on a fast run, so commits are polled often and
+    remembered: which step was the newest committed one at a given moment is then known even
+    after it is gone from the store.
+    """
 
-def _newest_committed_before(store: Store, run_id: str, when: float) -> int | None:
-    steps = [s for s in runstore.committed_steps(store, run_id)
-             if (m := runstore.read_manifest(store, run_id, s)) is not None and m.created < when]
-    return max(steps) if steps else None
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.seen: dict[int, Manifest] = {}
+
+    def poll(self) -> None:
+        for step in runstore.committed_steps(self.store, self.run_id):
+            if step not in self.seen and (manifest := runstore.read_manifest(self.store, self.run_id, step)):
+                self.seen[step] = manifest
+
+    def since(self, when: float) -> list[Manifest]:
+        """Commits later than ``when``, oldest first."""
+        return sorted((m for m in self.seen.values() if m.created > when), key=lambda m: m.created)
+
+    def newest_before(self, when: float) -> int | None:
+        steps = [step for step, m in self.seen.items() if m.created < when]
+        return max(steps) if steps else None
 
 
 def _uploading_step(store: Store, run_id: str, after: int) -> int | None:
@@ -308,17 +317,20 @@ def run_drill(
     drill_id = f"{kind}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
     fault: dict[str, Any] = {}
 
-    last_committed = runstore.latest_committed_step(store, run_id) or 0
+    commits = _Commits(store, run_id)
+    commits.poll()
     if kind == "kill-during-checkpoint":
         partial = None
         while partial is None:
             if time.monotonic() >= deadline:
                 raise StateError(f"run {run_id!r} uploaded no checkpoint within --timeout {timeout:g}s")
-            partial = _uploading_step(store, run_id, last_committed)
+            # After a first commit, so the drill shows a resume from it and not from step 0.
+            partial = _uploading_step(store, run_id, max(commits.seen)) if commits.seen else None
             if partial is None:
                 time.sleep(_PROC_POLL_S)
-                last_committed = runstore.latest_committed_step(store, run_id) or 0
+                commits.poll()
         fault["partial_step"] = partial
+    last_committed = max(commits.seen, default=0)
 
     latest = runstore.latest_metrics(store, run_id)
     step_at_fault = int(latest["step"]) if latest else None
@@ -360,8 +372,11 @@ def run_drill(
             state.dir, node=target.node, run=run_id, timeout=_GONE_TIMEOUT_S
         ):
             raise StateError(f"node {target.node!r}: processes of run {run_id!r} survived SIGKILL for {_GONE_TIMEOUT_S:g}s")
-        _observe(state, store, result, watched=watched, outage=outage, seconds=seconds, deadline=deadline,
+        _observe(state, result, commits, watched=watched, outage=outage, seconds=seconds, deadline=deadline,
                  wait_finish=wait_finish, progress=progress)
+        if wait_finish and result.final_committed:
+            # The last commit comes just before the processes exit: the drill ends with the run.
+            proc.wait_gone(state.dir, run=run_id, timeout=_GONE_TIMEOUT_S)
     finally:
         if outage is not None:
             outage.close()
@@ -375,63 +390,64 @@ def run_drill(
     return result
 
 
-def _observe(state: ClusterState, store: Store, result: DrillResult, *, watched: list[psutil.Process],
+def _observe(state: ClusterState, result: DrillResult, commits: _Commits, *, watched: list[psutil.Process],
              outage: contextlib.ExitStack | None, seconds: float, deadline: float, wait_finish: bool,
              progress: Progress) -> None:
     """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
     run_id, fault_time = result.run_id, result.fault_time
     back_time: float | None = None
     recovered = False
-    next_store = 0.0
+    next_commits = next_metrics = 0.0
     while time.monotonic() < deadline:
-        now = time.time()
-        if outage is not None and back_time is None and now - fault_time >= seconds:
+        if outage is not None and back_time is None and time.time() - fault_time >= seconds:
             outage.close()
             back_time = time.time()
             progress(f"store is back after {back_time - fault_time:.1f}s")
         if result.detect_s is None and watched and not all(_alive(p) for p in watched):
             result.detect_s = round(time.time() - fault_time, 3)
-        if time.monotonic() < next_store or (outage is not None and back_time is None):
+        if time.monotonic() < next_commits or (outage is not None and back_time is None):
             time.sleep(_PROC_POLL_S)
             continue
-        next_store = time.monotonic() + _STORE_POLL_S
+        next_commits = time.monotonic() + _COMMIT_POLL_S
+        commits.poll()
         if result.drill == "preempt" and result.emergency_checkpoint_step is None:
-            for manifest in _commits_since(store, run_id, fault_time):
+            for manifest in commits.since(fault_time):
                 if manifest.extra.get("reason") == "preemption":
                     result.emergency_checkpoint_step = manifest.step
                     result.emergency_checkpoint_s = round(manifest.created - fault_time, 3)
-        if not recovered:
-            recovered = _recovered(store, result, back_time)
+        if not recovered and time.monotonic() >= next_metrics:
+            next_metrics = time.monotonic() + _STORE_POLL_S
+            recovered = _recovered(commits, result, back_time)
             if recovered:
                 progress(f"recovered: {_describe(result)}")
-        committed = runstore.latest_committed_step(store, run_id) or 0
+        committed = max(commits.seen, default=0)
         if recovered and (not wait_finish or committed >= result.steps):
             result.final_committed = committed >= result.steps
             result.outcome = "recovered"
             return
         if not proc.find(state.dir, run=run_id):
-            result.final_committed = committed >= result.steps
+            commits.poll()
+            result.final_committed = max(commits.seen, default=0) >= result.steps
             result.outcome = "recovered" if recovered and result.final_committed else "failed"
             return
-        time.sleep(_PROC_POLL_S)
 
 
-def _recovered(store: Store, result: DrillResult, back_time: float | None) -> bool:
+def _recovered(commits: _Commits, result: DrillResult, back_time: float | None) -> bool:
     """Fill in the resume fields once the store shows recovery; True then."""
     if result.drill == "store-outage":
-        after = [m for m in _commits_since(store, result.run_id, back_time or result.fault_time)]
+        after = commits.since(back_time or result.fault_time)
         if not after:
             return False
         result.restart_s = round(after[0].created - result.fault_time, 3)
         return True
-    records = [r for r in runstore.read_metrics(store, result.run_id)
+    records = [r for r in runstore.read_metrics(commits.store, result.run_id)
                if float(r.get("time", 0)) > result.fault_time and "environment" in r]
     if not records:
         return False
     first = min(records, key=lambda r: float(r["time"]))
     result.restart_s = round(float(first["time"]) - result.fault_time, 3)
     result.resumed_from_step = int(first["step"]) - 1
-    result.expected_resume_step = _newest_committed_before(store, result.run_id, float(first["time"])) or 0
+    result.expected_resume_step = commits.newest_before(float(first["time"])) or 0
     result.world_size_after = first.get("world_size")
     if result.step_at_fault is not None:
         result.lost_work_steps = result.step_at_fault - result.resumed_from_step

@@ -30,12 +30,15 @@ class Cli:
     def env(self) -> dict[str, str]:
         return {**os.environ, "INFRACTL_HOME": str(self.home), "NO_COLOR": "1", "COLUMNS": "200"}
 
-    def __call__(self, *args: str, expect: int = 0, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        """Run ``infractl ARGS`` and assert its exit code; a failure must be one clean message."""
+    def __call__(
+        self, *args: str, expect: int = 0, timeout: float = 600, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``infractl ARGS`` (``env``: extra variables) and assert its exit code; a failure
+        must be one clean message."""
         result = subprocess.run(
             [sys.executable, "-m", "infractl", *args],
             cwd=self.cwd,
-            env=self.env(),
+            env=self.env() | (env or {}),
             capture_output=True,
             text=True,
             timeout=timeout,
