@@ -473,12 +473,13 @@ def run_series(
     run: str | None = None,
     seconds: float = 10.0,
     timeout: float = 600.0,
+    wait_finish: bool = True,
     progress: Progress = lambda _msg: None,
 ) -> Series:
     """``repeat`` drills in a row on one run; a node a fault removed rejoins before the next one.
 
-    Each drill waits only for recovery; the last also waits for the run to finish. Stops early
-    if a drill does not recover (the run is then in no state for the next one).
+    Each drill waits only for recovery; with ``wait_finish`` the last also waits for the run to
+    finish. Stops early if a drill does not recover (the run is then in no state for the next).
     """
     target = _select(state, kind, node, run)
     budget = int(target.spec["max_restarts"])
@@ -490,7 +491,7 @@ def run_series(
         last = i == repeat - 1
         progress(f"drill {i + 1}/{repeat}")
         result = run_drill(state, kind, node=target.node, run=target.run_id, seconds=seconds, timeout=timeout,
-                           wait_finish=last, progress=progress)
+                           wait_finish=last and wait_finish, progress=progress)
         series.results.append(result)
         if result.outcome != "recovered":
             break

@@ -19,6 +19,8 @@ app = typer.Typer(help="Fault drills against a running job (started with `infrac
 NodeOpt = Annotated[Optional[str], typer.Option("--node", "-n", help="Node to fault. Default: the last node running the run.")]
 RunOpt = Annotated[Optional[str], typer.Option("--run", "-r", help="Run to drill. Default: the run running on the cluster.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for each drill's recovery (and the run's end).", min=1)]
+WaitOpt = Annotated[bool, typer.Option(
+    "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then.")]
 RepeatOpt = Annotated[int, typer.Option(
     "--repeat", help="Run N drills in a row on the same run (a node the fault removed rejoins in between); "
                      "prints the success count and the median and worst restart_s.", min=1)]
@@ -84,9 +86,11 @@ def _node_command(kind: str) -> Callable[..., None]:
         cluster_opt: ClusterOpt = None,
         timeout: TimeoutOpt = 600.0,
         repeat: RepeatOpt = 1,
+        wait: WaitOpt = True,
         json_mode: JsonOpt = False,
     ) -> None:
-        _drill(kind, output(json_mode), json_mode, cluster_opt, repeat, node=node, run=run, timeout=timeout)
+        _drill(kind, output(json_mode), json_mode, cluster_opt, repeat, node=node, run=run, timeout=timeout,
+               wait_finish=wait)
 
     command.__doc__ = _HELP[kind] + " Then measure detection, restart, lost work and completion."
     return command
@@ -99,12 +103,13 @@ def store_outage(
     cluster_opt: ClusterOpt = None,
     timeout: TimeoutOpt = 600.0,
     repeat: RepeatOpt = 1,
+    wait: WaitOpt = True,
     json_mode: JsonOpt = False,
 ) -> None:
     """Make the store refuse every call for --seconds (a file:// store's directory moves away; an S3 endpoint
     on this machine is paused): training must go on and commit again once the store is back."""
     _drill("store-outage", output(json_mode), json_mode, cluster_opt, repeat, run=run, seconds=seconds,
-           timeout=timeout)
+           timeout=timeout, wait_finish=wait)
 
 
 for _kind in _HELP:
