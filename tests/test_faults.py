@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -155,7 +154,10 @@ def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_t
         max_restarts=1,
     )
     store = store_of(tmp_path)
-    timer = {"TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TORCHELASTIC_TIMER_FILE": str(tmp_path / "timer")}
+    timer = {
+        "TORCHELASTIC_ENABLE_FILE_TIMER": "1",
+        "TORCHELASTIC_TIMER_FILE": str(tmp_path / "timer"),
+    }
     agents = start_torchrun(tmp_path, spec, torchrun_args=["--max-restarts=1"], env=timer)
     workers = worker_pids(agents.procs[0], 2)
     wait_for_commit(store, spec.name, at_least=5, timeout=60)
@@ -186,7 +188,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     tmp_path: Path,
 ) -> None:
     # No scheduled save within the run: the only checkpoint is the emergency one.
-    spec = tiny_spec(steps=60, checkpoint=CheckpointSpec(every=1000, keep=2))
+    spec = tiny_spec(steps=30, checkpoint=CheckpointSpec(every=1000, keep=2))
     store = store_of(tmp_path)
     agents = start_torchrun(tmp_path, spec, torchrun_args=["--shutdown-timeout=30"])
     worker_pids(agents.procs[0], 2)

@@ -326,7 +326,9 @@ class Trainer:
                 if delay is None:
                     raise
                 if self.env.rank == 0:
-                    log.warning("checkpoint_failed", step=exc.step, error=exc.error, retry_in_s=delay)
+                    log.warning(
+                        "checkpoint_failed", step=exc.step, error=exc.error, retry_in_s=delay
+                    )
                 time.sleep(delay)
                 self.checkpointer.save(step, self._state(None), extra=self._extra("final"))
 
@@ -340,10 +342,9 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         signalled = self.preemption.signalled
-        if self.env.rank == 0:
-            log.warning("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
-        else:
-            log.info("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
+        # Rank 0 speaks for the job; the others' lines are there for their own logs.
+        report = log.warning if self.env.rank == 0 else log.info
+        report("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
         raise Preempted(step, signalled=signalled)
 
     def _train_step(self, step: int) -> tuple[float, int, dict[str, Any]]:
