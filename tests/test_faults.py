@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import structlog
+import torch
 
 from conftest import wait_for_commit
 from infractl.config import CheckpointSpec, WatchdogSpec
@@ -25,9 +26,10 @@ from infractl.runstore import (
     verify_checkpoint,
 )
 from infractl.store import FileStore
+from test_checkpoint import one_rank  # noqa: F401 (a fixture)
 from test_trainer import REPO, ok, start_torchrun, store_of, tiny_spec, torchrun
 from trainer.backoff import retry_delays
-from trainer.checkpoint import UPLOAD_DELAY_ENV
+from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
 from trainer.metrics import MetricsWriter, StepRecord
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -134,6 +136,28 @@ def test_closing_the_metrics_raises_once_the_retries_are_spent(tmp_path: Path) -
     store.down = True
     with pytest.raises(OSError, match="store unreachable"):
         writer.close()
+
+
+def test_settle_waits_a_bounded_time_for_the_save_in_flight(
+    tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "store").mkdir()
+    store = FileStore(tmp_path / "store")
+    monkeypatch.setenv(UPLOAD_DELAY_ENV, "1")
+    checkpointer = Checkpointer(
+        store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2
+    )
+    assert checkpointer.settle(0.1) is False  # nothing in flight
+    checkpointer.save(1, {"w": torch.zeros(8)}, extra={})
+    started = time.monotonic()
+    assert checkpointer.settle(0.1) is True  # still in its upload delay: skip the next save
+    assert time.monotonic() - started < 0.5
+    assert checkpointer.settle(30) is False
+    checkpointer.save(2, {"w": torch.ones(8)}, extra={"reason": "final"})
+    checkpointer.close()
+    manifest = verify_checkpoint(store, "r", 2)
+    assert manifest.extra["reason"] == "final"
+    assert manifest.extra["waited_s"] > 0.5  # settling counts as the save's wait
 
 
 # -- torchrun on gloo (integration) -----------------------------------------------------------
