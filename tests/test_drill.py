@@ -5,6 +5,7 @@ from its last committed step, never step 0."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -60,8 +61,9 @@ def teardown(cli: Cli) -> None:
     assert proc.find(cli.home / "local") == []
 
 
-def test_kill_node_0_recovers_on_the_survivor_and_is_recorded(cli: Cli) -> None:
-    run = write(cli.cwd / "run.yaml", RUN.format(steps=300))
+def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cli: Cli) -> None:
+    # Long enough that the run is still going when node-0 rejoins, about 15 s after the resume.
+    run = write(cli.cwd / "run.yaml", RUN.format(steps=1500))
     cli("up")
     refused = cli("drill", "kill-node", expect=2)
     assert "no run is running on cluster 'local'" in refused.stderr
@@ -75,11 +77,23 @@ def test_kill_node_0_recovers_on_the_survivor_and_is_recorded(cli: Cli) -> None:
     refused = cli("drill", "kill-node", "--repeat", "5", expect=2)
     assert "--repeat: 5 drills need max_restarts >= 5" in refused.stderr
 
-    result = drill_json(cli, "kill-node", "--node", "node-0")
+    result = drill_json(cli, "kill-node", "--node", "node-0", "--no-wait")
+    assert result["outcome"] == "recovered", result
     assert result["node"] == "node-0" and result["survivors"] == ["node-1"]
+    assert result["resumed_correctly"] and result["resumed_from_step"] >= 10, result
+    assert result["world_size_at_fault"] == 2 and result["world_size_after"] == 1
     assert result["lost_work_steps"] == result["step_at_fault"] - result["resumed_from_step"] >= 0
-    assert_recovered(result, store, world_after=1)
+    assert 0 < result["detect_s"] <= result["restart_s"]
+    assert json.loads(store.get_bytes(drill.drill_key("drill", result["drill_id"]))) == result
     assert proc.find(cli.home / "local", node="node-0") == []
+
+    # The operator brings node-0 back: the run grows to 2 nodes again and finishes there.
+    rejoined = time.time()
+    joined = json.loads(cli("rejoin", "node-0", "--json").stdout)
+    assert joined["node"] == "node-0" and joined["rejoins"] == 1 and joined["budget"] == 3
+    wait_for_commit(store, "drill", at_least=1500, timeout=300)
+    after = [r for r in runstore.read_metrics(store, "drill") if r["time"] > rejoined]
+    assert after and after[-1]["world_size"] == 2 and after[-1]["step"] == 1500
     teardown(cli)
 
 
@@ -97,10 +111,19 @@ def test_kill_node_1_twice_with_a_rejoin_between(cli: Cli) -> None:
     teardown(cli)
 
 
-def test_rejoin_refuses_a_node_that_is_running_or_unknown(cli: Cli) -> None:
-    start(cli, steps=100_000)
+def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cli: Cli) -> None:
+    store = start(cli, steps=100_000)
     assert "NODE: node 'node-1' is already running run 'drill'" in cli("rejoin", "node-1", expect=2).stderr
     assert "NODE: no node 'node-9' in cluster 'local'" in cli("rejoin", "node-9", expect=2).stderr
+    # The budget lives in the run record in the store, not in any process: a node that already
+    # rejoined this attempt max_restarts (3) times is refused, whoever asks.
+    record = runstore.read_run_record(store, "drill")
+    record["attempts"][-1]["rejoins"] = [{"node": "node-1", "time": 0.0, "pid": 0}] * 3
+    runstore.write_run_record(store, "drill", record)
+    proc.kill(proc.find(cli.home / "local", node="node-1"))
+    assert proc.wait_gone(cli.home / "local", node="node-1", timeout=30) == []
+    refused = cli("rejoin", "node-1", expect=2).stderr
+    assert "node 'node-1' has already rejoined attempt 1 of run 'drill' 3 time(s) (max_restarts: 3)" in refused
     teardown(cli)
 
 
