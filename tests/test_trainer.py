@@ -146,17 +146,11 @@ def start_torchrun(
     nodes: int = 1,
     attempt: int = 1,
     store_uri: str | None = None,
-    rendezvous_endpoint: str | None = None,
     torchrun_args: Sequence[str] = (),
-    node_env: Sequence[Mapping[str, str]] = (),
     env: Mapping[str, str] | None = None,
 ) -> Agents:
-    """Start what ``torchrun`` runs and return at once.
-
-    ``rendezvous_endpoint``: elastic, as the launcher does (``--nnodes=1:NODES``, c10d
-    rendezvous on that endpoint, served by someone else); else a static rendezvous.
-    ``torchrun_args`` go to every agent; ``node_env[n]`` and ``env`` add to node n's and to
-    every node's environment."""
+    """Start what ``torchrun`` runs and return at once. ``torchrun_args`` go to every agent,
+    ``env`` adds to every node's environment."""
     store_uri = store_uri or default_store_uri(tmp_path)
     spec_path = tmp_path / f"spec-{attempt}.json"
     spec_path.write_text(spec.model_dump_json())
@@ -166,17 +160,7 @@ def start_torchrun(
         "INFRACTL_LOG_FORMAT": "json",
         "PYTHONPATH": str(REPO),
     } | dict(env or {})
-    if rendezvous_endpoint is not None:
-        elastic = [
-            f"--nnodes=1:{nodes}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rendezvous_endpoint}",
-            f"--rdzv-id={spec.name}-{attempt}",
-            "--rdzv-conf=is_host=false,last_call_timeout=1,keep_alive_interval=1,"
-            "keep_alive_max_attempt=3",
-        ]
-        rendezvous = [elastic] * nodes
-    elif nodes == 1:
+    if nodes == 1:
         rendezvous = [["--standalone", "--nnodes=1"]]
     else:
         port = free_port()
@@ -200,12 +184,9 @@ def start_torchrun(
             "--run-id", spec.name,
             "--workdir", str(tmp_path / f"node{node}"),
         ]  # fmt: skip
-        node_vars = dict(node_env[node]) if node < len(node_env) else {}
         logs.append(tmp_path / f"node{node}-attempt{attempt}.log")
         with logs[-1].open("w") as log:
-            agents.append(
-                subprocess.Popen(argv, cwd=REPO, env=common | node_vars, stderr=log)
-            )
+            agents.append(subprocess.Popen(argv, cwd=REPO, env=common, stderr=log))
     return Agents(agents, logs)
 
 
