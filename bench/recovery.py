@@ -1,11 +1,15 @@
-"""Recovery benchmark: N kill-node drills in a row on one 2-node local run.
+"""Recovery benchmark: N kill-node drills in a row on one 2-node local run, then one drill of
+every other kind.
 
 What a user would type, in a scratch directory: ``infractl up``, ``infractl train --detach`` of a
 long run, then ``infractl drill kill-node --node node-1 --repeat N --no-wait`` (node-1 is
 SIGKILLed, node-0 goes on alone from the last committed step, node-1 rejoins, the world is 2
-again, and the next drill starts), then ``infractl teardown``. Reports how many drills
-recovered from the last committed step, and the median and worst restart_s (fault -> first
-step completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again).
+again, and the next drill starts); then ``infractl drill KIND --node node-1 --no-wait`` for
+kill-during-checkpoint, hang-node, preempt and store-outage, with ``infractl rejoin node-1``
+after each that removed the node; then ``infractl teardown``. Reports how many kill-node drills
+recovered from the last committed step, the median and worst restart_s (fault -> first step
+completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again), and one line per
+other kind.
 
     python bench/recovery.py [--drills 20] [--json results.json]
 
@@ -34,7 +38,10 @@ steps: 10000000
 checkpoint: {{every: 10, keep: 2}}
 nodes: {{min: 1, max: 2}}
 max_restarts: {budget}
+watchdog: {{step_timeout_s: 20}}
 """
+
+OTHER_KINDS = ("kill-during-checkpoint", "hang-node", "preempt", "store-outage")
 
 
 def _infractl(home: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -56,6 +63,26 @@ def _waited_for_first_commit(home: Path, timeout: float) -> None:
     raise SystemExit(f"the run committed no checkpoint within {timeout:g}s")
 
 
+def _world_size(home: Path) -> int | None:
+    status = json.loads(_infractl(home, "status", "--json", timeout=60).stdout)
+    return next((run.get("world_size") for run in status.get("runs", [])), None)
+
+
+def _other_kinds(home: Path) -> list[dict[str, Any]]:
+    """One drill of each other kind, node-1 rejoining whenever the drill left the world smaller."""
+    results = []
+    for kind in OTHER_KINDS:
+        target = ["--seconds", "10"] if kind == "store-outage" else ["--node", "node-1"]
+        result = json.loads(_infractl(home, "drill", kind, *target, "--no-wait", "--json", timeout=900).stdout)
+        results.append(result)
+        if (result.get("world_size_after") or 2) < 2:
+            _infractl(home, "rejoin", "node-1", timeout=60)
+            deadline = time.monotonic() + 300
+            while _world_size(home) != 2 and time.monotonic() < deadline:
+                time.sleep(1)
+    return results
+
+
 def measure(drills: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
         home = Path(tmp) / ".infractl"
@@ -69,6 +96,7 @@ def measure(drills: int) -> dict[str, Any]:
             series = json.loads(_infractl(home, "drill", "kill-node", "--node", "node-1", "--repeat", str(drills),
                                           "--no-wait", "--json", timeout=drills * 600).stdout)
             elapsed = time.monotonic() - started
+            others = _other_kinds(home)
         finally:
             _infractl(home, "teardown", "--yes", timeout=600)
     results = series["results"]
@@ -85,6 +113,12 @@ def measure(drills: int) -> dict[str, Any]:
         "median_lost_work_steps": statistics.median(r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None),
         "series_s": round(elapsed, 1),
         "restart_s": [r["restart_s"] for r in results],
+        "other_kinds": [
+            {k: r.get(k) for k in ("drill", "outcome", "resumed_correctly", "detect_s", "restart_s", "resumed_from_step",
+                                   "lost_work_steps", "world_size_after", "emergency_checkpoint_step",
+                                   "emergency_checkpoint_s", "fault")}
+            for r in others
+        ],
     }
 
 
@@ -93,6 +127,8 @@ def main() -> None:
     parser.add_argument("--drills", type=int, default=20, help="kill-node drills in the series (default 20)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.drills < 2:
+        parser.error("--drills: a series needs at least 2 drills")
     report = measure(args.drills)
     print(f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
           f"(resumed from the last committed step: {report['resumed_from_last_committed']})")
@@ -101,6 +137,11 @@ def main() -> None:
     print(f"rejoin_s median:              {report['median_rejoin_s']}")
     print(f"lost work, median steps:      {report['median_lost_work_steps']}")
     print(f"series wall time (s):         {report['series_s']}")
+    for r in report["other_kinds"]:
+        extra = f", emergency checkpoint after {r['emergency_checkpoint_s']}s" if r["emergency_checkpoint_s"] else ""
+        print(f"{r['drill']:<24} {r['outcome']}: detect_s {r['detect_s']}, restart_s {r['restart_s']}, "
+              f"resumed from step {r['resumed_from_step']} (correct: {r['resumed_correctly']}), "
+              f"lost {r['lost_work_steps']} step(s), world size after {r['world_size_after']}{extra}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

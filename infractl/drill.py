@@ -410,15 +410,12 @@ def _observe(state: ClusterState, result: DrillResult, commits: _Commits, *, wat
             continue
         next_commits = time.monotonic() + _COMMIT_POLL_S
         commits.poll()
-        if result.drill == "preempt" and result.emergency_checkpoint_step is None:
-            for manifest in commits.since(fault_time):
-                if manifest.extra.get("reason") == "preemption":
-                    result.emergency_checkpoint_step = manifest.step
-                    result.emergency_checkpoint_s = round(manifest.created - fault_time, 3)
         if not recovered and time.monotonic() >= next_metrics:
             next_metrics = time.monotonic() + _STORE_POLL_S
             recovered = _recovered(commits, result, back_time)
             if recovered:
+                if result.drill == "preempt":
+                    _emergency_checkpoint(commits, result)
                 progress(f"recovered: {_describe(result)}")
         committed = max(commits.seen, default=0)
         if recovered and (not wait_finish or committed >= result.steps):
@@ -452,6 +449,19 @@ def _recovered(commits: _Commits, result: DrillResult, back_time: float | None) 
     if result.step_at_fault is not None:
         result.lost_work_steps = result.step_at_fault - result.resumed_from_step
     return True
+
+
+def _emergency_checkpoint(commits: _Commits, result: DrillResult) -> None:
+    """The checkpoint saved on the preemption notice: committed after the fault with reason
+    ``preemption``, or the save of that very step that was already in flight (reason
+    ``scheduled``) if the run resumed from a step committed after the fault."""
+    after = commits.since(result.fault_time)
+    chosen = next((m for m in after if m.extra.get("reason") == "preemption"), None)
+    if chosen is None:
+        chosen = next((m for m in after if m.step == result.resumed_from_step), None)
+    if chosen is not None:
+        result.emergency_checkpoint_step = chosen.step
+        result.emergency_checkpoint_s = round(chosen.created - result.fault_time, 3)
 
 
 def _describe(r: DrillResult) -> str:
