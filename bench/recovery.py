@@ -68,26 +68,31 @@ def _world_size(home: Path) -> int | None:
     return next((run.get("world_size") for run in status.get("runs", [])), None)
 
 
-def _other_kinds(home: Path) -> list[dict[str, Any]]:
-    """One drill of each other kind, node-1 rejoining whenever the drill left the world smaller."""
-    results = []
+def _whole_again(home: Path) -> None:
+    """Rejoin node-1 if the last drill left the run without it; wait for a step on 2 nodes."""
+    if _world_size(home) == 2:
+        return
+    _infractl(home, "rejoin", "node-1", timeout=60)
+    deadline = time.monotonic() + 300
+    while _world_size(home) != 2 and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def _other_kinds(home: Path, results: list[dict[str, Any]]) -> None:
+    """One drill of each other kind on the whole world, node-1 rejoining after any that removed
+    it; each result is appended to ``results`` as soon as it is in."""
     for kind in OTHER_KINDS:
+        _whole_again(home)
         target = ["--seconds", "10"] if kind == "store-outage" else ["--node", "node-1"]
-        result = json.loads(_infractl(home, "drill", kind, *target, "--no-wait", "--json", timeout=900).stdout)
-        results.append(result)
-        if (result.get("world_size_after") or 2) < 2:
-            _infractl(home, "rejoin", "node-1", timeout=60)
-            deadline = time.monotonic() + 300
-            while _world_size(home) != 2 and time.monotonic() < deadline:
-                time.sleep(1)
-    return results
+        results.append(json.loads(_infractl(home, "drill", kind, *target, "--no-wait", "--json", timeout=900).stdout))
 
 
 def measure(drills: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
         home = Path(tmp) / ".infractl"
         run = Path(tmp) / "run.yaml"
-        run.write_text(RUN.format(budget=drills + 1))
+        # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
+        run.write_text(RUN.format(budget=drills + len(OTHER_KINDS) + 1))
         _infractl(home, "up", timeout=600)
         try:
             _infractl(home, "train", str(run), "--detach", timeout=300)
@@ -96,7 +101,12 @@ def measure(drills: int) -> dict[str, Any]:
             series = json.loads(_infractl(home, "drill", "kill-node", "--node", "node-1", "--repeat", str(drills),
                                           "--no-wait", "--json", timeout=drills * 600).stdout)
             elapsed = time.monotonic() - started
-            others = _other_kinds(home)
+            others: list[dict[str, Any]] = []
+            others_error = None
+            try:
+                _other_kinds(home, others)
+            except SystemExit as exc:  # keep the figures so far if a later drill cannot run
+                others_error = str(exc)
         finally:
             _infractl(home, "teardown", "--yes", timeout=600)
     results = series["results"]
@@ -119,6 +129,7 @@ def measure(drills: int) -> dict[str, Any]:
                                    "emergency_checkpoint_s", "fault")}
             for r in others
         ],
+        "other_kinds_error": others_error,
     }
 
 
@@ -138,10 +149,18 @@ def main() -> None:
     print(f"lost work, median steps:      {report['median_lost_work_steps']}")
     print(f"series wall time (s):         {report['series_s']}")
     for r in report["other_kinds"]:
+        if r["drill"] == "store-outage":
+            print(f"{r['drill']:<24} {r['outcome']}: store down {r['fault']['seconds']}s, first commit after the "
+                  f"fault at restart_s {r['restart_s']}")
+            continue
         extra = f", emergency checkpoint after {r['emergency_checkpoint_s']}s" if r["emergency_checkpoint_s"] else ""
+        if "partial_step" in r["fault"]:
+            extra += f", partial step {r['fault']['partial_step']} committed: {r['fault']['partial_step_committed']}"
         print(f"{r['drill']:<24} {r['outcome']}: detect_s {r['detect_s']}, restart_s {r['restart_s']}, "
               f"resumed from step {r['resumed_from_step']} (correct: {r['resumed_correctly']}), "
               f"lost {r['lost_work_steps']} step(s), world size after {r['world_size_after']}{extra}")
+    if report["other_kinds_error"]:
+        print(f"other kinds stopped: {report['other_kinds_error']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

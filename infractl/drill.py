@@ -32,7 +32,7 @@ Measurements (unix seconds; ``fault_time`` is taken just before the fault):
     the newest step committed before that record (from the manifests), and the drill checks
     the two are equal: a run never resumes from anything but its last committed step.
 ``lost_work_steps``
-    ``step_at_fault - resumed_from_step``: steps trained but not kept. ``step_at_fault`` is the
+    ``step_at_fault - resumed_from_step`` (at least 0): steps trained but not kept. ``step_at_fault`` is the
     newest step in the store at the fault; metrics are flushed every few steps or seconds, so
     it may trail the ranks by that much.
 ``outcome``
@@ -383,6 +383,10 @@ def run_drill(
         if kind == "hang-node":
             # Whatever the watchdog did not kill must not stay stopped forever.
             proc.kill([p for p in victims if _alive(p)], signal.SIGCONT)
+    if "partial_step" in fault:
+        # Killed after every rank's shards were uploaded and gathered, the step still commits
+        # (nothing of it is missing); killed before, it never does and is never loaded.
+        fault["partial_step_committed"] = fault["partial_step"] in commits.seen
     newest = runstore.latest_metrics(store, run_id)
     result.final_step = int(newest["step"]) if newest else None
     result.finished_time = time.time()
@@ -447,7 +451,9 @@ def _recovered(commits: _Commits, result: DrillResult, back_time: float | None) 
     result.expected_resume_step = commits.newest_before(float(first["time"])) or 0
     result.world_size_after = first.get("world_size")
     if result.step_at_fault is not None:
-        result.lost_work_steps = result.step_at_fault - result.resumed_from_step
+        # step_at_fault may trail the ranks (see the module doc): a resume from a step saved
+        # after the fault (preemption) lost nothing, not a negative amount.
+        result.lost_work_steps = max(0, result.step_at_fault - result.resumed_from_step)
     return True
 
 

@@ -8,11 +8,12 @@ import json
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 from conftest import Cli, wait_for_commit, write
 from infractl import drill, proc, runstore
-from infractl.store import FileStore
+from infractl.store import FileStore, open_store
 
 pytestmark = pytest.mark.e2e
 
@@ -165,6 +166,24 @@ def test_kill_during_checkpoint_never_loads_the_partial_step(cli: Cli) -> None:
     result = drill_json(cli, "kill-during-checkpoint", "--node", "node-1")
     partial = result["fault"]["partial_step"]
     assert partial > result["last_committed_step"] >= 10
-    assert result["resumed_from_step"] != partial
+    assert result["resumed_from_step"] != partial and not result["fault"]["partial_step_committed"]
     assert_recovered(result, store, world_after=1)
     teardown(cli)
+
+
+def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cli, s3_store_uri: str) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
+    run = write(cli.cwd / "run.yaml", RUN.format(steps=400))
+    store = open_store(s3_store_uri)
+    cli("up", "-c", str(cluster))
+    cli("train", str(run), "-c", "s3c", "--detach")
+    wait_for_commit(store, "drill", at_least=10, timeout=120)
+
+    result = drill_json(cli, "store-outage", "-c", "s3c", "--seconds", "4")
+    assert result["fault"]["how"] == "endpoint server stopped (SIGSTOP)", result
+    assert psutil.Process(result["fault"]["pid"]).status() != psutil.STATUS_STOPPED
+    assert result["outcome"] == "recovered" and result["final_committed"], result
+    assert runstore.latest_committed_step(store, "drill") == 400
+    assert [r["step"] for r in runstore.read_metrics(store, "drill")] == list(range(1, 401))
+    cli("teardown", "-c", "s3c", "--yes")
+    assert proc.find(cli.home / "s3c") == []
