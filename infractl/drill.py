@@ -319,6 +319,14 @@ def run_drill(
 
     commits = _Commits(store, run_id)
     commits.poll()
+    # Everything slow to look up is looked up before the fault: kill-during-checkpoint must
+    # strike within the moment between a step's upload and its commit.
+    latest = runstore.latest_metrics(store, run_id)
+    step_at_fault = int(latest["step"]) if latest else None
+    world_before = int(latest["world_size"]) if latest and "world_size" in latest else None
+    workers = _workers(proc.find(state.dir, run=run_id))
+    victims = proc.find(state.dir, node=target.node, run=run_id) if target.node else []
+    victim_pids = {p.pid for p in victims}
     if kind == "kill-during-checkpoint":
         partial = None
         while partial is None:
@@ -331,13 +339,6 @@ def run_drill(
                 commits.poll()
         fault["partial_step"] = partial
     last_committed = max(commits.seen, default=0)
-
-    latest = runstore.latest_metrics(store, run_id)
-    step_at_fault = int(latest["step"]) if latest else None
-    world_before = int(latest["world_size"]) if latest and "world_size" in latest else None
-    workers = _workers(proc.find(state.dir, run=run_id))
-    victims = proc.find(state.dir, node=target.node, run=run_id) if target.node else []
-    victim_pids = {p.pid for p in victims}
 
     fault_time = time.time()
     outage: contextlib.ExitStack | None = None

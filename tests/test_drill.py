@@ -162,7 +162,7 @@ def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cli: C
 
 def test_kill_during_checkpoint_never_loads_the_partial_step(cli: Cli) -> None:
     # The knob holds every save between upload and commit, so the drill finds one in flight.
-    store = start(cli, env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "2"})
+    store = start(cli, env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "4"})
     result = drill_json(cli, "kill-during-checkpoint", "--node", "node-1")
     partial = result["fault"]["partial_step"]
     assert partial > result["last_committed_step"] >= 10

@@ -10,9 +10,9 @@ Save (every rank, collectively; at most one save in flight)::
                                   (this rank's shards; rank 0 also writes .metadata)
     the save's own thread         uploads what this rank wrote to ckpt/step-<N>/ under the same
                                   names and deletes it locally; then, over the checkpoint group:
-                                  all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json
-                                  with ``committed_at`` added to the caller's extra, then
-                                  COMMITTED create-only) and prunes, and tells every rank
+                                  all_gather(ManifestEntry lists), rank 0 commits (MANIFEST.json,
+                                  whose ``created`` is the commit time, then COMMITTED
+                                  create-only) and prunes, and tells every rank
     wait(), next save, close()    block until that thread is done. A failed save (on any rank:
                                   the outcome is agreed) raises from wait() and close(); the
                                   next save logs it and training goes on, the store may be back
@@ -335,7 +335,7 @@ class Checkpointer:
             step=step,
             world_size=self.world_size,
             files=sorted(files, key=lambda e: e.key),
-            extra=extra | measured | {"committed_at": time.time()},
+            extra=extra | measured,
         )
         repair = step in self._repair
         committed = commit_checkpoint(self.store, self.run_id, manifest, replace=repair)
