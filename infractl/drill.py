@@ -76,7 +76,7 @@ _NODE_LEAVES = ("kill-node", "kill-during-checkpoint", "preempt")
 
 _PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
 _COMMIT_POLL_S = 0.2  # committed steps and their manifests
-_STORE_POLL_S = 0.5  # metrics records
+_STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
 _GONE_TIMEOUT_S = 30.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -415,18 +415,22 @@ def _observe(state: ClusterState, result: DrillResult, commits: _Commits, *, wat
             continue
         next_commits = time.monotonic() + _COMMIT_POLL_S
         commits.poll()
-        if not recovered and time.monotonic() >= next_metrics:
-            next_metrics = time.monotonic() + _STORE_POLL_S
-            recovered = _recovered(commits, result, back_time)
-            if recovered:
-                if result.drill == "preempt":
-                    _emergency_checkpoint(commits, result)
-                progress(f"recovered: {_describe(result)}")
         committed = max(commits.seen, default=0)
         if recovered and (not wait_finish or committed >= result.steps):
             result.final_committed = committed >= result.steps
             result.outcome = "recovered"
             return
+        if time.monotonic() < next_metrics:
+            continue
+        # Metrics records and the /proc scan cost more than a listing of commits: less often.
+        next_metrics = time.monotonic() + _STORE_POLL_S
+        if not recovered:
+            recovered = _recovered(commits, result, back_time)
+            if recovered:
+                if result.drill == "preempt":
+                    _emergency_checkpoint(commits, result)
+                progress(f"recovered: {_describe(result)}")
+                continue
         if not proc.find(state.dir, run=run_id):
             commits.poll()
             result.final_committed = max(commits.seen, default=0) >= result.steps
