@@ -13,12 +13,21 @@ from typing import Any
 
 from infractl import __version__, configure, infra, proc, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import InfractlError
+from infractl.errors import ConfigError, InfractlError
 from infractl.output import Output
 from infractl.state import ClusterState
 from infractl.store import FileStore, Store, open_store
 
-__all__ = ["UpResult", "TeardownResult", "up", "teardown", "store_for", "ensure_rendezvous", "RENDEZVOUS_NODE"]
+__all__ = [
+    "UpResult",
+    "TeardownResult",
+    "preflight",
+    "up",
+    "teardown",
+    "store_for",
+    "ensure_rendezvous",
+    "RENDEZVOUS_NODE",
+]
 
 RENDEZVOUS_NODE = "rendezvous"
 RENDEZVOUS_HOST = "127.0.0.1"
@@ -53,8 +62,9 @@ def store_uri(state: ClusterState, spec: ClusterSpec) -> str:
 
 
 def store_for(state: ClusterState) -> Store:
-    """The object store of a cluster that is up."""
-    return open_store(state.read()["store"], field="cluster.store")
+    """The object store of a cluster that is up, for the control plane: a person is waiting, so
+    an unreachable store fails within seconds (``StoreUnavailable``)."""
+    return open_store(state.read()["store"], field="cluster.store", interactive=True)
 
 
 def _free_port() -> int:
@@ -96,15 +106,34 @@ def ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> t
     return port, True
 
 
-def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
-    """Provision and configure the cluster; running it again on an unchanged cluster changes nothing."""
+def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
+    """What ``up`` checks before it takes the lock or changes anything: the store URI, and that
+    the store can be reached and written. Only a new cluster's ``file://`` directory may be
+    missing (``up`` creates it); the store of a cluster that is up never is: a vanished store
+    directory holds the cluster's checkpoints, and an empty one in its place would hide that."""
+    uri = store_uri(state, spec)
+    store = open_store(uri, field="cluster.store")
+    if isinstance(store, FileStore) and not store.root.is_dir():
+        previous = state.read() if state.is_up() else None
+        if previous is not None and previous.get("store") == uri:
+            raise ConfigError(
+                f"store directory {store.root} of cluster {state.name!r} does not exist; it held the "
+                "cluster's checkpoints and run records: restore it (or mount it again) and rerun `infractl up`",
+                field="cluster.store",
+            )
+        return store
+    store.check()
+    return store
+
+
+def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
+    """Provision and configure the cluster (``store`` from ``preflight``); running it again on an
+    unchanged cluster changes nothing."""
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
-    # Refuse a bad URI, bad credentials or an unreachable store before anything else changes.
-    store = open_store(uri, field="cluster.store")
-    if isinstance(store, FileStore):
+    if isinstance(store, FileStore) and not store.root.is_dir():
         store.create_root()
-    store.check()
+        store.check()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied = infra.apply(
@@ -160,6 +189,8 @@ def up(state: ClusterState, spec: ClusterSpec, out: Output) -> UpResult:
 def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:
     """Stop everything the cluster runs, destroy its nodes, and prove nothing is left."""
     record = state.read()
+    if purge:
+        store_for(state).ping()  # a purge that cannot reach the store must fail before anything goes
     victims = proc.find(state.dir)
     if victims:
         out.info(f"stopping {len(victims)} process(es) of cluster {state.name!r}…")
@@ -177,7 +208,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
 
     purged: list[str] = []
     if purge:
-        store = open_store(record["store"], field="cluster.store")
+        store = store_for(state)
         for run_id in runstore.list_runs(store):
             if (runstore.read_run_record(store, run_id) or {}).get("cluster") == state.name:
                 store.delete_prefix(runstore.run_prefix(run_id))

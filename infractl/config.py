@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,14 +29,37 @@ __all__ = [
     "load_run_json",
     "per_rank_batch",
     "default_cluster",
+    "NAME_PATTERN",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_NODES",
 ]
 
-_NAME = r"^[a-z0-9][a-z0-9-]{0,39}$"
-Name = Annotated[str, Field(pattern=_NAME, description="Lower-case letters, digits and '-', at most 40.")]
+#: Config files are small; anything larger is refused before it is parsed (parsing a 50 MB YAML
+#: file takes half a minute). Nesting and the node count after alias expansion are bounded too:
+#: a deep `[[[[...` exhausts the parser's recursion, and a few lines of nested aliases (the
+#: "billion laughs") expand into more values than validation could ever walk.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+MAX_CONFIG_NODES = 100_000
+# Longest key shown in a field path of an error message.
+_MAX_KEY_SHOWN = 64
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="Lower-case letters, digits and '-', at most 40.")]
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity in a number, no control character in a string (names, paths, URIs,
+    # versions: none of them has one, and a NUL byte would only fail later, deep in the OS).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, str_max_length=4096)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _printable(cls, value: object) -> object:
+        if isinstance(value, str) and not value.isprintable():
+            raise ValueError("must not contain control characters (newlines, tabs, NUL, escape sequences)")
+        return value
 
 
 class RuntimeSpec(_Spec):
@@ -81,7 +105,7 @@ class DataSpec(_Spec):
 
     source: Literal["stdlib", "prepared"] = Field("stdlib", description="Corpus to train on.")
     path: str | None = Field(None, description="Directory of a prepared dataset (source: prepared).")
-    max_bytes: int = Field(4_000_000, ge=10_000, description="Use at most this many bytes of the corpus (source: stdlib).")
+    max_bytes: int = Field(4_000_000, ge=10_000, le=1 << 40, description="Use at most this many bytes of the corpus (source: stdlib).")
     val_fraction: float = Field(
         0.05, ge=0, lt=1, description="Share of documents held out for validation (source: stdlib; prepared datasets record their own)."
     )
@@ -96,18 +120,18 @@ class DataSpec(_Spec):
 
 
 class CheckpointSpec(_Spec):
-    every: int = Field(10, ge=1, description="Save a checkpoint every N steps (and at the last step).")
-    keep: int = Field(2, ge=2, description="Committed checkpoints to keep (at least 2).")
+    every: int = Field(10, ge=1, le=10**9, description="Save a checkpoint every N steps (and at the last step).")
+    keep: int = Field(2, ge=2, le=1000, description="Committed checkpoints to keep (at least 2).")
 
 
 class EvalSpec(_Spec):
-    every: int = Field(0, ge=0, description="Compute the validation loss every N steps and at the last step (0 = never).")
-    batches: int = Field(2, ge=1, description="Global batches of the validation split to average over.")
+    every: int = Field(0, ge=0, le=10**9, description="Compute the validation loss every N steps and at the last step (0 = never).")
+    batches: int = Field(2, ge=1, le=10**6, description="Global batches of the validation split to average over.")
 
 
 class NodeRange(_Spec):
-    min: int = Field(1, ge=1, description="Fewest nodes the run may continue on.")
-    max: int = Field(1, ge=1, description="Most nodes the run uses.")
+    min: int = Field(1, ge=1, le=1024, description="Fewest nodes the run may continue on.")
+    max: int = Field(1, ge=1, le=1024, description="Most nodes the run uses.")
 
     @model_validator(mode="after")
     def _ordered(self) -> "NodeRange":
@@ -151,10 +175,10 @@ class RunSpec(_Spec):
     name: Name = Field(description="Run name; re-running the same name resumes it.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="Model size.")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
-    batch_size: int = Field(16, ge=1, description="Global batch size (samples per step, all ranks together).")
-    steps: int = Field(50, ge=1, description="Optimizer steps to train.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
-    seed: int = Field(0, ge=0, description="Seed for weights, data order and every RNG.")
+    batch_size: int = Field(16, ge=1, le=1 << 20, description="Global batch size (samples per step, all ranks together).")
+    steps: int = Field(50, ge=1, le=10**9, description="Optimizer steps to train.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed for weights, data order and every RNG.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation loss cadence.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
     parallel: Literal["ddp", "zero1", "fsdp"] = Field(
@@ -234,25 +258,109 @@ _M = TypeVar("_M", bound=BaseModel)
 def _field_path(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        key = part if len(part) <= _MAX_KEY_SHOWN else part[:_MAX_KEY_SHOWN] + "…"
+        out += f".{key}" if out else key
     return out or "(top level)"
 
 
-def _load(path: Path, model: type[_M], what: str) -> _M:
-    if not path.is_file():
-        raise ConfigError(f"{what} file not found: {path}")
+# libyaml when PyYAML has it (about 20x faster), else the pure-Python loader: same documents.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The file's text, refused early when it is missing, special, too big or not UTF-8."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        info = path.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} file not found: {path}") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+        raise ConfigError(f"cannot read ({exc.strerror})", file=str(path)) from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ConfigError(f"{what} file expected, this is {kind}", file=str(path))
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise _too_big(path, info.st_size)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)  # the file may have grown since stat()
+    except OSError as exc:
+        raise ConfigError(f"cannot read ({exc.strerror})", file=str(path)) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise _too_big(path, len(data))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text (invalid byte at offset {exc.start})", file=str(path)) from None
+
+
+def _too_big(path: Path, size: int) -> ConfigError:
+    return ConfigError(
+        f"{size:,} bytes; a config file may have at most {MAX_CONFIG_BYTES:,} (1 MiB)", file=str(path)
+    )
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}: " if mark else ""
+    problem = getattr(exc, "problem", None) or str(exc)
+    return ConfigError(f"{where}not valid YAML ({' '.join(str(problem).split())})", file=str(path))
+
+
+def _check_shape(text: str, path: Path) -> None:
+    """Refuse nesting deeper than MAX_CONFIG_DEPTH and more than MAX_CONFIG_NODES values once
+    aliases are expanded, from the parser's event stream (iterative: nothing is built yet)."""
+    frames: list[tuple[str | None, int]] = []  # (anchor, values so far) per open collection
+    sizes: dict[str, int] = {}  # anchor -> values it expands to
+    total = 0
+    try:
+        for event in yaml.parse(text, Loader=_LOADER):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                if len(frames) >= MAX_CONFIG_DEPTH:
+                    line = event.start_mark.line + 1 if event.start_mark else "?"
+                    raise ConfigError(
+                        f"line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels", file=str(path)
+                    )
+                frames.append((event.anchor, 1))
+                continue
+            if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                anchor, count = frames.pop()
+                if anchor is not None:
+                    sizes[anchor] = count
+                added = count
+            elif isinstance(event, yaml.ScalarEvent):
+                added = 1
+                if event.anchor is not None:
+                    sizes[event.anchor] = 1
+            elif isinstance(event, yaml.AliasEvent):
+                added = sizes.get(event.anchor, 1)
+            else:
+                continue
+            if frames:
+                anchor, count = frames[-1]
+                frames[-1] = (anchor, count + added)
+            total = max(total, added, sum(count for _anchor, count in frames))
+            if total > MAX_CONFIG_NODES:
+                raise ConfigError(
+                    f"expands to more than {MAX_CONFIG_NODES:,} values (aliases included)", file=str(path)
+                )
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+
+
+def _load(path: Path, model: type[_M], what: str) -> _M:
+    text = _read_text(path, what)
+    _check_shape(text, path)
+    try:
+        raw = yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader (CSafeLoader or SafeLoader)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of fields at the top level")
+        raise ConfigError("expected a mapping of fields at the top level", file=str(path))
     return _validate(model, raw, path)
 
 
@@ -269,7 +377,7 @@ def _validate(model: type[_M], raw: object, source: Path) -> _M:
         else:
             msg = err["msg"].removeprefix("Value error, ")
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise ConfigError(f"{source}: {field}: {msg}{more}") from None
+        raise ConfigError(f"{msg}{more}", file=str(source), field=field) from None
 
 
 def load_cluster(path: Path) -> ClusterSpec:
@@ -282,11 +390,7 @@ def load_run(path: Path) -> RunSpec:
 
 def load_run_json(path: Path) -> RunSpec:
     """A resolved run spec as the launcher hands it to the trainers (``RunSpec.model_dump_json()``)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    return _validate(RunSpec, text, path)
+    return _validate(RunSpec, _read_text(path, "run"), path)
 
 
 def default_cluster() -> ClusterSpec:

@@ -19,7 +19,9 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,8 +73,10 @@ def _walk(root: Path, include: str) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
-            if fnmatch.fnmatch(name, include):
-                yield Path(dirpath) / name
+            path = Path(dirpath) / name
+            # Only regular files: reading a FIFO or a device would block or never end.
+            if fnmatch.fnmatch(name, include) and path.is_file():
+                yield path
 
 
 def stdlib_files() -> Iterator[tuple[str, Path]]:
@@ -90,14 +94,18 @@ def _documents(sources: Iterable[Path], include: str) -> Iterator[tuple[str, Pat
             for path in _walk(source, include):
                 yield f"{source.name}/{path.relative_to(source).as_posix()}", path
         else:
-            raise ConfigError(f"SRC: no such file or directory: {source}")
+            what = "not a regular file or directory" if source.exists() else "no such file or directory"
+            raise ConfigError(f"{what}: {source}", field="SRC")
 
 
 def _split_bytes(docs: Iterable[tuple[str, Path]], val_fraction: float, max_bytes: int | None) -> dict[str, bytearray]:
     out = {split: bytearray() for split in SPLITS}
     total = 0
     for relative, path in docs:
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", field="SRC") from None
         if max_bytes is not None:
             data = data[: max_bytes - total]
         buf = out[split_of(relative, val_fraction)]
@@ -128,15 +136,40 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize ``sources`` (files, or directories walked for ``include``) into ``out``; return the manifest."""
     if not 0 <= val_fraction < 1:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"must be in [0, 1), got {val_fraction}", field="--val-fraction")
     if shard_bytes < 1:
-        raise ConfigError("--shard-bytes must be positive")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out: {out} is not an empty directory; choose a new one (datasets are immutable)")
+        raise ValueError("shard_bytes must be positive")
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"{out} is not an empty directory; choose a new one (datasets are immutable)",
+                              field="--out")
+    except OSError as exc:
+        raise ConfigError(f"cannot use {out}: {exc.strerror or exc}", field="--out") from None
     data = _split_bytes(_documents(sources, include), val_fraction, None)
     if not data["train"]:
-        raise ConfigError(f"SRC: no training text found in {', '.join(map(str, sources))} (include {include!r})")
-    out.mkdir(parents=True, exist_ok=True)
+        raise ConfigError(f"no training text found in {', '.join(map(str, sources))} (include {include!r})",
+                          field="SRC")
+    # Written beside ``out`` and renamed into place: never half a dataset under its name.
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        staging.chmod(0o755)  # mkdtemp's 0700 would make the dataset private to this user
+    except OSError as exc:
+        raise ConfigError(f"cannot create {out}: {exc.strerror or exc}", field="--out") from None
+    try:
+        manifest = _write(staging, data, val_fraction, shard_bytes)
+        if out.is_dir():
+            out.rmdir()  # the empty directory the user made for it
+        os.replace(staging, out)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the dataset to {out}: {exc.strerror or exc}", field="--out") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _write(out: Path, data: dict[str, bytearray], val_fraction: float, shard_bytes: int) -> dict[str, Any]:
+    """Write the shards and the manifest into ``out``; return the manifest."""
     manifest: dict[str, Any] = {"format": FORMAT, "tokenizer": "bytes", "val_fraction": val_fraction, "splits": {}}
     digests: dict[str, list[str]] = {}
     for split in SPLITS:
@@ -157,16 +190,22 @@ def prepare(
 def _read_manifest(path: Path) -> dict[str, Any]:
     """A prepared dataset's manifest, checked for format and self-consistency (shards unread)."""
     try:
-        manifest: dict[str, Any] = json.loads((path / _MANIFEST).read_text())
+        manifest = json.loads((path / _MANIFEST).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"data.path: {path} is not a prepared dataset (no {_MANIFEST}); run `infractl data prepare`") from None
+        raise ConfigError(f"{path} is not a prepared dataset (no {_MANIFEST}); run `infractl data prepare`",
+                          field="data.path") from None
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"data.path: cannot read {path / _MANIFEST} ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise ConfigError(f"data.path: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
-    digests = {split: [s["sha256"] for s in manifest["splits"][split]["shards"]] for split in SPLITS}
-    if _version(digests, manifest["val_fraction"]) != manifest["version"]:
-        raise ConfigError(f"data.path: {path / _MANIFEST} was edited: its version does not match its shards")
+        raise ConfigError(f"cannot read {path / _MANIFEST} ({exc})", field="data.path") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ConfigError(f"{path} has format {found!r}, expected {FORMAT!r}", field="data.path")
+    try:
+        digests = {split: [s["sha256"] for s in manifest["splits"][split]["shards"]] for split in SPLITS}
+        consistent = _version(digests, manifest["val_fraction"]) == manifest["version"]
+    except (KeyError, TypeError):
+        consistent = False
+    if not consistent:
+        raise ConfigError(f"{path / _MANIFEST} was edited: its version does not match its shards", field="data.path")
     return manifest
 
 
@@ -178,10 +217,10 @@ def _load_prepared(path: Path, *, verify: bool) -> Dataset:
         for shard in manifest["splits"][split]["shards"]:
             file = path / shard["file"]
             if not file.is_file() or file.stat().st_size != shard["bytes"]:
-                raise ConfigError(f"data.path: shard {file} is missing or not {shard['bytes']} bytes")
+                raise ConfigError(f"shard {file} is missing or not {shard['bytes']} bytes", field="data.path")
             tokens = np.fromfile(file, dtype=np.uint8)
             if verify and hashlib.sha256(tokens.tobytes()).hexdigest() != shard["sha256"]:
-                raise ConfigError(f"data.path: shard {file} does not match its sha256 in the manifest")
+                raise ConfigError(f"shard {file} does not match its sha256 in the manifest", field="data.path")
             parts.append(tokens)
         splits[split] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
     return Dataset(version=manifest["version"], splits=splits, description=str(path))

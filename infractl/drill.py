@@ -163,10 +163,14 @@ class _Target:
 def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -> _Target:
     """Validate the target; change nothing."""
     if kind not in KINDS:
-        raise UsageError(f"KIND: unknown drill {kind!r} (one of: {', '.join(KINDS)})")
+        raise UsageError(f"unknown drill {kind!r} (one of: {', '.join(KINDS)})", field="KIND")
     cluster_nodes = [n["name"] for n in state.read()["nodes"]]
     if node is not None and node not in cluster_nodes:
-        raise UsageError(f"--node: no node {node!r} in cluster {state.name!r} (nodes: {', '.join(cluster_nodes)})")
+        raise UsageError(f"no node {node!r} in cluster {state.name!r} (nodes: {', '.join(cluster_nodes)})",
+                         field="--node")
+    # A drill measures recovery through the store: with the store down it would strike blind.
+    store = store_for(state)
+    store.ping()
     runs = launcher.running_nodes(state)
     if run is None:
         if not runs:
@@ -175,12 +179,12 @@ def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -
             )
         if len(runs) > 1:
             raise UsageError(f"several runs are running on cluster {state.name!r} ({', '.join(sorted(runs))}); "
-                             "pick one with --run")
+                             "pick one with --run", field="--run")
         run = next(iter(runs))
     elif run not in runs:
-        raise StateError(f"--run: run {run!r} is not running on cluster {state.name!r}")
+        raise StateError(f"run {run!r} is not running on cluster {state.name!r}", field="--run")
     live = [n for n in cluster_nodes if n in runs[run]]
-    record = runstore.read_run_record(store_for(state), run)
+    record = runstore.read_run_record(store, run)
     if record is None or "spec" not in record:
         raise StateError(f"run {run!r} has no run.json with its spec in the store of cluster {state.name!r}")
     spec = record["spec"]
@@ -189,12 +193,13 @@ def _select(state: ClusterState, kind: str, node: str | None, run: str | None) -
     if node is None:
         node = live[-1]
     elif node not in live:
-        raise StateError(f"--node: node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})")
+        raise StateError(f"node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})",
+                         field="--node")
     survivors = [n for n in live if n != node]
     minimum = int(spec["nodes"]["min"])
     if kind in _NODE_LEAVES and len(survivors) < minimum:
-        raise UsageError(f"--node: {kind} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
-                         f"fewer than its nodes.min ({minimum})")
+        raise UsageError(f"{kind} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
+                         f"fewer than its nodes.min ({minimum})", field="--node")
     return _Target(run, node, survivors, spec)
 
 
@@ -505,8 +510,8 @@ def run_series(
     target = _select(state, kind, node, run)
     budget = int(target.spec["max_restarts"])
     if repeat > budget:
-        raise UsageError(f"--repeat: {repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
-                         f"(it is {budget}): every fault costs the surviving agents one restart")
+        raise UsageError(f"{repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
+                         f"(it is {budget}): every fault costs the surviving agents one restart", field="--repeat")
     series = Series()
     for i in range(repeat):
         last = i == repeat - 1

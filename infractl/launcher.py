@@ -16,9 +16,9 @@ import psutil
 
 from infractl import proc, runstore
 from infractl.cluster import RENDEZVOUS_NODE, ensure_rendezvous, store_for
-from infractl.config import RunSpec, per_rank_batch
+from infractl.config import RunSpec
 from infractl.dataset import dataset_version
-from infractl.errors import ConfigError, StateError, TrainingError, UsageError
+from infractl.errors import ConfigError, StateError, StoreError, TrainingError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.output import Output
 from infractl.state import ClusterState, write_private
@@ -67,21 +67,25 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     nodes = cluster["nodes"]
     if spec.nodes.min > len(nodes):
         raise UsageError(
-            f"{run_file}: nodes.min ({spec.nodes.min}) exceeds the {len(nodes)} node(s) of cluster {state.name!r}"
+            f"{spec.nodes.min} exceeds the {len(nodes)} node(s) of cluster {state.name!r}",
+            file=str(run_file), field="nodes.min",
         )
     processes = int(nodes[0]["processes"])
     for count in range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1):
         # Every world size the elastic range allows must split the global batch evenly.
-        try:
-            per_rank_batch(spec.batch_size, count * processes)
-        except ConfigError as exc:
-            raise ConfigError(f"{run_file}: {exc.message} (on {count} node(s) x {processes} process(es))") from None
+        if spec.batch_size % (count * processes):
+            raise ConfigError(
+                f"{spec.batch_size} must be divisible by the world size ({count * processes}: "
+                f"{count} node(s) x {processes} process(es))",
+                file=str(run_file), field="batch_size",
+            )
     if proc.find(state.dir, run=spec.name):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; "
             "see `infractl status` and `infractl logs`"
         )
     store = store_for(state)
+    store.ping()  # an unreachable store fails here, before the dataset is hashed
     version = dataset_version(spec.data)
     fresh = {"run_id": spec.name, "cluster": state.name, "attempts": [], "dataset_version": version}
     existing = runstore.read_run_record(store, spec.name)
@@ -91,17 +95,19 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     record = existing or fresh
     if record.get("dataset_version", version) != version:
         raise ConfigError(
-            f"{run_file}: data: run {spec.name!r} was trained on dataset version {record['dataset_version']}, "
+            f"run {spec.name!r} was trained on dataset version {record['dataset_version']}, "
             f"but {spec.data.path or spec.data.source} is now version {version}; "
-            "use a new run name, or --new to start over"
+            "use a new run name, or --new to start over",
+            file=str(run_file), field="data",
         )
     saved_model = record.get("spec", {}).get("model")
     if saved_model is not None and saved_model != spec.model.model_dump(mode="json"):
         changed = sorted(k for k, v in spec.model.model_dump(mode="json").items() if saved_model.get(k) != v)
         was = ", ".join(f"model.{k}={saved_model.get(k)}" for k in changed)
         raise ConfigError(
-            f"{run_file}: model: run {spec.name!r} has checkpoints of another shape ({was}); "
-            "its checkpoints cannot load into this model: use a new run name, or --new to start over"
+            f"run {spec.name!r} has checkpoints of another shape ({was}); "
+            "its checkpoints cannot load into this model: use a new run name, or --new to start over",
+            file=str(run_file), field="model",
         )
     last = runstore.latest_committed_step(store, spec.name) or 0
     return Plan(store=store, cluster=cluster, record=record, nodes=nodes[: spec.nodes.max],
@@ -254,17 +260,18 @@ def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
     cluster = state.read()
     nodes = {n["name"]: n for n in cluster["nodes"]}
     if node_name not in nodes:
-        raise UsageError(f"NODE: no node {node_name!r} in cluster {state.name!r} (nodes: {', '.join(nodes)})")
+        raise UsageError(f"no node {node_name!r} in cluster {state.name!r} (nodes: {', '.join(nodes)})", field="NODE")
     live = running_nodes(state)
     if run is None:
         if len(live) != 1:
             found = ", ".join(sorted(live)) or "none"
-            raise UsageError(f"--run: name the run to rejoin (runs running on cluster {state.name!r}: {found})")
+            raise UsageError(f"name the run to rejoin (runs running on cluster {state.name!r}: {found})", field="--run")
         run = next(iter(live))
     if run not in live:
-        raise StateError(f"--run: run {run!r} is not running on cluster {state.name!r}; start it with `infractl train`")
+        raise StateError(f"run {run!r} is not running on cluster {state.name!r}; start it with `infractl train`",
+                         field="--run")
     if node_name in live[run]:
-        raise UsageError(f"NODE: node {node_name!r} is already running run {run!r}")
+        raise UsageError(f"node {node_name!r} is already running run {run!r}", field="NODE")
     store = store_for(state)
     record = runstore.read_run_record(store, run)
     if record is None or not record.get("attempts") or "spec" not in record:
@@ -311,6 +318,7 @@ def running_nodes(state: ClusterState) -> dict[str, set[str]]:
 def watch(started: Launch, spec: RunSpec, plan: Plan, out: Output) -> dict[str, Any]:
     """Follow a launched run until every agent exits; raise TrainingError unless it completed."""
     exit_codes: dict[str, int] = {}
+    store_down = False
     with out.step_progress(spec.steps, description=spec.name) as bar:
         bar.update(started.resume_from, loss=None, tokens_per_s=None, world_size=None)
         while len(exit_codes) < len(started.agents):
@@ -318,7 +326,17 @@ def watch(started: Launch, spec: RunSpec, plan: Plan, out: Output) -> dict[str, 
             for name, agent in started.agents.items():
                 if name not in exit_codes and (rc := agent.poll()) is not None:
                     exit_codes[name] = rc
-            latest = runstore.latest_metrics(plan.store, spec.name)
+            try:
+                latest = runstore.latest_metrics(plan.store, spec.name)
+            except StoreError as exc:
+                # The trainers ride out a store outage; following them does too (one warning).
+                if not store_down:
+                    out.warn(f"cannot follow the run's progress: {exc.message}; training goes on")
+                store_down = True
+                continue
+            if store_down:
+                out.info("the store is reachable again")
+                store_down = False
             if latest and latest.get("attempt") == started.attempt:
                 bar.update(int(latest["step"]), loss=latest.get("loss"),
                            tokens_per_s=latest.get("tokens_per_s"), world_size=latest.get("world_size"))

@@ -2,6 +2,12 @@
 
 Commands report through ``Output`` and never branch on where output goes. Human text goes to
 stderr (so stdout stays clean for ``--json`` and for piping), results to stdout.
+
+Everything printed here is literal text: both consoles run with markup and emoji codes off, so a
+path, URI or value that looks like ``[red]`` or ``:smile:`` prints as itself and can never break
+the printer, and every message line is passed through ``printable`` (control characters, newlines
+and escape sequences become visible escapes: one line, no terminal tricks). Styling is applied
+to our own prefixes only, through ``Text`` spans.
 """
 
 from __future__ import annotations
@@ -15,8 +21,28 @@ from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
-__all__ = ["Output", "StepProgress"]
+__all__ = ["Output", "StepProgress", "printable"]
+
+# A message line longer than this is cut: one line must stay readable (a 1 MiB config key, say).
+_MAX_LINE = 2000
+
+
+def printable(text: str, *, limit: int = _MAX_LINE) -> str:
+    """``text`` as one printable line: every character that is not printable (newlines, tabs,
+    escape sequences, NUL, lone surrogates) becomes its Python escape; longer than ``limit``
+    characters, the middle is cut."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    if len(text) > limit:
+        half = limit // 2
+        text = f"{text[:half]}…({len(text) - 2 * half} characters cut)…{text[-half:]}"
+    return text
+
+
+def _console(*, stderr: bool) -> Console:
+    return Console(stderr=stderr, highlight=False, markup=False, emoji=False, soft_wrap=stderr)
 
 
 class StepProgress:
@@ -47,19 +73,33 @@ class StepProgress:
 class Output:
     def __init__(self, *, json_mode: bool = False) -> None:
         self.json_mode = json_mode
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
-        self.out = Console(highlight=False)
+        self.err = _console(stderr=True)
+        self.out = _console(stderr=False)
+
+    def _line(self, prefix: str, style: str, message: str) -> None:
+        line = Text(prefix, style=style) if prefix else Text()
+        line.append(printable(message))
+        self.err.print(line)
 
     def info(self, message: str) -> None:
         if not self.json_mode:
-            self.err.print(message, markup=False)
+            self._line("", "", message)
 
     def success(self, message: str) -> None:
         if not self.json_mode:
-            self.err.print(f"[green]✓[/green] {message}")
+            self._line("✓ ", "green", message)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {message}")
+        self._line("warning: ", "yellow", message)
+
+    def error(self, message: str, *, exit_code: int, field: str | None = None, file: str | None = None) -> None:
+        """A refused or failed command: one line on stderr, and with ``--json`` one
+        ``{"error": {...}}`` object on stdout so scripts never parse prose."""
+        self._line("error: ", "red", message)
+        if self.json_mode:
+            error: dict[str, Any] = {"message": message, "exit_code": exit_code}
+            error |= {k: v for k, v in (("field", field), ("file", file)) if v is not None}
+            self.result({"error": error})
 
     def raw(self, text: str) -> None:
         """Write text to stdout exactly as given (log files, already formatted)."""
@@ -70,6 +110,7 @@ class Output:
         """Print a command's result: JSON on stdout with ``--json``, else the human form."""
         if self.json_mode:
             sys.stdout.write(json.dumps(data, indent=1, default=str) + "\n")
+            sys.stdout.flush()
         elif human is not None:
             self.out.print(human)
 
@@ -79,16 +120,16 @@ class Output:
             yield StepProgress(self, None, None, total)
             return
         progress = Progress(
-            TextColumn("[bold]{task.description}"),
+            TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),
-            TextColumn("step {task.completed}/{task.total}"),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("world {task.fields[world]}"),
+            TextColumn("step {task.completed}/{task.total}", markup=False),
+            TextColumn("loss {task.fields[loss]}", markup=False),
+            TextColumn("{task.fields[tps]} tok/s", markup=False),
+            TextColumn("world {task.fields[world]}", markup=False),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.err,
         )
         with progress:
-            task = progress.add_task(description, total=total, loss="-", tps="-", world="-")
+            task = progress.add_task(printable(description), total=total, loss="-", tps="-", world="-")
             yield StepProgress(self, progress, task, total)

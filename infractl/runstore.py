@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infractl.errors import InfractlError, StoreError
 from infractl.store import Store, StoreKeyError
 
 __all__ = [
@@ -46,10 +47,20 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_METRICS_CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")
 
 
-class CheckpointError(Exception):
+class CheckpointError(InfractlError):
     """A checkpoint failed verification (missing key, wrong size or checksum)."""
+
+
+def _parse_json(store: Store, key: str, data: bytes) -> Any:
+    """An object's JSON, or ``StoreError`` naming the object when it is not JSON (a truncated
+    or hand-edited record must be one clear line, not a traceback)."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+        raise StoreError(store.uri, f"{key} is not valid JSON ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -125,10 +136,15 @@ def step_objects(store: Store, run_id: str) -> dict[int, set[str]]:
 
 def read_manifest(store: Store, run_id: str, step: int) -> Manifest | None:
     """The step's MANIFEST.json, or None if it has none (yet, or any more)."""
+    key = f"{checkpoint_prefix(run_id, step)}/MANIFEST.json"
     try:
-        return Manifest.from_json(store.get_bytes(f"{checkpoint_prefix(run_id, step)}/MANIFEST.json"))
+        data = store.get_bytes(key)
     except StoreKeyError:
         return None
+    try:
+        return Manifest.from_json(data)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StoreError(store.uri, f"{key} is not a valid manifest ({type(exc).__name__}: {exc})") from None
 
 
 def committed_steps(store: Store, run_id: str) -> list[int]:
@@ -191,27 +207,38 @@ def write_metrics(store: Store, run_id: str, records: list[dict[str, Any]]) -> N
     store.put_bytes(key, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
 
 
-def read_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
-    """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
+def _metrics_chunks(store: Store, run_id: str) -> list[tuple[str, int, int]]:
+    """(key, first step, write time in ns) of every metrics chunk; other objects are ignored."""
     chunks = []
     for obj in store.list(f"{run_prefix(run_id)}/metrics/"):
-        name = obj.key.rsplit("/", 1)[-1]
-        first, _, written = name.removesuffix(".jsonl").partition("-")
-        chunks.append((int(written or 0), int(first), obj.key))
+        match = _METRICS_CHUNK.match(obj.key.rsplit("/", 1)[-1])
+        if match:
+            chunks.append((obj.key, int(match.group(1)), int(match.group(2))))
+    return chunks
+
+
+def read_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
+    chunks = sorted((written, first, key) for key, first, written in _metrics_chunks(store, run_id))
     by_step: dict[int, dict[str, Any]] = {}
-    for _written, _first, key in sorted(chunks):
-        for line in store.get_bytes(key).decode().splitlines():
+    for _written, _first, key in chunks:
+        for line in store.get_bytes(key).splitlines():
             if line.strip():
-                record = json.loads(line)
+                record = _parse_json(store, key, line)
                 by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
 
 
 def read_run_record(store: Store, run_id: str) -> dict[str, Any] | None:
+    key = f"{run_prefix(run_id)}/run.json"
     try:
-        return json.loads(store.get_bytes(f"{run_prefix(run_id)}/run.json"))  # type: ignore[no-any-return]
+        data = store.get_bytes(key)
     except StoreKeyError:
         return None
+    record = _parse_json(store, key, data)
+    if not isinstance(record, dict):
+        raise StoreError(store.uri, f"{key} is not a run record (a JSON object)")
+    return record
 
 
 def write_run_record(store: Store, run_id: str, record: dict[str, Any]) -> None:
@@ -225,11 +252,10 @@ def list_runs(store: Store) -> list[str]:
 def latest_metrics(store: Store, run_id: str) -> dict[str, Any] | None:
     """The newest per-step record (reads only the most recently written chunk)."""
     newest: tuple[int, str] | None = None
-    for obj in store.list(f"{run_prefix(run_id)}/metrics/"):
-        written = int(obj.key.rsplit("-", 1)[-1].removesuffix(".jsonl") or 0)
+    for key, _first, written in _metrics_chunks(store, run_id):
         if newest is None or written > newest[0]:
-            newest = (written, obj.key)
+            newest = (written, key)
     if newest is None:
         return None
-    lines = [line for line in store.get_bytes(newest[1]).decode().splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else None
+    lines = [line for line in store.get_bytes(newest[1]).splitlines() if line.strip()]
+    return _parse_json(store, newest[1], lines[-1]) if lines else None  # type: ignore[no-any-return]

@@ -10,15 +10,17 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infractl.config import ClusterSpec, load_cluster
-from infractl.errors import ConfigError, LockedError, StateError
+from infractl.config import NAME_PATTERN, ClusterSpec, load_cluster
+from infractl.errors import ConfigError, InfractlError, LockedError, StateError, UsageError
 
-__all__ = ["home", "ClusterState", "resolve_cluster", "write_private"]
+__all__ = ["home", "ClusterState", "KnownCluster", "known_clusters", "resolve_cluster", "write_private"]
 
 HOME_ENV = "INFRACTL_HOME"
 
@@ -70,7 +72,13 @@ class ClusterState:
         """The cluster record written by ``up``; StateError if the cluster is not up."""
         if not self.is_up():
             raise StateError(f"cluster {self.name!r} is not up (no state in {self.dir}); run `infractl up` first")
-        return json.loads(self.record_path.read_text())  # type: ignore[no-any-return]
+        try:
+            record = json.loads(self.record_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InfractlError(f"cannot read the cluster record {self.record_path}: {exc}") from None
+        if not isinstance(record, dict):
+            raise InfractlError(f"the cluster record {self.record_path} is not a JSON object")
+        return record
 
     def write(self, record: dict[str, Any]) -> bool:
         return write_private(self.record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -83,9 +91,16 @@ class ClusterState:
 
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
-        """Hold the cluster's lock for the duration of ``command``; refuse if another command holds it."""
+        """Hold the cluster's lock for the duration of ``command``; refuse if another command holds it.
+
+        The lock file names its holder only while held. A command refused inside the lock
+        (a ``UsageError``: nothing was changed) leaves the state directory as it found it: if
+        the lock had to create the cluster's directory, the directory goes again.
+        """
+        created = _missing_ancestors(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        refused = False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -96,9 +111,65 @@ class ClusterState:
                 ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"`infractl {command}` (pid {os.getpid()})".encode(), 0)
-            yield
+            try:
+                yield
+            except UsageError:
+                refused = True
+                raise
+            finally:
+                os.ftruncate(fd, 0)
         finally:
             os.close(fd)
+            if refused and created:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                for parent in created[1:]:  # shared parents (the state root) only if empty
+                    with contextlib.suppress(OSError):
+                        parent.rmdir()
+
+
+def _missing_ancestors(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first (empty if ``path`` exists)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+@dataclass(frozen=True)
+class KnownCluster:
+    """A cluster with state under the state root: up (``cluster.json``), or down with state left
+    (a kept store after ``teardown``)."""
+
+    name: str
+    up: bool
+    provider: str | None
+    nodes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "up": self.up, "provider": self.provider, "nodes": self.nodes}
+
+
+def known_clusters() -> list[KnownCluster]:
+    """Every cluster with a directory under the state root, by name."""
+    root = home()
+    if not root.is_dir():
+        return []
+    found = []
+    for path in sorted(root.iterdir()):
+        if not path.is_dir() or not re.fullmatch(NAME_PATTERN, path.name):
+            continue
+        state = ClusterState(path.name, path)
+        if not state.is_up():
+            found.append(KnownCluster(path.name, up=False, provider=None, nodes=None))
+            continue
+        try:
+            record = state.read()
+            found.append(KnownCluster(path.name, up=True, provider=str(record["spec"]["provider"]),
+                                      nodes=len(record["nodes"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            found.append(KnownCluster(path.name, up=True, provider=None, nodes=None))
+    return found
 
 
 def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | None]:
@@ -107,9 +178,17 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     if option is None:
         return ClusterState("local", home() / "local"), None
     path = Path(option)
-    if path.suffix in (".yaml", ".yml") or path.is_file():
+    if path.suffix in (".yaml", ".yml") or _is_file(path):
         spec = load_cluster(path)
         return ClusterState(spec.name, home() / spec.name), spec
-    if (home() / option / "cluster.json").is_file():
+    if re.fullmatch(NAME_PATTERN, option) and _is_file(home() / option / "cluster.json"):
         return ClusterState(option, home() / option), None
-    raise ConfigError(f"--cluster: {option!r} is neither a cluster file nor a cluster that is up")
+    raise ConfigError(f"{option!r} is neither a cluster file nor a cluster that is up", field="--cluster")
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()`` that is False, not an exception, for a name the OS refuses (too long)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False

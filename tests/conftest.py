@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,11 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from infractl import proc, runstore
 from infractl.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Property tests (tests/test_properties.py): `ci`, the default, is a fixed budget that keeps them
+# within two minutes on 2 cores; `pytest --hypothesis-profile=long` runs thousands of examples.
+_PROPERTY_SETTINGS = {
+    "deadline": None,  # one example runs a whole command; its time varies with the machine
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "print_blob": True,
+}
+settings.register_profile("ci", max_examples=120, **_PROPERTY_SETTINGS)
+settings.register_profile("long", max_examples=3000, **_PROPERTY_SETTINGS)
+settings.load_profile("ci")
 
 
 @dataclass
@@ -196,3 +209,64 @@ def s3_auth_server(
         )
         owner.create_bucket(Bucket=server.bucket)
         yield server
+
+
+# --- a cluster whose store is down ------------------------------------------------------------
+#
+# ``store_down_cluster(cwd, backend)`` brings a real 2-node cluster up on a store of ``backend``
+# ("file" or "s3", on its own moto server), trains a tiny run to completion, then takes the store
+# away (the directory is moved; the server is stopped by its PID). It tears the cluster down on
+# exit. Test modules share one per module (a module-scoped fixture), never one per test.
+
+OUTAGE_RUN = """\
+name: tiny
+model: {layers: 1, hidden: 32, heads: 2, seq_len: 32}
+data: {max_bytes: 100000}
+batch_size: 4
+steps: 4
+checkpoint: {every: 2, keep: 2}
+nodes: {min: 1, max: 2}
+"""
+
+
+@dataclass(frozen=True)
+class Outage:
+    """A cluster that is up, whose store is down."""
+
+    cli: Cli
+    cluster: str  # its name: the -c argument
+    store_uri: str
+    run_file: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.cli.home / self.cluster
+
+
+@contextlib.contextmanager
+def store_down_cluster(cwd: Path, backend: str) -> Iterator[Outage]:
+    cli = Cli(cwd)
+    name = f"outage-{backend}"
+    with contextlib.ExitStack() as stack:
+        if backend == "file":
+            store_dir = cwd / "store"
+            store_dir.mkdir()
+            uri = store_dir.as_uri()
+
+            def take_down() -> None:
+                store_dir.rename(cwd / "store.away")
+        else:
+            server = contextlib.ExitStack()
+            endpoint = server.enter_context(moto_server(cwd / "moto.log"))
+            stack.callback(server.close)
+            bucket = new_bucket_name()
+            s3_client(endpoint).create_bucket(Bucket=bucket)
+            uri = f"s3://{bucket}/runs?endpoint_url={endpoint}"
+            take_down = server.close
+        cluster_file = write(cwd / "cluster.yaml", f"name: {name}\nnodes: 2\nstore: {uri}\n")
+        run_file = write(cwd / "run.yaml", OUTAGE_RUN)
+        cli("up", "-c", str(cluster_file))
+        stack.callback(lambda: cli("teardown", "-c", name, "--yes"))
+        cli("train", str(run_file), "-c", name)
+        take_down()
+        yield Outage(cli, name, uri, run_file)

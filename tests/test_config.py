@@ -42,7 +42,7 @@ def test_cross_field_rule_is_explained(tmp_path: Path) -> None:
 
 
 def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"run.yaml line 3: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"run.yaml: line 3: not valid YAML"):
         load_run(_write(tmp_path, "name: r\nsteps: [1,\n"))
 
 

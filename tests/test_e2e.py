@@ -40,11 +40,11 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
 
     too_big = write(cli.cwd / "big.yaml", RUN % {"min": 3, "max": 3})
     refused = cli("train", str(too_big), expect=2)
-    assert "big.yaml: nodes.min (3) exceeds the 2 node(s) of cluster 'local'" in refused.stderr
+    assert "big.yaml: nodes.min: 3 exceeds the 2 node(s) of cluster 'local'" in refused.stderr
 
     odd = write(cli.cwd / "odd.yaml", (RUN % {"min": 1, "max": 2}).replace("batch_size: 8", "batch_size: 9"))
     refused = cli("train", str(odd), expect=2)
-    assert "odd.yaml: batch_size (9) must be divisible by the world size (2) (on 2 node(s) x 1 process(es))" in refused.stderr
+    assert "odd.yaml: batch_size: 9 must be divisible by the world size (2: 2 node(s) x 1 process(es))" in refused.stderr
 
     started = json.loads(cli("train", str(run), "--detach", "--json").stdout)
     assert started["attempt"] == 1 and started["resume_from"] == 0

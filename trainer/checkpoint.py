@@ -72,7 +72,7 @@ from infractl.runstore import (
     prune_checkpoints,
     verify_checkpoint,
 )
-from infractl.store import Store, StoreKeyError
+from infractl.store import Store, StoreError
 
 __all__ = ["Checkpointer", "SaveFailed", "UPLOAD_DELAY_ENV"]
 
@@ -415,7 +415,7 @@ class Checkpointer:
         try:
             for entry in manifest.files:
                 self._download(f"{prefix}/{entry.key}", restore / entry.key, entry)
-        except (CheckpointError, StoreKeyError, OSError) as exc:
+        except (CheckpointError, StoreError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
 

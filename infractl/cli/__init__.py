@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 import typer
+from typer._click import exceptions as click_errors
 
 from infractl import __version__
 from infractl.cli import cluster, data, drill, observe, schema, train
+from infractl.cli._common import current_output, reset_output
 from infractl.errors import InfractlError
 from infractl.log import LogFormat, configure
 from infractl.output import Output
 
 __all__ = ["app", "main"]
+
+#: Exit code of an unexpected exception (a bug, not bad input or a failed job): sysexits' EX_SOFTWARE.
+EXIT_INTERNAL = 70
 
 app = typer.Typer(
     name="infractl",
@@ -45,25 +51,78 @@ for module in (cluster, train, observe, data, schema, drill):
     module.register(app)
 
 
+def _flags(argv: list[str]) -> set[str]:
+    """The flags given before a ``--`` (what an error needs to know before parsing succeeded)."""
+    return set(argv[: argv.index("--")] if "--" in argv else argv)
+
+
+def _usage_field(exc: click_errors.UsageError) -> str | None:
+    """The option or argument a command-line error is about, as the user typed it."""
+    name = getattr(exc, "option_name", None)
+    if name:
+        return str(name)
+    param: Any = getattr(exc, "param", None)
+    if param is None:
+        return None
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("-")]
+    if opts:
+        return str(max(opts, key=len))
+    return str(getattr(param, "metavar", None) or param.name or "").upper() or None
+
+
+def _exit_usage(out: Output, exc: click_errors.UsageError) -> NoReturn:
+    """A command-line error from the parser as our one line: the message, then where help is."""
+    if isinstance(exc, click_errors.NoArgsIsHelpError):
+        # `infractl` or `infractl drill` alone: the help is the answer, on stdout.
+        out.raw(exc.ctx.get_help() + "\n")
+        sys.exit(exc.exit_code)
+    message = exc.format_message().rstrip(".")
+    if exc.ctx is not None:
+        message += f" (see `{exc.ctx.command_path} --help`)"
+    out.error(message, exit_code=exc.exit_code, field=_usage_field(exc))
+    sys.exit(exc.exit_code)
+
+
 def main() -> None:
-    debug = "--debug" in sys.argv[1:]
-    out = Output()
+    """Run the CLI. Every way out is one line on stderr (and one JSON object on stdout with
+    ``--json``) and an exit code: 0 done, 1 failed while working, 2 refused (nothing changed),
+    70 a bug in infractl, 130 interrupted. ``--debug`` re-raises with the traceback."""
+    flags = _flags(sys.argv[1:])
+    debug = "--debug" in flags
+    # Until a command made its Output (it parsed its options), guess --json from the words.
+    parsing = Output(json_mode="--json" in flags)
+    reset_output()
     try:
-        rv = app(standalone_mode=False)
+        rv = app(standalone_mode=False, prog_name="infractl")
     except InfractlError as exc:
         if debug:
             raise
-        out.err.print(f"[red]error:[/red] {exc.message}", highlight=False)
+        out = current_output() or parsing
+        out.error(exc.message, exit_code=exc.exit_code, field=exc.field, file=exc.file)
         sys.exit(exc.exit_code)
-    except typer.exceptions.TyperException as exc:
-        # Typer's own usage errors (unknown command, bad option value) carry their formatting.
-        show = getattr(exc, "show", None)
-        if show is not None:
-            show()
-        else:
-            out.err.print(f"[red]error:[/red] {exc.message}", highlight=False)
+    except click_errors.UsageError as exc:
+        if debug:
+            raise
+        _exit_usage(current_output() or parsing, exc)
+    except click_errors.ClickException as exc:
+        if debug:
+            raise
+        (current_output() or parsing).error(exc.format_message(), exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        out.err.print("[red]aborted[/red]")
+        (current_output() or parsing).error("aborted", exit_code=130)
         sys.exit(130)
+    except BrokenPipeError:
+        # The reader went away (`infractl logs | head`): not an error worth a line.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except Exception as exc:  # a bug: say so in one line instead of a traceback
+        if debug:
+            raise
+        (current_output() or parsing).error(
+            f"internal error: {type(exc).__name__}: {exc} (a bug in infractl; "
+            "rerun with --debug for the traceback and report it)",
+            exit_code=EXIT_INTERNAL,
+        )
+        sys.exit(EXIT_INTERNAL)
     sys.exit(rv if isinstance(rv, int) else 0)

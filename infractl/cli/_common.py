@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated, Optional
 
 import typer
 
+from infractl.config import NAME_PATTERN
 from infractl.errors import UsageError
 from infractl.output import Output
 
-__all__ = ["ClusterOpt", "JsonOpt", "YesOpt", "output", "confirm"]
+__all__ = ["ClusterOpt", "JsonOpt", "YesOpt", "RunArg", "NodeArg", "name_option", "output", "current_output", "reset_output", "confirm"]
+
+
+def name_option(value: str | None) -> str | None:
+    """A run or node name as run.yaml and the inventory spell them: it becomes part of paths and
+    store keys, so anything else (``../x``, a slash) is refused at the command line."""
+    if value is not None and not re.fullmatch(NAME_PATTERN, value):
+        raise typer.BadParameter("expected a name: 1-40 lower-case letters, digits and '-', not starting with '-'")
+    return value
+
 
 ClusterOpt = Annotated[
     Optional[str],
@@ -23,10 +34,29 @@ ClusterOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+RunArg = Annotated[str, typer.Argument(help="Run name.", metavar="RUN", callback=name_option)]
+NodeArg = Annotated[str, typer.Argument(help="Node name (e.g. node-1).", metavar="NODE", callback=name_option)]
+
+
+_current: list[Output] = []
 
 
 def output(json_mode: bool = False) -> Output:
-    return Output(json_mode=json_mode)
+    """The command's one Output; the error funnel reports through it too, so a command that
+    parsed ``--json`` gets its error as JSON exactly when it would have got its result so."""
+    out = Output(json_mode=json_mode)
+    _current[:] = [out]
+    return out
+
+
+def current_output() -> Output | None:
+    """The Output of the command running now, once it made one (None while parsing)."""
+    return _current[0] if _current else None
+
+
+def reset_output() -> None:
+    """Forget the previous command's Output (the CLI may run more than once in a process)."""
+    _current.clear()
 
 
 def confirm(question: str, *, yes: bool, flag: str = "--yes") -> None:
@@ -34,6 +64,6 @@ def confirm(question: str, *, yes: bool, flag: str = "--yes") -> None:
     if yes:
         return
     if not sys.stdin.isatty():
-        raise UsageError(f"{question.rstrip('?')}: pass {flag} to confirm (no terminal to ask on)")
+        raise UsageError(f"{question.rstrip('?')}: pass {flag} to confirm (no terminal to ask on)", field=flag)
     if not typer.confirm(question, default=False):
         raise UsageError("aborted; nothing was changed")

@@ -6,15 +6,17 @@ from dataclasses import asdict
 from typing import Any
 
 import typer
-from rich.console import Group
+from pydantic import ValidationError
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, proc, runstore
+from infractl import cluster, launcher, proc, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
-from infractl.errors import StateError
-from infractl.state import ClusterState, resolve_cluster
+from infractl.errors import StateError, StoreError
+from infractl.state import ClusterState, known_clusters, resolve_cluster
+from infractl.store import Store
 
 __all__ = ["register"]
 
@@ -25,8 +27,9 @@ def up(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     state, spec = resolve_cluster(cluster_opt)
     if spec is None:
         spec = state.spec() if state.is_up() else default_cluster()
+    store = cluster.preflight(state, spec)
     with state.lock("up"):
-        result = cluster.up(state, spec, out)
+        result = cluster.up(state, spec, store, out)
     for h in result.health:
         out.info(f"health: {h.get('node', '?')}: all_reduce over {h.get('world')} node(s), "
                  f"bus bandwidth {h.get('busbw_gbps', 0):.3f} GB/s")
@@ -54,52 +57,96 @@ def teardown(cluster_opt: ClusterOpt = None, yes: YesOpt = False,
     out.result(asdict(result))
 
 
-def _run_rows(state: ClusterState) -> list[dict[str, Any]]:
-    store = cluster.store_for(state)
+def _run_row(state: ClusterState, store: Store, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
+    try:
+        steps: int | None = RunSpec.model_validate(record.get("spec")).steps
+    except ValidationError:
+        steps = None  # a record without a valid spec (written by another version): still listed
+    last = runstore.latest_committed_step(store, run_id)
+    latest = runstore.latest_metrics(store, run_id) or {}
+    attempts = record.get("attempts") or []
+    if proc.find(state.dir, run=run_id):
+        run_state = "running"
+    elif steps is not None and (last or 0) >= steps:
+        run_state = "completed"
+    elif attempts and attempts[-1].get("outcome") == "failed":
+        run_state = "failed"
+    else:
+        run_state = "stopped"
+    return {
+        "run": run_id, "state": run_state, "attempts": len(attempts), "steps": steps,
+        "last_committed_step": last, "last_step": latest.get("step"), "loss": latest.get("loss"),
+        "world_size": latest.get("world_size"),
+    }
+
+
+def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
     rows = []
     for run_id in runstore.list_runs(store):
         record = runstore.read_run_record(store, run_id) or {}
-        if record.get("cluster") != state.name:
-            continue
-        steps = RunSpec.model_validate(record["spec"]).steps
-        last = runstore.latest_committed_step(store, run_id)
-        latest = runstore.latest_metrics(store, run_id) or {}
-        attempts = record.get("attempts", [])
-        if proc.find(state.dir, run=run_id):
-            run_state = "running"
-        elif (last or 0) >= steps:
-            run_state = "completed"
-        elif attempts and attempts[-1].get("outcome") == "failed":
-            run_state = "failed"
-        else:
-            run_state = "stopped"
-        rows.append({
-            "run": run_id, "state": run_state, "attempts": len(attempts), "steps": steps,
-            "last_committed_step": last, "last_step": latest.get("step"), "loss": latest.get("loss"),
-            "world_size": latest.get("world_size"),
-        })
+        if record.get("cluster") == state.name:
+            rows.append(_run_row(state, store, run_id, record))
     return rows
 
 
+def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
+    """Without the store, what the processes show: each run that runs, and on which nodes."""
+    return [
+        {"run": run_id, "state": "running", "nodes": sorted(nodes), "attempts": None, "steps": None,
+         "last_committed_step": None, "last_step": None, "loss": None, "world_size": None}
+        for run_id, nodes in sorted(launcher.running_nodes(state).items())
+    ]
+
+
+def _known(headline: str) -> tuple[dict[str, Any], RenderableType]:
+    clusters = [c.to_dict() for c in known_clusters()]
+    table = Table(title="clusters with state here")
+    for col in ("cluster", "provider", "nodes", "state"):
+        table.add_column(col)
+    for c in clusters:
+        table.add_row(c["name"], c["provider"] or "-", str(c["nodes"] if c["nodes"] is not None else "-"),
+                      "up" if c["up"] else "down")
+    human: RenderableType = Group(Text(headline), table) if clusters else Text(headline)
+    return {"clusters": clusters}, human
+
+
 def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
-    """Show the cluster, its nodes, and every run with its state and last committed step."""
+    """Show the cluster, its nodes, and every run with its state and last committed step.
+
+    Without -c and with the built-in `local` cluster not up, list the clusters that have state
+    here. With the store unreachable, show what the nodes' processes tell and mark the store so.
+    """
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
+    if cluster_opt is None and not state.is_up():
+        up_names = [c.name for c in known_clusters() if c.up]
+        headline = ("no cluster is up" if not up_names else
+                    f"cluster 'local' is not up; up here: {', '.join(up_names)} (use -c NAME)")
+        data, human = _known(headline)
+        out.result(data, human)
+        return
     record = state.read()
     rdzv = record["rendezvous"]
     nodes = [
         {**n, "live_processes": len(proc.find(state.dir, node=n["name"]))} for n in record["nodes"]
     ]
+    store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
+    try:
+        runs = _run_rows(state, cluster.store_for(state))
+    except StoreError as exc:
+        store_status |= {"reachable": False, "error": exc.message}
+        runs = _running_rows(state)
     data = {
         "cluster": record["name"],
         "provider": record["spec"]["provider"],
-        "store": record["store"],
+        "store": store_status,
         "rendezvous": {**rdzv, "running": bool(proc.find(state.dir, node=cluster.RENDEZVOUS_NODE))},
         "nodes": nodes,
-        "runs": _run_rows(state),
+        "runs": runs,
     }
+    reach = "" if store_status["reachable"] else f" UNREACHABLE ({store_status['error']})"
     header = Text(
-        f"cluster {data['cluster']} · provider {data['provider']} · store {data['store']}\n"
+        f"cluster {data['cluster']} · provider {data['provider']} · store {record['store']}{reach}\n"
         f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if data['rendezvous']['running'] else 'DOWN'}"
     )
     table = Table(title="nodes")
@@ -107,15 +154,28 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         table.add_column(col)
     for n in nodes:
         table.add_row(n["name"], n["address"], str(n["processes"]), str(n["live_processes"]))
-    runs = Table(title="runs")
+    parts: list[RenderableType] = [header, table]
+    if runs:
+        parts.append(_runs_table(runs, store_reachable=store_status["reachable"]))
+    if not store_status["reachable"]:
+        out.warn(f"the store is unreachable: runs show only what the nodes' processes tell ({store_status['error']})")
+    out.result(data, Group(*parts))
+
+
+def _runs_table(runs: list[dict[str, Any]], *, store_reachable: bool) -> Table:
+    title = "runs" if store_reachable else "runs (from processes; the store is unreachable)"
+    table = Table(title=title)
     for col in ("run", "state", "attempts", "last committed", "last step", "loss", "world"):
-        runs.add_column(col)
-    for r in data["runs"]:
-        runs.add_row(r["run"], r["state"], str(r["attempts"]),
-                     f"{r['last_committed_step'] if r['last_committed_step'] is not None else '-'}/{r['steps']}",
-                     str(r["last_step"] if r["last_step"] is not None else "-"),
-                     f"{r['loss']:.4f}" if r["loss"] is not None else "-", str(r["world_size"] or "-"))
-    out.result(data, Group(header, table, runs) if data["runs"] else Group(header, table))
+        table.add_column(col)
+
+    def dash(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    for r in runs:
+        table.add_row(r["run"], r["state"], dash(r["attempts"]),
+                      f"{dash(r['last_committed_step'])}/{dash(r['steps'])}", dash(r["last_step"]),
+                      f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-", dash(r["world_size"]))
+    return table
 
 
 def register(app: typer.Typer) -> None:

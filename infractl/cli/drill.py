@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from infractl import drill as drills
-from infractl.cli._common import ClusterOpt, JsonOpt, output
+from infractl.cli._common import ClusterOpt, JsonOpt, name_option, output
 from infractl.output import Output
 from infractl.state import resolve_cluster
 
@@ -16,8 +16,10 @@ __all__ = ["register"]
 app = typer.Typer(help="Fault drills against a running job (started with `infractl train ... --detach`).",
                   no_args_is_help=True)
 
-NodeOpt = Annotated[Optional[str], typer.Option("--node", "-n", help="Node to fault. Default: the last node running the run.")]
-RunOpt = Annotated[Optional[str], typer.Option("--run", "-r", help="Run to drill. Default: the run running on the cluster.")]
+NodeOpt = Annotated[Optional[str], typer.Option(
+    "--node", "-n", help="Node to fault. Default: the last node running the run.", callback=name_option)]
+RunOpt = Annotated[Optional[str], typer.Option(
+    "--run", "-r", help="Run to drill. Default: the run running on the cluster.", callback=name_option)]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for each drill's recovery (and the run's end).", min=1)]
 WaitOpt = Annotated[bool, typer.Option(
     "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then.")]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from infractl import cluster, runstore
-from infractl.cli._common import ClusterOpt, JsonOpt, output
-from infractl.errors import StateError, UsageError
+from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, name_option, output
+from infractl.errors import StateError, StoreError, UsageError
 from infractl.launcher import node_log
 from infractl.state import resolve_cluster
 
@@ -20,11 +20,15 @@ __all__ = ["register"]
 
 def logs(
     cluster_opt: ClusterOpt = None,
-    node: Annotated[Optional[str], typer.Option("--node", "-n", help="Only this node (e.g. node-1).")] = None,
-    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run name. Default: the most recently launched run.")] = None,
+    node: Annotated[Optional[str], typer.Option("--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)] = None,
+    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run name. Default: the most recently launched run.", callback=name_option)] = None,
     tail: Annotated[int, typer.Option("--tail", help="Lines per node (0 = all).", min=0)] = 200,
 ) -> None:
-    """Print the training logs of every node (or one) for a run."""
+    """Print the training logs of every node (or one) for a run, after the run's attempts from the store.
+
+    The logs live on the nodes: with the store unreachable they are still printed, and the
+    command then exits 1 naming the store.
+    """
     out = output()
     state, _ = resolve_cluster(cluster_opt)
     record = state.read()
@@ -33,12 +37,21 @@ def logs(
         nodes = [n for n in nodes if n["name"] == node]
         if not nodes:
             names = ", ".join(n["name"] for n in record["nodes"])
-            raise UsageError(f"--node: no node {node!r} in cluster {state.name!r} (nodes: {names})")
+            raise UsageError(f"no node {node!r} in cluster {state.name!r} (nodes: {names})", field="--node")
     if run is None:
         records = sorted(state.runs_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
         if not records:
             raise StateError(f"no run has been launched on cluster {state.name!r}")
         run = records[-1].stem
+    elif not any(node_log(n, run).is_file() for n in record["nodes"]) and not state.run_record_path(run).is_file():
+        raise UsageError(f"no run {run!r} has been launched on cluster {state.name!r}", field="--run")
+    store_error: StoreError | None = None
+    try:
+        run_record = runstore.read_run_record(cluster.store_for(state), run)
+    except StoreError as exc:
+        store_error, run_record = exc, None
+    if run_record is not None:
+        out.raw("".join(f"{line}\n" for line in _attempt_lines(run, run_record)))
     for n in nodes:
         path: Path = node_log(n, run)
         out.raw(f"==> {n['name']} · run {run} · {path}\n")
@@ -48,10 +61,23 @@ def logs(
         with path.open(errors="replace") as f:
             lines = deque(f, maxlen=tail or None)
         out.raw("".join(lines))
+    if store_error is not None:
+        raise store_error
+
+
+def _attempt_lines(run: str, record: dict[str, Any]) -> list[str]:
+    """One line per attempt of the run, from its record in the store."""
+    lines = []
+    for a in record.get("attempts") or []:
+        outcome = a.get("outcome") or "running or stopped"
+        rejoins = f", {len(a['rejoins'])} rejoin(s)" if a.get("rejoins") else ""
+        lines.append(f"run {run} attempt {a.get('attempt')}: nodes {', '.join(a.get('nodes') or [])}, "
+                     f"resumed from step {a.get('resume_from', 0)}{rejoins}: {outcome}")
+    return lines
 
 
 def metrics(
-    run: Annotated[str, typer.Argument(help="Run name.")],
+    run: RunArg,
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
 ) -> None:
@@ -61,7 +87,7 @@ def metrics(
     store = cluster.store_for(state)
     records = runstore.read_metrics(store, run)
     if not records and runstore.read_run_record(store, run) is None:
-        raise UsageError(f"RUN: no run named {run!r} in the store {store.uri}")
+        raise UsageError(f"no run named {run!r} in the store {store.uri}", field="RUN")
     table = Table(title=f"run {run}")
     for col in ("step", "loss", "val loss", "step time (s)", "tokens/s", "world", "attempt"):
         table.add_column(col, justify="right")

@@ -10,17 +10,21 @@ import typer
 
 from infractl.cli._common import output
 from infractl.config import ClusterSpec, RunSpec
+from infractl.errors import UsageError
 
 __all__ = ["register", "write_schemas"]
 
 
 def write_schemas(out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, model in (("cluster", ClusterSpec), ("run", RunSpec)):
-        path = out_dir / f"{name}.schema.json"
-        path.write_text(json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n")
-        written.append(path)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, model in (("cluster", ClusterSpec), ("run", RunSpec)):
+            path = out_dir / f"{name}.schema.json"
+            path.write_text(json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n")
+            written.append(path)
+    except OSError as exc:
+        raise UsageError(f"cannot write the schemas into {out_dir}: {exc.strerror or exc}", field="--out") from None
     return written
 
 

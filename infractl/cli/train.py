@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from infractl import launcher, runstore
-from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
+from infractl.cli._common import ClusterOpt, JsonOpt, NodeArg, YesOpt, confirm, name_option, output
 from infractl.config import load_run
 from infractl.log import LogFormat
 from infractl.state import resolve_cluster
@@ -57,8 +57,8 @@ def train(
 
 
 def rejoin(
-    node: Annotated[str, typer.Argument(help="The node to bring back into the run (e.g. node-1).")],
-    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run to rejoin. Default: the run running on the cluster.")] = None,
+    node: NodeArg,
+    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run to rejoin. Default: the run running on the cluster.", callback=name_option)] = None,
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
     log_format: Annotated[LogFormat, typer.Option("--log-format", help="Trainer log lines: console or json.")] = "console",

@@ -1,50 +1,23 @@
-"""The one store API: checkpoints, metrics and run records go through ``Store``.
-
-Two backends sit behind the same methods:
-
-- ``file:///abs/path``: a directory (the local provider's default). Like a bucket, the directory
-  must exist (`infractl up` creates the cluster's); the store never creates it, so a store whose
-  directory vanished (an unmounted volume, say) fails every call with ``StoreUnavailable``
-  instead of silently starting an empty store in its place.
-- ``s3://BUCKET[/PREFIX][?endpoint_url=http://HOST:PORT&region=REGION]``: an S3 bucket (AWS or
-  any S3-compatible server) through boto3. Keys live under PREFIX. Credentials come only from
-  boto3's standard chain (env vars, profile, instance role), never from the URI.
-
-Keys are ``/``-separated relative paths. Writes are atomic (a reader sees the whole object or
-none) and ``put_if_absent`` is create-only, which is what the checkpoint commit marker relies on
-(S3: ``put_object(IfNoneMatch='*')``). ``Store.check()`` is the preflight: it raises
-``ConfigError`` with one line naming the config field when the store cannot be reached or written.
-"""
+"""``s3://BUCKET[/PREFIX]``: an S3 bucket (AWS or any S3-compatible server) through boto3."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlparse
 
-from infractl.errors import ConfigError
+from infractl.errors import ConfigError, StoreError
+from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
 
-__all__ = [
-    "SUPPORTED_SCHEMES",
-    "FileStore",
-    "ObjectInfo",
-    "S3Store",
-    "Store",
-    "StoreUnavailable",
-    "StoreKeyError",
-    "open_store",
-]
-
-SUPPORTED_SCHEMES = ("file", "s3")
+__all__ = ["S3Store", "open_s3"]
 
 _MIB = 1024 * 1024
 
@@ -62,6 +35,11 @@ S3_READ_TIMEOUT_S = 60.0
 S3_CHECK_MAX_ATTEMPTS = 2
 S3_CHECK_CONNECT_TIMEOUT_S = 3.0
 S3_CHECK_READ_TIMEOUT_S = 10.0
+# The CLI's reads and writes (status, metrics, run records): a person is waiting too, so a store
+# that does not answer is reported within seconds, not after a minute of backing off.
+S3_INTERACTIVE_MAX_ATTEMPTS = 3
+S3_INTERACTIVE_CONNECT_TIMEOUT_S = 3.0
+S3_INTERACTIVE_READ_TIMEOUT_S = 10.0
 # Managed transfers: objects above the threshold go multipart, in parallel parts. S3 needs parts
 # of at least 5 MiB and allows at most 10,000 of them: 16 MiB parts reach 160 GiB per object,
 # far above a checkpoint shard, while keeping the memory in flight small (concurrency x chunk).
@@ -74,200 +52,14 @@ S3_LIST_PAGE_SIZE = 1000
 S3_DELETE_BATCH = 1000
 # A concurrent conditional write on the same key may get 409 ConditionalRequestConflict: retry it.
 _CONDITIONAL_CONFLICT_ATTEMPTS = 5
+# Error codes that mean "try again later", as 5xx statuses do: the store is unavailable for now.
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable",
+})
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _S3_QUERY_KEYS = ("endpoint_url", "region")
-
-
-class StoreKeyError(KeyError):
-    """The key does not exist in the store."""
-
-
-class StoreUnavailable(OSError):
-    """The store cannot be reached at all (not: a key is missing). Callers retry later."""
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-
-
-class Store(ABC):
-    """Object-store semantics over any backend: whole-object puts and gets, prefix listing."""
-
-    uri: str
-    #: The config field the store came from, named in error messages (set by ``open_store``).
-    field: str = "store"
-
-    @abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None: ...
-
-    @abstractmethod
-    def put_file(self, key: str, path: Path) -> None: ...
-
-    @abstractmethod
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Create ``key`` only if it does not exist; return False if it already did."""
-
-    @abstractmethod
-    def get_bytes(self, key: str) -> bytes: ...
-
-    @abstractmethod
-    def get_file(self, key: str, path: Path) -> None: ...
-
-    @abstractmethod
-    def exists(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        """Every object under ``prefix`` (recursively), sorted by key."""
-
-    @abstractmethod
-    def delete_prefix(self, prefix: str) -> int:
-        """Delete every object under ``prefix``; return how many were deleted."""
-
-    @abstractmethod
-    def check(self) -> None:
-        """Verify the store is reachable and writable; raise ``ConfigError`` (one line naming
-        ``self.field`` and the reason) if it is not. Leaves nothing behind."""
-
-
-class FileStore(Store):
-    """A directory used as an object store (the local provider's default)."""
-
-    def __init__(self, root: Path, *, field: str = "store") -> None:
-        self.root = root.resolve()
-        self.uri = self.root.as_uri()
-        self.field = field
-
-    def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if path != self.root and self.root not in path.parents:
-            raise ValueError(f"store key escapes the store root: {key!r}")
-        return path
-
-    def _root_exists(self) -> None:
-        if not self.root.is_dir():
-            raise StoreUnavailable(f"store directory {self.root} does not exist (removed or unmounted?)")
-
-    def _parent_of(self, key: str) -> Path:
-        """The key's path, its parent directories created below the root (never the root)."""
-        final = self._path(key)
-        self._root_exists()
-        parent = self.root
-        for part in final.parent.relative_to(self.root).parts:
-            parent = parent / part
-            try:
-                parent.mkdir(exist_ok=True)
-            except FileNotFoundError:  # the root vanished meanwhile
-                raise StoreUnavailable(f"store directory {self.root} does not exist (removed or unmounted?)") from None
-        return final
-
-    def _write_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
-        final = self._parent_of(key)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return Path(tmp), final
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        tmp, final = self._write_tmp(key, data)
-        os.replace(tmp, final)
-
-    def put_file(self, key: str, path: Path) -> None:
-        final = self._parent_of(key)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
-        os.close(fd)
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, final)
-
-    def put_if_absent(self, key: str, data: bytes) -> bool:
-        tmp, final = self._write_tmp(key, data)
-        try:
-            # link() fails if the target exists: an atomic create-only publish.
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            tmp.unlink()
-
-    def get_bytes(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
-            self._root_exists()
-            raise StoreKeyError(key) from None
-
-    def get_file(self, key: str, path: Path) -> None:
-        src = self._path(key)
-        if not src.is_file():
-            self._root_exists()
-            raise StoreKeyError(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, path)
-
-    def exists(self, key: str) -> bool:
-        if self._path(key).is_file():
-            return True
-        self._root_exists()
-        return False
-
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        self._root_exists()
-        base = self._path(prefix) if prefix else self.root
-        if base.is_file():
-            return [ObjectInfo(prefix, base.stat().st_size)]
-        if not base.is_dir():
-            return []
-        found = []
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                if name.startswith(".tmp-"):
-                    continue
-                full = Path(dirpath) / name
-                try:
-                    size = full.stat().st_size
-                except FileNotFoundError:
-                    continue
-                found.append(ObjectInfo(full.relative_to(self.root).as_posix(), size))
-        return sorted(found, key=lambda o: o.key)
-
-    def delete_prefix(self, prefix: str) -> int:
-        self._root_exists()
-        base = self._path(prefix)
-        if base.is_file():
-            base.unlink()
-            return 1
-        if not base.is_dir():
-            return 0
-        count = sum(len(files) for _d, _s, files in os.walk(base))
-        shutil.rmtree(base, ignore_errors=True)
-        return count
-
-    def create_root(self) -> None:
-        """Create the store's directory (`infractl up` does; nothing else creates it)."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"{self.field}: cannot create {self.uri}: {e.strerror or e}") from None
-
-    def check(self) -> None:
-        """Prove a file can be written in the root directory (which must exist)."""
-        if not self.root.is_dir():
-            raise ConfigError(f"{self.field}: store directory {self.root} does not exist")
-        try:
-            fd, probe = tempfile.mkstemp(dir=self.root, prefix=".tmp-probe-")
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.root) else ""
-            raise ConfigError(
-                f"{self.field}: cannot write to {self.uri}: {e.strerror or e}{where}"
-            ) from None
 
 
 class S3Store(Store):
@@ -401,17 +193,49 @@ class S3Store(Store):
     def _relative(self, full: str) -> str:
         return full[len(self.prefix) + 1:] if self.prefix else full
 
+    @contextlib.contextmanager
+    def _io(self, action: str, key: str) -> Iterator[None]:
+        """Turn boto3's errors into the store's: ``StoreUnavailable`` when the endpoint cannot be
+        reached or answers "later" (5xx, throttling, after the client's own retries), else
+        ``StoreError`` (access denied, no such bucket). One line naming the store and the cause."""
+        from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except StoreError:
+            raise
+        except ClientError as e:
+            raise self._translate(e, action, key) from e
+        except (S3UploadFailedError, S3TransferFailedError) as e:
+            # The managed transfer wraps the client's error; classify that one when it is there.
+            inner = e.__context__
+            if isinstance(inner, ClientError):
+                raise self._translate(inner, action, key) from e
+            raise StoreUnavailable(self.uri, f"cannot {action} {key!r}: {' '.join(str(e).split())}") from e
+        except BotoCoreError as e:
+            raise StoreUnavailable(self.uri, f"cannot {action} {key!r}: {self._reason(e)}") from e
+
+    def _translate(self, e: Any, action: str, key: str) -> StoreError:
+        cause = f"cannot {action} {key!r}: {self._reason(e)}"
+        status = _status(e)
+        if (status is not None and status >= 500) or _code(e) in _TRANSIENT_CODES:
+            return StoreUnavailable(self.uri, cause)
+        return StoreError(self.uri, cause)
+
     # -- the Store API --------------------------------------------------------------------------
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._object_key(key), Body=data)
+        with self._io("write", key):
+            self.client.put_object(Bucket=self.bucket, Key=self._object_key(key), Body=data)
 
     def put_file(self, key: str, path: Path) -> None:
         # A managed transfer: multipart (parallel parts, each retried) above the threshold. S3
         # publishes an object only when its upload completes, so readers never see half of it.
-        self.client.upload_file(
-            str(path), self.bucket, self._object_key(key), Config=self._transfer_config()
-        )
+        with self._io("write", key):
+            self.client.upload_file(
+                str(path), self.bucket, self._object_key(key), Config=self._transfer_config()
+            )
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create-only write: ``If-None-Match: *``; 412 means the key already existed.
@@ -422,33 +246,35 @@ class S3Store(Store):
         from botocore.exceptions import ClientError
 
         full = self._object_key(key)
-        for attempt in range(_CONDITIONAL_CONFLICT_ATTEMPTS):
-            try:
-                self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
-                return True
-            except ClientError as e:
-                status, code = _status(e), _code(e)
-                if status == 412 or code == "PreconditionFailed":
-                    return False
-                # 409: a concurrent conditional write to this key is in flight; S3 says retry.
-                conflict = status == 409 or code == "ConditionalRequestConflict"
-                if conflict and attempt + 1 < _CONDITIONAL_CONFLICT_ATTEMPTS:
-                    time.sleep(0.1 * 2**attempt)
-                    continue
-                raise
+        with self._io("write", key):
+            for attempt in range(_CONDITIONAL_CONFLICT_ATTEMPTS):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
+                    return True
+                except ClientError as e:
+                    status, code = _status(e), _code(e)
+                    if status == 412 or code == "PreconditionFailed":
+                        return False
+                    # 409: a concurrent conditional write to this key is in flight; S3 says retry.
+                    conflict = status == 409 or code == "ConditionalRequestConflict"
+                    if conflict and attempt + 1 < _CONDITIONAL_CONFLICT_ATTEMPTS:
+                        time.sleep(0.1 * 2**attempt)
+                        continue
+                    raise
         raise AssertionError("unreachable")
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key))
-        except ClientError as e:
-            if _is_missing(e):
-                raise StoreKeyError(key) from None
-            raise
-        with response["Body"] as body:
-            return body.read()  # type: ignore[no-any-return]
+        with self._io("read", key):
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key))
+            except ClientError as e:
+                if _is_missing(e):
+                    raise StoreKeyError(self.uri, key) from None
+                raise
+            with response["Body"] as body:
+                return body.read()  # type: ignore[no-any-return]
 
     def get_file(self, key: str, path: Path) -> None:
         from botocore.exceptions import ClientError
@@ -458,12 +284,14 @@ class S3Store(Store):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
         os.close(fd)
         try:
-            self.client.download_file(self.bucket, full, tmp, Config=self._transfer_config())
+            with self._io("read", key):
+                try:
+                    self.client.download_file(self.bucket, full, tmp, Config=self._transfer_config())
+                except ClientError as e:
+                    if _is_missing(e):
+                        raise StoreKeyError(self.uri, key) from None
+                    raise
             os.replace(tmp, path)  # readers of ``path`` see the old file or the whole new one
-        except ClientError as e:
-            if _is_missing(e):
-                raise StoreKeyError(key) from None
-            raise
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -471,13 +299,14 @@ class S3Store(Store):
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
-        try:
-            self.client.head_object(Bucket=self.bucket, Key=self._object_key(key))
-            return True
-        except ClientError as e:
-            if _is_missing(e):
-                return False
-            raise
+        with self._io("look up", key):
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._object_key(key))
+                return True
+            except ClientError as e:
+                if _is_missing(e):
+                    return False
+                raise
 
     def _iter_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(bucket key, size) of ``prefix`` itself and of everything under ``prefix/``."""
@@ -487,18 +316,19 @@ class S3Store(Store):
         # S3 prefixes are plain string prefixes: "a/b" also matches "a/bc". Keep FileStore's
         # directory semantics: the key itself, or what lies under "a/b/".
         wide = not is_root and not prefix.endswith("/")
-        paginator = self.client.get_paginator("list_objects_v2")
-        pages = paginator.paginate(
-            Bucket=self.bucket,
-            Prefix=base if wide else under,
-            PaginationConfig={"PageSize": self.page_size},
-        )
         found = []
-        for page in pages:
-            for obj in page.get("Contents", []):
-                full = obj["Key"]
-                if full.startswith(under) or (wide and full == base):
-                    found.append((full, int(obj["Size"])))
+        with self._io("list", prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(
+                Bucket=self.bucket,
+                Prefix=base if wide else under,
+                PaginationConfig={"PageSize": self.page_size},
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    full = obj["Key"]
+                    if full.startswith(under) or (wide and full == base):
+                        found.append((full, int(obj["Size"])))
         return found
 
     def list(self, prefix: str) -> list[ObjectInfo]:
@@ -510,19 +340,26 @@ class S3Store(Store):
         deleted = 0
         for i in range(0, len(keys), self.delete_batch):
             batch = keys[i:i + self.delete_batch]
-            response = self.client.delete_objects(
-                Bucket=self.bucket,
-                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-            )
+            with self._io("delete", prefix):
+                response = self.client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+                )
             errors = response.get("Errors", [])
             if errors:
                 first = errors[0]
-                raise OSError(
-                    f"{self.uri}: could not delete {len(errors)} of {len(batch)} objects "
-                    f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message')})"
+                raise StoreError(
+                    self.uri,
+                    f"could not delete {len(errors)} of {len(batch)} objects under {prefix!r} "
+                    f"(first: {first.get('Key')}: {first.get('Code')} {first.get('Message')})",
                 )
             deleted += len(batch)
         return deleted
+
+    def ping(self) -> None:
+        under = f"{self.prefix}/" if self.prefix else ""
+        with self._io("list", ""):
+            self.client.list_objects_v2(Bucket=self.bucket, Prefix=under, MaxKeys=1)
 
     def check(self) -> None:
         """List the prefix (reachable, bucket exists, credentials valid), then put and delete a
@@ -542,9 +379,10 @@ class S3Store(Store):
             client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
             client.delete_object(Bucket=self.bucket, Key=probe)
         except (ClientError, BotoCoreError) as e:
-            raise ConfigError(f"{self.field}: cannot {step} {where}: {self._reason(e)}") from None
+            raise ConfigError(f"cannot {step} {where}: {self._reason(e, checking=True)}", field=self.field) from None
 
-    def _reason(self, e: Exception) -> str:
+    def _reason(self, e: Exception, *, checking: bool = False) -> str:
+        """Why a call failed, in one line (``checking``: the preflight client's timeouts applied)."""
         from botocore.exceptions import (
             ClientError,
             ConnectTimeoutError,
@@ -553,10 +391,10 @@ class S3Store(Store):
             ReadTimeoutError,
         )
 
-        endpoint = self.endpoint_url or self._client_for("check").meta.endpoint_url
+        endpoint = self.endpoint_url or self._client_for("check" if checking else "data").meta.endpoint_url
         if isinstance(e, ClientError):
             code, message = _code(e), e.response.get("Error", {}).get("Message", "")
-            if code in ("NoSuchBucket", "404"):
+            if code == "NoSuchBucket" or (checking and code == "404"):
                 reason = "bucket does not exist"
             elif message and message != code:
                 reason = f"{code} ({message.rstrip('.')})"
@@ -565,7 +403,7 @@ class S3Store(Store):
         elif isinstance(e, ConnectTimeoutError):
             reason = f"timed out connecting to endpoint {endpoint}"
         elif isinstance(e, ReadTimeoutError):
-            waited = min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout)
+            waited = min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout) if checking else self.read_timeout
             reason = f"endpoint {endpoint} did not answer within {waited:g} s"
         elif isinstance(e, EndpointConnectionError):
             reason = f"could not connect to endpoint {endpoint}"
@@ -601,55 +439,54 @@ def _s3_uri(bucket: str, prefix: str, endpoint_url: str | None, region: str | No
     return uri
 
 
-def _open_s3(uri: str, field: str) -> S3Store:
+def open_s3(uri: str, *, field: str, interactive: bool = False) -> S3Store:
+    """The S3Store of an ``s3://`` URI (``ConfigError`` naming ``field`` for a malformed one);
+    ``interactive``: few retries and short timeouts, for a person waiting on the answer."""
     parsed = urlparse(uri)
     if "@" in parsed.netloc:
         # Do not echo the URI: it holds what looks like a secret.
         raise ConfigError(
-            f"{field}: credentials do not belong in an s3:// URI; use AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role"
+            "credentials do not belong in an s3:// URI; use AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or an instance role",
+            field=field,
         )
     bucket = parsed.netloc
     if not _BUCKET_NAME.match(bucket) or ".." in bucket:
         raise ConfigError(
-            f"{field}: {uri!r} does not name a valid bucket (s3://BUCKET[/PREFIX]; 3-63 lowercase "
-            "letters, digits, '.' or '-')"
+            f"{uri!r} does not name a valid bucket (s3://BUCKET[/PREFIX]; 3-63 lowercase "
+            "letters, digits, '.' or '-')",
+            field=field,
         )
     options: dict[str, str] = {}
     for key, value in parse_qsl(parsed.query, keep_blank_values=True):
         if key not in _S3_QUERY_KEYS:
             allowed = ", ".join(_S3_QUERY_KEYS)
-            raise ConfigError(f"{field}: unknown s3:// URI option {key!r} (allowed: {allowed})")
+            raise ConfigError(f"unknown s3:// URI option {key!r} (allowed: {allowed})", field=field)
         if key in options:
-            raise ConfigError(f"{field}: s3:// URI option {key!r} given twice")
+            raise ConfigError(f"s3:// URI option {key!r} given twice", field=field)
         if not value:
-            raise ConfigError(f"{field}: s3:// URI option {key!r} is empty")
+            raise ConfigError(f"s3:// URI option {key!r} is empty", field=field)
         options[key] = value
     endpoint = options.get("endpoint_url")
     if endpoint is not None:
         ep = urlparse(endpoint)
-        if ep.scheme not in ("http", "https") or not ep.hostname or ep.username or ep.password:
+        try:
+            port_ok = ep.port is None or ep.port > 0
+        except ValueError:  # not a number, or out of range
+            port_ok = False
+        if ep.scheme not in ("http", "https") or not ep.hostname or ep.username or ep.password or not port_ok:
             raise ConfigError(
-                f"{field}: endpoint_url must look like http(s)://HOST[:PORT], "
-                f"got {ep.scheme}://{ep.hostname or ''}"
+                f"endpoint_url must look like http(s)://HOST[:PORT], got {ep.scheme}://{ep.hostname or ''}",
+                field=field,
             )
     if ".." in parsed.path.split("/"):
-        raise ConfigError(f"{field}: the prefix of {uri!r} must not contain '..'")
-    region = options.get("region")
-    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=region, field=field)
-
-
-def open_store(uri: str, *, field: str = "store") -> Store:
-    """Open the store named by ``uri``; ``field`` names the config field in error messages.
-
-    Opening checks the URI's shape only; call ``check()`` to reach the store.
-    """
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ConfigError(f"{field}: file:// URIs must be absolute paths, got {uri!r}")
-        return FileStore(Path(parsed.path), field=field)
-    if parsed.scheme == "s3":
-        return _open_s3(uri, field)
-    allowed = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
-    raise ConfigError(f"{field}: unsupported store URI {uri!r} (use {allowed})")
+        raise ConfigError(f"the prefix of {uri!r} must not contain '..'", field=field)
+    patience: dict[str, Any] = {}
+    if interactive:
+        patience = {
+            "max_attempts": S3_INTERACTIVE_MAX_ATTEMPTS,
+            "connect_timeout": S3_INTERACTIVE_CONNECT_TIMEOUT_S,
+            "read_timeout": S3_INTERACTIVE_READ_TIMEOUT_S,
+        }
+    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=options.get("region"), field=field,
+                   **patience)

@@ -1,0 +1,77 @@
+"""The store interface and its errors (see the package docstring)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from infractl.errors import StoreError
+
+__all__ = ["ObjectInfo", "Store", "StoreKeyError", "StoreUnavailable"]
+
+
+class StoreUnavailable(StoreError, OSError):
+    """The store cannot be reached at all (not: a key is missing). Callers retry later."""
+
+
+class StoreKeyError(StoreError, KeyError):
+    """The key does not exist in the store."""
+
+    def __init__(self, uri: str, key: str) -> None:
+        super().__init__(uri, f"no object {key!r}")
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.uri, self.key))
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class Store(ABC):
+    """Object-store semantics over any backend: whole-object puts and gets, prefix listing."""
+
+    uri: str
+    #: The config field the store came from, named in error messages (set by ``open_store``).
+    field: str = "store"
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> None: ...
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if it does not exist; return False if it already did."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def get_file(self, key: str, path: Path) -> None: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursively), sorted by key."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; return how many were deleted."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Reach the store without changing it; raise ``StoreUnavailable`` (or ``StoreError``)
+        if it cannot be read. Commands that would act blind without the store call it first."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Verify the store is reachable and writable; raise ``ConfigError`` (one line naming
+        ``self.field`` and the reason) if it is not. Leaves nothing behind."""

@@ -1,0 +1,180 @@
+"""``file:///abs/path``: a directory used as an object store (the local provider's default)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from infractl.errors import ConfigError, StoreError
+from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
+
+__all__ = ["FileStore"]
+
+
+class FileStore(Store):
+    """A directory used as an object store. The directory must exist: only ``create_root``
+    (``infractl up``) makes it, so a vanished one is an outage, never a new empty store."""
+
+    def __init__(self, root: Path, *, field: str = "store") -> None:
+        self.root = root.resolve()
+        self.uri = self.root.as_uri()
+        self.field = field
+
+    def __repr__(self) -> str:
+        return f"FileStore({self.uri!r})"
+
+    @contextlib.contextmanager
+    def _io(self, action: str, key: str) -> Iterator[None]:
+        """Turn the OS's errors into the store's (one line naming the store, the key and why)."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except OSError as e:
+            raise StoreError(self.uri, f"cannot {action} {key!r}: {e.strerror or e}") from e
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise ValueError(f"store key escapes the store root: {key!r}")
+        return path
+
+    def _unavailable(self) -> StoreUnavailable:
+        return StoreUnavailable(self.uri, "its directory does not exist (removed or unmounted?)")
+
+    def _root_exists(self) -> None:
+        if not self.root.is_dir():
+            raise self._unavailable()
+
+    def _parent_of(self, key: str) -> Path:
+        """The key's path, its parent directories created below the root (never the root)."""
+        final = self._path(key)
+        self._root_exists()
+        parent = self.root
+        for part in final.parent.relative_to(self.root).parts:
+            parent = parent / part
+            try:
+                parent.mkdir(exist_ok=True)
+            except FileNotFoundError:  # the root vanished meanwhile
+                raise self._unavailable() from None
+        return final
+
+    def _write_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
+        final = self._parent_of(key)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return Path(tmp), final
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._io("write", key):
+            tmp, final = self._write_tmp(key, data)
+            os.replace(tmp, final)
+
+    def put_file(self, key: str, path: Path) -> None:
+        with self._io("write", key):
+            final = self._parent_of(key)
+            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+            os.close(fd)
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, final)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        with self._io("write", key):
+            tmp, final = self._write_tmp(key, data)
+            try:
+                # link() fails if the target exists: an atomic create-only publish.
+                os.link(tmp, final)
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink()
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._io("read", key):
+            try:
+                return self._path(key).read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                self._root_exists()
+                raise StoreKeyError(self.uri, key) from None
+
+    def get_file(self, key: str, path: Path) -> None:
+        with self._io("read", key):
+            src = self._path(key)
+            if not src.is_file():
+                self._root_exists()
+                raise StoreKeyError(self.uri, key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, path)
+
+    def exists(self, key: str) -> bool:
+        with self._io("look up", key):
+            if self._path(key).is_file():
+                return True
+            self._root_exists()
+            return False
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        with self._io("list", prefix):
+            self._root_exists()
+            base = self._path(prefix) if prefix else self.root
+            if base.is_file():
+                return [ObjectInfo(prefix, base.stat().st_size)]
+            if not base.is_dir():
+                return []
+            found = []
+            for dirpath, _dirs, files in os.walk(base):
+                for name in files:
+                    if name.startswith(".tmp-"):
+                        continue
+                    full = Path(dirpath) / name
+                    try:
+                        size = full.stat().st_size
+                    except FileNotFoundError:
+                        continue
+                    found.append(ObjectInfo(full.relative_to(self.root).as_posix(), size))
+            return sorted(found, key=lambda o: o.key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._io("delete", prefix):
+            self._root_exists()
+            base = self._path(prefix)
+            if base.is_file():
+                base.unlink()
+                return 1
+            if not base.is_dir():
+                return 0
+            count = sum(len(files) for _d, _s, files in os.walk(base))
+            shutil.rmtree(base, ignore_errors=True)
+            return count
+
+    def ping(self) -> None:
+        with self._io("read", ""):
+            self._root_exists()
+            os.listdir(self.root)
+
+    def create_root(self) -> None:
+        """Create the store's directory (`infractl up` does; nothing else creates it)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create {self.uri}: {e.strerror or e}", field=self.field) from None
+
+    def check(self) -> None:
+        """Prove a file can be written in the root directory (which must exist)."""
+        if not self.root.is_dir():
+            raise ConfigError(f"store directory {self.root} does not exist", field=self.field)
+        try:
+            fd, probe = tempfile.mkstemp(dir=self.root, prefix=".tmp-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.root) else ""
+            raise ConfigError(f"cannot write to {self.uri}: {e.strerror or e}{where}", field=self.field) from None
