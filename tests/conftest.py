@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from infractl import proc, runstore
+from infractl.cli import main
 from infractl.store import Store
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +74,40 @@ def cli(tmp_path: Path) -> "Cli":
     if runner.home.is_dir():
         for cluster_dir in runner.home.iterdir():
             proc.kill(proc.find(cluster_dir))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(args: list[str], *, home: Path, cwd: Path) -> Outcome:
+    """``infractl ARGS`` in this process, as the console script runs it (for the many quick calls
+    of the property tests): argv, state root, working directory and the standard streams are set
+    for the call and put back after it. Any exception other than the exit is a traceback the user
+    would have seen, and fails the test with it."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = (sys.argv, sys.stdin, os.getcwd(), os.environ.get("INFRACTL_HOME"))
+    sys.argv, sys.stdin = ["infractl", *args], io.StringIO("")
+    os.environ["INFRACTL_HOME"] = str(home)
+    os.chdir(cwd)
+    code: int | str | None = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        sys.argv, sys.stdin = saved[0], saved[1]
+        os.chdir(saved[2])
+        if saved[3] is None:
+            os.environ.pop("INFRACTL_HOME", None)
+        else:
+            os.environ["INFRACTL_HOME"] = saved[3]
+    return Outcome(code if isinstance(code, int) else (0 if code is None else 1), out.getvalue(), err.getvalue())
 
 
 def write(path: Path, text: str) -> Path:

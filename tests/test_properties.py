@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,8 +37,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from conftest import OUTAGE_RUN, REPO, Outage, store_down_cluster
-from infractl.cli import main
+from conftest import OUTAGE_RUN, REPO, Outage, Outcome, run_cli, store_down_cluster
 from infractl.config import MAX_CONFIG_BYTES, NAME_PATTERN
 from infractl.drill import KINDS
 from infractl.output import printable
@@ -52,39 +49,6 @@ CLUSTER_SCHEMA = json.loads((REPO / "schemas" / "cluster.schema.json").read_text
 
 
 # --- running the CLI and checking the contract --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-
-def run_cli(args: list[str], *, home: Path, cwd: Path) -> Outcome:
-    """``infractl ARGS`` in this process: argv, state root, working directory and the standard
-    streams are set for the call and put back after it. Any exception other than the exit is
-    a traceback the user would have seen, and fails the test with it."""
-    out, err = io.StringIO(), io.StringIO()
-    saved = (sys.argv, sys.stdin, os.getcwd(), os.environ.get("INFRACTL_HOME"))
-    sys.argv, sys.stdin = ["infractl", *args], io.StringIO("")
-    os.environ["INFRACTL_HOME"] = str(home)
-    os.chdir(cwd)
-    code: int | str | None = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as exc:
-                code = exc.code
-    finally:
-        sys.argv, sys.stdin = saved[0], saved[1]
-        os.chdir(saved[2])
-        if saved[3] is None:
-            os.environ.pop("INFRACTL_HOME", None)
-        else:
-            os.environ["INFRACTL_HOME"] = saved[3]
-    return Outcome(code if isinstance(code, int) else (0 if code is None else 1), out.getvalue(), err.getvalue())
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, int, str]]:

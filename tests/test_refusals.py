@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import Cli, write
+import pytest
+
+from conftest import Cli, run_cli, write
 
 
 def _one_line(stderr: str) -> str:
@@ -118,6 +120,11 @@ def test_command_line_errors_are_one_line_with_where_help_is(cli: Cli) -> None:
     assert line.startswith("error: Invalid value for '--tail'") and line.endswith("(see `infractl logs --help`)")
     line = _one_line(cli("status", "--frobnicate", expect=2).stderr)
     assert line == "error: No such option: --frobnicate (see `infractl status --help`)"
+    # Found by the property tests: a huge --tail overflowed the line buffer (a traceback).
+    line = _one_line(cli("logs", "--tail", "1" + "0" * 30, expect=2).stderr)
+    assert "Invalid value for '--tail': Input should be less than or equal to 1000000000" in line
+    line = _one_line(cli("drill", "store-outage", "--seconds", "inf", expect=2).stderr)
+    assert "Invalid value for '--seconds'" in line
 
 
 def test_json_refusals_print_one_error_object_on_stdout(cli: Cli) -> None:
@@ -156,3 +163,23 @@ def test_status_of_a_named_cluster_that_is_not_up_is_refused(cli: Cli) -> None:
     line = _one_line(cli("status", "-c", str(cluster), expect=2).stderr)
     assert "cluster 'c5' is not up" in line
     assert not Path(cli.home / "c5").exists()
+
+
+def test_a_bug_is_one_line_exit_70_and_debug_shows_the_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import infractl.cli.cluster
+
+    def broken() -> list[object]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(infractl.cli.cluster, "known_clusters", broken)
+    outcome = run_cli(["status", "--json"], home=tmp_path / ".infractl", cwd=tmp_path)
+    assert outcome.code == 70
+    assert outcome.stderr == (
+        "error: internal error: RuntimeError: boom (a bug in infractl; rerun with --debug for the "
+        "traceback and report it)\n"
+    )
+    assert json.loads(outcome.stdout)["error"]["exit_code"] == 70
+    with pytest.raises(RuntimeError, match="boom"):
+        run_cli(["--debug", "status"], home=tmp_path / ".infractl", cwd=tmp_path)

@@ -101,12 +101,9 @@ def main() -> None:
         out.error(exc.message, exit_code=exc.exit_code, field=exc.field, file=exc.file)
         sys.exit(exc.exit_code)
     except click_errors.UsageError as exc:
-        if debug:
-            raise
+        # Never a traceback: the parser's own frames say nothing about the mistake.
         _exit_usage(current_output() or parsing, exc)
     except click_errors.ClickException as exc:
-        if debug:
-            raise
         (current_output() or parsing).error(exc.format_message(), exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from typing import Annotated, Optional
@@ -12,7 +13,19 @@ from infractl.config import NAME_PATTERN
 from infractl.errors import UsageError
 from infractl.output import Output
 
-__all__ = ["ClusterOpt", "JsonOpt", "YesOpt", "RunArg", "NodeArg", "name_option", "output", "current_output", "reset_output", "confirm"]
+__all__ = [
+    "ClusterOpt",
+    "JsonOpt",
+    "YesOpt",
+    "RunArg",
+    "NodeArg",
+    "name_option",
+    "finite_option",
+    "output",
+    "current_output",
+    "reset_output",
+    "confirm",
+]
 
 
 def name_option(value: str | None) -> str | None:
@@ -20,6 +33,14 @@ def name_option(value: str | None) -> str | None:
     store keys, so anything else (``../x``, a slash) is refused at the command line."""
     if value is not None and not re.fullmatch(NAME_PATTERN, value):
         raise typer.BadParameter("expected a name: 1-40 lower-case letters, digits and '-', not starting with '-'")
+    return value
+
+
+def finite_option(value: float | None) -> float | None:
+    """A number of seconds or a fraction: ``nan`` and ``inf`` parse as floats but mean nothing
+    (and ``nan`` slips past every range check), so they are refused at the command line."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
     return value
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from infractl import drill as drills
-from infractl.cli._common import ClusterOpt, JsonOpt, name_option, output
+from infractl.cli._common import ClusterOpt, JsonOpt, finite_option, name_option, output
 from infractl.output import Output
 from infractl.state import resolve_cluster
 
@@ -20,12 +20,14 @@ NodeOpt = Annotated[Optional[str], typer.Option(
     "--node", "-n", help="Node to fault. Default: the last node running the run.", callback=name_option)]
 RunOpt = Annotated[Optional[str], typer.Option(
     "--run", "-r", help="Run to drill. Default: the run running on the cluster.", callback=name_option)]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Seconds to wait for each drill's recovery (and the run's end).", min=1)]
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", help="Seconds to wait for each drill's recovery (and the run's end).", min=1, max=7 * 86400,
+    callback=finite_option)]
 WaitOpt = Annotated[bool, typer.Option(
     "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then.")]
 RepeatOpt = Annotated[int, typer.Option(
     "--repeat", help="Run N drills in a row on the same run (a node the fault removed rejoins in between); "
-                     "prints the success count and the median and worst restart_s.", min=1)]
+                     "prints the success count and the median and worst restart_s.", min=1, max=100)]
 
 _HELP = {
     "kill-node": "SIGKILL every process of one node (agent and workers).",
@@ -100,7 +102,8 @@ def _node_command(kind: str) -> Callable[..., None]:
 
 @app.command("store-outage")
 def store_outage(
-    seconds: Annotated[float, typer.Option("--seconds", help="How long the store refuses every call.", min=1)] = 10.0,
+    seconds: Annotated[float, typer.Option(
+        "--seconds", help="How long the store refuses every call.", min=1, max=86400, callback=finite_option)] = 10.0,
     run: RunOpt = None,
     cluster_opt: ClusterOpt = None,
     timeout: TimeoutOpt = 600.0,

@@ -20,9 +20,11 @@ __all__ = ["register"]
 
 def logs(
     cluster_opt: ClusterOpt = None,
-    node: Annotated[Optional[str], typer.Option("--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)] = None,
-    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run name. Default: the most recently launched run.", callback=name_option)] = None,
-    tail: Annotated[int, typer.Option("--tail", help="Lines per node (0 = all).", min=0)] = 200,
+    node: Annotated[Optional[str], typer.Option(
+        "--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)] = None,
+    run: Annotated[Optional[str], typer.Option(
+        "--run", "-r", help="Run name. Default: the most recently launched run.", callback=name_option)] = None,
+    tail: Annotated[int, typer.Option("--tail", help="Lines per node (0 = all).", min=0, max=10**9)] = 200,
 ) -> None:
     """Print the training logs of every node (or one) for a run, after the run's attempts from the store.
 

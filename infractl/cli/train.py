@@ -58,7 +58,8 @@ def train(
 
 def rejoin(
     node: NodeArg,
-    run: Annotated[Optional[str], typer.Option("--run", "-r", help="Run to rejoin. Default: the run running on the cluster.", callback=name_option)] = None,
+    run: Annotated[Optional[str], typer.Option(
+        "--run", "-r", help="Run to rejoin. Default: the run running on the cluster.", callback=name_option)] = None,
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
     log_format: Annotated[LogFormat, typer.Option("--log-format", help="Trainer log lines: console or json.")] = "console",
