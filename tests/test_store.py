@@ -20,7 +20,7 @@ from conftest import S3AuthServer, s3_client
 from infractl import runstore
 from infractl.errors import ConfigError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
-from infractl.store import FileStore, S3Store, Store, StoreKeyError, StoreUnavailable, open_store
+from infractl.store import FileStore, S3Store, Store, StoreError, StoreKeyError, StoreUnavailable, open_store
 
 MIB = 1024 * 1024
 
@@ -426,3 +426,55 @@ def test_s3_check_refuses_a_read_only_store(
     message = _check_error(open_store(uri, field="cluster.store"))
     assert message.startswith(f"cluster.store: cannot write to s3://{s3_auth_server.bucket}/p: ")
     assert "AccessDenied" in message
+
+
+# --- errors: only the store's own family, one line naming the store ---------------------------
+
+
+def test_s3_unreachable_endpoint_is_store_unavailable_within_seconds(aws_test_env: dict[str, str]) -> None:
+    store = open_store("s3://bkt/p?endpoint_url=http://127.0.0.1:1", field="cluster.store", interactive=True)
+    for call in (lambda: store.get_bytes("runs/x/run.json"), lambda: store.list("runs/"), store.ping,
+                 lambda: store.put_bytes("runs/x/a", b"1")):
+        with pytest.raises(StoreUnavailable) as err:
+            call()
+        assert str(err.value).startswith("store s3://bkt/p?endpoint_url=http://127.0.0.1:1: cannot ")
+        assert str(err.value).endswith(": could not connect to endpoint http://127.0.0.1:1")
+
+
+def test_s3_access_denied_is_a_store_error_not_an_outage(
+    s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    uri = f"s3://{s3_auth_server.bucket}/p?endpoint_url={s3_auth_server.endpoint}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNUNKNOWN00")
+    store = open_store(uri, interactive=True)
+    with pytest.raises(StoreError) as err:
+        store.get_bytes("runs/x/run.json")
+    assert not isinstance(err.value, (StoreUnavailable, StoreKeyError))
+    assert f"store {store.uri}: cannot read 'runs/x/run.json': InvalidAccessKeyId" in str(err.value)
+
+
+def test_file_store_os_errors_are_store_errors(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    store.create_root()
+    store.put_bytes("runs/x", b"a file where a directory would go")
+    with pytest.raises(StoreError) as err:
+        store.put_bytes("runs/x/run.json", b"{}")
+    assert str(err.value).startswith(f"store {store.uri}: cannot write 'runs/x/run.json': ")
+    with pytest.raises(StoreKeyError):
+        store.get_bytes("runs/x/run.json")
+
+
+def test_corrupt_run_records_and_metrics_are_one_line_store_errors(store: Store) -> None:
+    store.put_bytes("runs/r/run.json", b"{not json")
+    with pytest.raises(StoreError, match=r"runs/r/run.json is not valid JSON"):
+        runstore.read_run_record(store, "r")
+    store.put_bytes("runs/r/metrics/00000001-5.jsonl", b'{"step": 1}\n{trunc')
+    store.put_bytes("runs/r/metrics/notes.txt", b"not a chunk: ignored")
+    with pytest.raises(StoreError, match=r"runs/r/metrics/00000001-5.jsonl is not valid JSON"):
+        runstore.read_metrics(store, "r")
+
+
+def test_store_errors_pickle_with_their_fields() -> None:
+    for err in (StoreUnavailable("s3://b", "down"), StoreKeyError("s3://b", "k"), StoreError("s3://b", "x")):
+        again = pickle.loads(pickle.dumps(err))
+        assert type(again) is type(err) and again.message == err.message

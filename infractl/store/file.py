@@ -28,14 +28,15 @@ class FileStore(Store):
         return f"FileStore({self.uri!r})"
 
     @contextlib.contextmanager
-    def _io(self, action: str, key: str) -> Iterator[None]:
+    def _io(self, action: str, key: str | None) -> Iterator[None]:
         """Turn the OS's errors into the store's (one line naming the store, the key and why)."""
         try:
             yield
         except StoreError:
             raise
         except OSError as e:
-            raise StoreError(self.uri, f"cannot {action} {key!r}: {e.strerror or e}") from e
+            what = f"{action} {key!r}" if key is not None else action
+            raise StoreError(self.uri, f"cannot {what}: {e.strerror or e}") from e
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
@@ -156,7 +157,7 @@ class FileStore(Store):
             return count
 
     def ping(self) -> None:
-        with self._io("read", ""):
+        with self._io("reach the store", None):
             self._root_exists()
             os.listdir(self.root)
 

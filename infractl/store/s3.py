@@ -37,9 +37,9 @@ S3_CHECK_CONNECT_TIMEOUT_S = 3.0
 S3_CHECK_READ_TIMEOUT_S = 10.0
 # The CLI's reads and writes (status, metrics, run records): a person is waiting too, so a store
 # that does not answer is reported within seconds, not after a minute of backing off.
-S3_INTERACTIVE_MAX_ATTEMPTS = 3
+S3_INTERACTIVE_MAX_ATTEMPTS = 2
 S3_INTERACTIVE_CONNECT_TIMEOUT_S = 3.0
-S3_INTERACTIVE_READ_TIMEOUT_S = 10.0
+S3_INTERACTIVE_READ_TIMEOUT_S = 5.0
 # Managed transfers: objects above the threshold go multipart, in parallel parts. S3 needs parts
 # of at least 5 MiB and allows at most 10,000 of them: 16 MiB parts reach 160 GiB per object,
 # far above a checkpoint shard, while keeping the memory in flight small (concurrency x chunk).
@@ -194,7 +194,7 @@ class S3Store(Store):
         return full[len(self.prefix) + 1:] if self.prefix else full
 
     @contextlib.contextmanager
-    def _io(self, action: str, key: str) -> Iterator[None]:
+    def _io(self, action: str, key: str | None) -> Iterator[None]:
         """Turn boto3's errors into the store's: ``StoreUnavailable`` when the endpoint cannot be
         reached or answers "later" (5xx, throttling, after the client's own retries), else
         ``StoreError`` (access denied, no such bucket). One line naming the store and the cause."""
@@ -212,12 +212,12 @@ class S3Store(Store):
             inner = e.__context__
             if isinstance(inner, ClientError):
                 raise self._translate(inner, action, key) from e
-            raise StoreUnavailable(self.uri, f"cannot {action} {key!r}: {' '.join(str(e).split())}") from e
+            raise StoreUnavailable(self.uri, f"{_doing(action, key)}: {' '.join(str(e).split())}") from e
         except BotoCoreError as e:
-            raise StoreUnavailable(self.uri, f"cannot {action} {key!r}: {self._reason(e)}") from e
+            raise StoreUnavailable(self.uri, f"{_doing(action, key)}: {self._reason(e)}") from e
 
-    def _translate(self, e: Any, action: str, key: str) -> StoreError:
-        cause = f"cannot {action} {key!r}: {self._reason(e)}"
+    def _translate(self, e: Any, action: str, key: str | None) -> StoreError:
+        cause = f"{_doing(action, key)}: {self._reason(e)}"
         status = _status(e)
         if (status is not None and status >= 500) or _code(e) in _TRANSIENT_CODES:
             return StoreUnavailable(self.uri, cause)
@@ -358,7 +358,7 @@ class S3Store(Store):
 
     def ping(self) -> None:
         under = f"{self.prefix}/" if self.prefix else ""
-        with self._io("list", ""):
+        with self._io("reach the store", None):
             self.client.list_objects_v2(Bucket=self.bucket, Prefix=under, MaxKeys=1)
 
     def check(self) -> None:
@@ -415,6 +415,10 @@ class S3Store(Store):
         else:
             reason = str(e)
         return " ".join(reason.split())  # one line
+
+
+def _doing(action: str, key: str | None) -> str:
+    return f"cannot {action} {key!r}" if key is not None else f"cannot {action}"
 
 
 def _status(e: Any) -> int | None:
