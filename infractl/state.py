@@ -71,7 +71,7 @@ class ClusterState:
     def read(self) -> dict[str, Any]:
         """The cluster record written by ``up``; StateError if the cluster is not up."""
         if not self.is_up():
-            raise StateError(f"cluster {self.name!r} is not up (no state in {self.dir}); run `infractl up` first")
+            raise StateError(f"cluster {self.name!r} is not up (no cluster record in {self.dir}); run `infractl up` first")
         try:
             record = json.loads(self.record_path.read_text())
         except (OSError, ValueError) as exc:
