@@ -16,7 +16,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError
 from infractl.output import Output
 from infractl.state import ClusterState
-from infractl.store import FileStore, Store, open_store
+from infractl.store import Store, StoreUnavailable, open_store
 
 __all__ = [
     "UpResult",
@@ -108,21 +108,22 @@ def ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> t
 
 def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
     """What ``up`` checks before it takes the lock or changes anything: the store URI, and that
-    the store can be reached and written. Only a new cluster's ``file://`` directory may be
-    missing (``up`` creates it); the store of a cluster that is up never is: a vanished store
-    directory holds the cluster's checkpoints, and an empty one in its place would hide that."""
+    the store can be reached and written (a new cluster's store: or created by ``up``). The store
+    of a cluster that is up must still be there: a vanished store held the cluster's checkpoints,
+    and an empty one in its place would hide that."""
     uri = store_uri(state, spec)
     store = open_store(uri, field="cluster.store")
-    if isinstance(store, FileStore) and not store.root.is_dir():
-        previous = state.read() if state.is_up() else None
-        if previous is not None and previous.get("store") == uri:
+    previous = state.read() if state.is_up() else None
+    if previous is not None and previous.get("store") == uri:
+        try:
+            store.ping()
+        except StoreUnavailable as exc:
             raise ConfigError(
-                f"store directory {store.root} of cluster {state.name!r} does not exist; it held the "
-                "cluster's checkpoints and run records: restore it (or mount it again) and rerun `infractl up`",
+                f"the store of cluster {state.name!r} is unreachable ({exc.cause}); it holds the cluster's "
+                "checkpoints and run records: bring it back (restore or mount it) and rerun `infractl up`",
                 field="cluster.store",
-            )
-        return store
-    store.check()
+            ) from None
+    store.check(create_ok=previous is None or previous.get("store") != uri)
     return store
 
 
@@ -131,9 +132,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     unchanged cluster changes nothing."""
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
-    if isinstance(store, FileStore) and not store.root.is_dir():
-        store.create_root()
-        store.check()
+    store.ensure()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied = infra.apply(

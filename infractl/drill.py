@@ -57,7 +57,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import psutil
 
@@ -66,7 +65,7 @@ from infractl.cluster import store_for
 from infractl.errors import StateError, UsageError
 from infractl.runstore import Manifest
 from infractl.state import ClusterState
-from infractl.store import FileStore, S3Store, Store
+from infractl.store import Store
 
 __all__ = ["KINDS", "DrillResult", "Series", "run_drill", "run_series", "drill_key"]
 
@@ -78,7 +77,6 @@ _PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
 _COMMIT_POLL_S = 0.2  # committed steps and their manifests
 _STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
 _GONE_TIMEOUT_S = 30.0
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 Progress = Callable[[str], None]
 
@@ -264,42 +262,6 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _store_down(store: Store, drill_id: str) -> Iterator[dict[str, Any]]:
-    """Make every call to ``store`` fail while inside; bring it back on the way out, whatever happens."""
-    if isinstance(store, FileStore):
-        parked = store.root.with_name(f"{store.root.name}.outage-{drill_id}")
-        store.root.rename(parked)
-        try:
-            yield {"how": "directory moved away", "parked": str(parked)}
-        finally:
-            parked.rename(store.root)
-        return
-    if isinstance(store, S3Store):
-        server = _local_endpoint_server(store)
-        server.suspend()
-        try:
-            yield {"how": "endpoint server stopped (SIGSTOP)", "pid": server.pid}
-        finally:
-            server.resume()
-        return
-    raise UsageError(f"store-outage: cannot take down a {type(store).__name__} store")
-
-
-def _local_endpoint_server(store: S3Store) -> psutil.Process:
-    """The process serving the store's S3 endpoint on this machine (what store-outage pauses)."""
-    endpoint = urlparse(store.endpoint_url or "")
-    if endpoint.hostname not in _LOOPBACK or endpoint.port is None:
-        raise UsageError(
-            f"store-outage: the store {store.uri} is not served on this machine; the drill can take down a "
-            "file:// store or an S3 endpoint on loopback (for AWS S3, block the endpoint on the nodes instead)"
-        )
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == endpoint.port and conn.pid:
-            return psutil.Process(conn.pid)
-    raise UsageError(f"store-outage: no process listens on {endpoint.hostname}:{endpoint.port}")
-
-
 # -- one drill -----------------------------------------------------------------------------------
 
 
@@ -332,6 +294,7 @@ def run_drill(
     workers = _workers(proc.find(state.dir, run=run_id))
     victims = proc.find(state.dir, node=target.node, run=run_id) if target.node else []
     victim_pids = {p.pid for p in victims}
+    take_down = store.outage() if kind == "store-outage" else None  # refused here if it cannot be
     if kind == "kill-during-checkpoint":
         partial = None
         while partial is None:
@@ -361,8 +324,9 @@ def run_drill(
         watched = workers
         fault |= {"signal": "SIGTERM", "grace_s": spec.get("preemption", {}).get("grace_s")}
     else:
+        assert take_down is not None
         outage = contextlib.ExitStack()
-        fault |= outage.enter_context(_store_down(store, drill_id)) | {"seconds": seconds}
+        fault |= outage.enter_context(take_down) | {"seconds": seconds}
         watched = []
     where = f"node {target.node!r}" if target.node else "the store"
     progress(f"{kind}: fault on {where} of run {run_id!r} at step {step_at_fault}, last committed step {last_committed}")

@@ -8,6 +8,7 @@ tests/test_properties.py.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,14 +62,29 @@ def test_refused_up_leaves_no_state_directory_or_lock(cli: Cli) -> None:
     assert not cli.home.exists()
 
 
-def test_refusal_inside_the_lock_removes_the_new_cluster_directory(cli: Cli) -> None:
-    # A new cluster's store directory is created under the lock (the lock made the cluster's
-    # directory); when that is refused, the cluster's directory goes again.
+def test_store_that_cannot_be_created_is_refused_before_anything_changes(cli: Cli) -> None:
     blocker = write(cli.cwd / "a-file", "not a directory\n")
     cluster = write(cli.cwd / "cluster.yaml", f"name: c3\nstore: {(blocker / 'store').as_uri()}\n")
     line = _one_line(cli("up", "-c", str(cluster), expect=2).stderr)
-    assert f"cluster.store: cannot create {(blocker / 'store').as_uri()}: Not a directory" in line
+    assert f"cluster.store: cannot create {(blocker / 'store').as_uri()}: {blocker} is not a directory" in line
     assert not cli.home.exists()
+
+
+def test_refusal_inside_the_lock_removes_the_cluster_directory_the_lock_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from infractl.errors import ConfigError
+    from infractl.state import ClusterState
+
+    state = ClusterState("c4", tmp_path / ".infractl" / "c4")
+    with pytest.raises(ConfigError), state.lock("up"):
+        assert (state.dir / "lock").read_text() == f"`infractl up` (pid {os.getpid()})"
+        raise ConfigError("refused")
+    assert not (tmp_path / ".infractl").exists()
+    state.dir.mkdir(parents=True)
+    with pytest.raises(ConfigError), state.lock("up"):
+        raise ConfigError("refused")
+    assert [p.name for p in state.dir.iterdir()] == ["lock"] and (state.dir / "lock").read_bytes() == b""
 
 
 # --- more of the same class -------------------------------------------------------------------

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
-from conftest import S3AuthServer, s3_client
+from conftest import REPO, S3AuthServer, s3_client
 
 from infractl import runstore
-from infractl.errors import ConfigError
+from infractl.errors import ConfigError, UsageError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
 from infractl.store import FileStore, S3Store, Store, StoreError, StoreKeyError, StoreUnavailable, open_store
 
@@ -172,15 +173,17 @@ def test_open_store_refuses_unknown_scheme() -> None:
         open_store("gs://b/x", field="run.store")
 
 
-def test_file_create_root_makes_the_directory_and_check_leaves_it_empty(tmp_path: Path) -> None:
+def test_file_ensure_makes_the_directory_and_check_leaves_it_empty(tmp_path: Path) -> None:
     store = open_store((tmp_path / "a" / "b").as_uri(), field="cluster.store")
     assert isinstance(store, FileStore)
-    store.create_root()
+    store.check(create_ok=True)
+    assert not (tmp_path / "a").exists()  # a check creates nothing
+    store.ensure()
     store.check()
     assert list(store.root.iterdir()) == []
 
 
-def test_file_store_root_is_made_only_by_create_root_and_check_names_the_field(tmp_path: Path) -> None:
+def test_file_store_root_is_made_only_by_ensure_and_check_names_the_field(tmp_path: Path) -> None:
     (tmp_path / "plain-file").write_text("x")
     uri = (tmp_path / "plain-file" / "store").as_uri()
     store = open_store(uri, field="cluster.store")
@@ -189,14 +192,34 @@ def test_file_store_root_is_made_only_by_create_root_and_check_names_the_field(t
         store.check()
     assert str(err.value) == f"cluster.store: store directory {store.root} does not exist"
     with pytest.raises(ConfigError) as err:
-        store.create_root()
+        store.check(create_ok=True)
+    assert str(err.value) == f"cluster.store: cannot create {uri}: {tmp_path / 'plain-file'} is not a directory"
+    with pytest.raises(ConfigError) as err:
+        store.ensure()
     assert str(err.value).startswith(f"cluster.store: cannot create {uri}: ")
     assert "\n" not in str(err.value)
 
 
+def test_outage_takes_a_file_store_down_and_brings_it_back(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    store.ensure()
+    store.put_bytes("runs/x/run.json", b"{}")
+    with store.outage() as done:
+        assert done["how"] == "directory moved away"
+        with pytest.raises(StoreUnavailable):
+            store.ping()
+    assert store.get_bytes("runs/x/run.json") == b"{}"
+
+
+def test_outage_of_an_s3_store_not_served_here_is_refused_at_once(aws_test_env: dict[str, str]) -> None:
+    store = open_store("s3://bkt/p?endpoint_url=http://10.255.255.1:9000")
+    with pytest.raises(UsageError, match="is not served on this machine"):
+        store.outage()
+
+
 def test_file_store_whose_directory_vanished_is_unavailable_and_not_recreated(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "store")
-    store.create_root()
+    store.ensure()
     store.put_bytes("runs/x/run.json", b"{}")
     moved = tmp_path / "elsewhere"
     store.root.rename(moved)
@@ -455,7 +478,7 @@ def test_s3_access_denied_is_a_store_error_not_an_outage(
 
 def test_file_store_os_errors_are_store_errors(tmp_path: Path) -> None:
     store = FileStore(tmp_path / "store")
-    store.create_root()
+    store.ensure()
     store.put_bytes("runs/x", b"a file where a directory would go")
     with pytest.raises(StoreError) as err:
         store.put_bytes("runs/x/run.json", b"{}")
@@ -478,3 +501,17 @@ def test_store_errors_pickle_with_their_fields() -> None:
     for err in (StoreUnavailable("s3://b", "down"), StoreKeyError("s3://b", "k"), StoreError("s3://b", "x")):
         again = pickle.loads(pickle.dumps(err))
         assert type(again) is type(err) and again.message == err.message
+
+
+def test_no_code_outside_the_store_package_names_a_backend() -> None:
+    """Callers hold a ``Store``: a new backend is one new file in infractl/store/, no edit elsewhere."""
+    backend = re.compile(r"\b(FileStore|S3Store)\b|\bstore\.(root|endpoint_url|bucket|prefix|client)\b")
+    found = []
+    for folder in ("infractl", "trainer", "bench"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if (REPO / "infractl" / "store") in path.parents:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if backend.search(line):
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert found == []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from infractl.errors import StoreError
 
@@ -72,6 +74,20 @@ class Store(ABC):
         if it cannot be read. Commands that would act blind without the store call it first."""
 
     @abstractmethod
-    def check(self) -> None:
+    def check(self, *, create_ok: bool = False) -> None:
         """Verify the store is reachable and writable; raise ``ConfigError`` (one line naming
-        ``self.field`` and the reason) if it is not. Leaves nothing behind."""
+        ``self.field`` and the reason) if it is not. Leaves nothing behind. ``create_ok``: a
+        store that does not exist yet passes if ``ensure()`` could create it."""
+
+    @abstractmethod
+    def ensure(self) -> None:
+        """Make the store exist where the backend can (a file store's directory; a bucket is
+        provisioned, never made here), then ``check()`` it. Only ``infractl up`` calls this:
+        nothing else may create a store, so a vanished one is an outage, not a new empty store."""
+
+    @abstractmethod
+    def outage(self) -> AbstractContextManager[dict[str, Any]]:
+        """For the store-outage drill: a context manager inside which every call to the store
+        fails as in a real outage, and after which the store is back as it was (whatever
+        happened inside). It yields what was done, for the drill's record. Raises
+        ``UsageError`` at once when this store cannot be taken down from here."""

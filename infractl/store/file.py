@@ -6,8 +6,10 @@ import contextlib
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from infractl.errors import ConfigError, StoreError
 from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
@@ -16,7 +18,7 @@ __all__ = ["FileStore"]
 
 
 class FileStore(Store):
-    """A directory used as an object store. The directory must exist: only ``create_root``
+    """A directory used as an object store. The directory must exist: only ``ensure``
     (``infractl up``) makes it, so a vanished one is an outage, never a new empty store."""
 
     def __init__(self, root: Path, *, field: str = "store") -> None:
@@ -161,17 +163,25 @@ class FileStore(Store):
             self._root_exists()
             os.listdir(self.root)
 
-    def create_root(self) -> None:
-        """Create the store's directory (`infractl up` does; nothing else creates it)."""
+    def ensure(self) -> None:
+        """Create the store's directory if it is missing, then check it."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot create {self.uri}: {e.strerror or e}", field=self.field) from None
+        self.check()
 
-    def check(self) -> None:
-        """Prove a file can be written in the root directory (which must exist)."""
+    def check(self, *, create_ok: bool = False) -> None:
+        """Prove a file can be written in the root directory; with ``create_ok``, a missing root
+        passes if its nearest existing parent is a directory it could be made in."""
         if not self.root.is_dir():
-            raise ConfigError(f"store directory {self.root} does not exist", field=self.field)
+            if not create_ok:
+                raise ConfigError(f"store directory {self.root} does not exist", field=self.field)
+            parent = next(p for p in self.root.parents if p.exists())
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                reason = "not a directory" if not parent.is_dir() else "not writable"
+                raise ConfigError(f"cannot create {self.uri}: {parent} is {reason}", field=self.field)
+            return
         try:
             fd, probe = tempfile.mkstemp(dir=self.root, prefix=".tmp-probe-")
             os.close(fd)
@@ -179,3 +189,13 @@ class FileStore(Store):
         except OSError as e:
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.root) else ""
             raise ConfigError(f"cannot write to {self.uri}: {e.strerror or e}{where}", field=self.field) from None
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[dict[str, Any]]:
+        """The directory is moved aside (as an unmounted volume vanishes) and moved back."""
+        parked = self.root.with_name(f"{self.root.name}.outage-{uuid.uuid4().hex[:8]}")
+        self.root.rename(parked)
+        try:
+            yield {"how": "directory moved away", "parked": str(parked)}
+        finally:
+            parked.rename(self.root)

@@ -10,11 +10,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlparse
 
-from infractl.errors import ConfigError, StoreError
+import psutil
+
+from infractl.errors import ConfigError, StoreError, UsageError
 from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
 
 __all__ = ["S3Store", "open_s3"]
@@ -58,6 +61,7 @@ _TRANSIENT_CODES = frozenset({
     "InternalError", "ServiceUnavailable",
 })
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _S3_QUERY_KEYS = ("endpoint_url", "region")
 
@@ -361,9 +365,42 @@ class S3Store(Store):
         with self._io("reach the store", None):
             self.client.list_objects_v2(Bucket=self.bucket, Prefix=under, MaxKeys=1)
 
-    def check(self) -> None:
+    def ensure(self) -> None:
+        """A bucket is provisioned with the cluster's infrastructure, never created here."""
+        self.check()
+
+    def outage(self) -> AbstractContextManager[dict[str, Any]]:
+        """An S3 endpoint served on this machine (moto, MinIO, ...) is paused (SIGSTOP) and
+        resumed: requests hang until the client's timeouts, as with a network partition."""
+        server = self._local_endpoint_server()
+
+        @contextlib.contextmanager
+        def paused() -> Iterator[dict[str, Any]]:
+            server.suspend()
+            try:
+                yield {"how": "endpoint server stopped (SIGSTOP)", "pid": server.pid}
+            finally:
+                server.resume()
+
+        return paused()
+
+    def _local_endpoint_server(self) -> psutil.Process:
+        endpoint = urlparse(self.endpoint_url or "")
+        if endpoint.hostname not in _LOOPBACK or endpoint.port is None:
+            raise UsageError(
+                f"store-outage: the store {self.uri} is not served on this machine; the drill can take "
+                "down a file:// store or an S3 endpoint on loopback (for AWS S3, block the endpoint on "
+                "the nodes instead)"
+            )
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == endpoint.port and conn.pid:
+                return psutil.Process(conn.pid)
+        raise UsageError(f"store-outage: no process listens on {endpoint.hostname}:{endpoint.port}")
+
+    def check(self, *, create_ok: bool = False) -> None:
         """List the prefix (reachable, bucket exists, credentials valid), then put and delete a
-        probe object (writable). Uses a client with few retries and short timeouts."""
+        probe object (writable). Uses a client with few retries and short timeouts. A bucket is
+        never created here, so ``create_ok`` changes nothing."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         client = self._client_for("check")
