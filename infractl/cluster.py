@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, configure, infra, proc, runstore
+from infractl import __version__, configure, infra, proc, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError
 from infractl.output import Output
@@ -208,10 +208,9 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     purged: list[str] = []
     if purge:
         store = store_for(state)
-        for run_id in runstore.list_runs(store):
-            if (runstore.read_run_record(store, run_id) or {}).get("cluster") == state.name:
-                store.delete_prefix(runstore.run_prefix(run_id))
-                purged.append(run_id)
+        for run in runs.cluster_runs(state, store):
+            store.delete_prefix(runstore.run_prefix(run.run_id))
+            purged.append(run.run_id)
 
     # Everything but the default store (kept unless --purge) and the lock we hold goes.
     keep = {"lock"} if purge else {"lock", state.default_store.name}

@@ -39,6 +39,7 @@ __all__ = [
     "prepare",
     "open_dataset",
     "dataset_version",
+    "version_mismatch",
     "stdlib_files",
     "split_of",
 ]
@@ -239,6 +240,16 @@ def dataset_version(spec: DataSpec) -> str:
         return _load_stdlib(spec).version
     assert spec.path is not None  # the DataSpec validator guarantees it
     return str(_read_manifest(Path(spec.path))["version"])
+
+
+def version_mismatch(run_id: str, *, saved: str | None, current: str, data: DataSpec) -> str | None:
+    """Why run ``run_id`` must not go on with ``data`` (its dataset changed), or None. The launcher
+    asks before it starts anything, the trainer again before it loads a checkpoint: continuing
+    on other data would silently make a different model under the same name."""
+    if saved is None or saved == current:
+        return None
+    return (f"run {run_id!r} was trained on dataset version {saved}, "
+            f"but {data.path or data.source} is now version {current}")
 
 
 def open_dataset(spec: DataSpec, *, verify: bool = True) -> Dataset:

@@ -1,8 +1,8 @@
-"""``infractl train``: start one elastic torchrun agent per node and follow the run through the store."""
+"""``infractl train``: decide what a launch will do, then start one elastic torchrun agent per
+node; and ``infractl rejoin``. Following a run is the CLI's (it only reads the store)."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -12,22 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from infractl import proc, runstore
-from infractl.cluster import RENDEZVOUS_NODE, ensure_rendezvous, store_for
+from infractl import proc, runs, runstore
+from infractl.cluster import ensure_rendezvous, store_for
 from infractl.config import RunSpec
-from infractl.dataset import dataset_version
-from infractl.errors import ConfigError, StateError, StoreError, TrainingError, UsageError
+from infractl.dataset import dataset_version, version_mismatch
+from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
-from infractl.output import Output
+from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState, write_private
 from infractl.store import Store
 
-__all__ = ["Launch", "prepare", "launch", "rejoin", "watch", "torchrun_argv"]
+__all__ = ["Launch", "Plan", "Rejoined", "prepare", "launch", "finish", "rejoin", "torchrun_argv", "node_log"]
 
-# Seconds between looks at the agents and the store while following a run in the foreground.
-_POLL_S = 1.0
 # Rendezvous timing (seconds): how long survivors wait for more nodes once nodes.min joined, and
 # the keep-alive interval by which a dead node is noticed. Agents of one launch start within
 # milliseconds of each other, so a short last call still gathers every node at the start.
@@ -50,7 +46,7 @@ class Plan:
 
     store: Store
     cluster: dict[str, Any]
-    record: dict[str, Any]
+    record: RunRecord
     nodes: list[dict[str, Any]]
     resume_from: int
     complete: bool
@@ -79,7 +75,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
                 f"{count} node(s) x {processes} process(es))",
                 file=str(run_file), field="batch_size",
             )
-    if proc.find(state.dir, run=spec.name):
+    if spec.name in runs.running(state):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; "
             "see `infractl status` and `infractl logs`"
@@ -87,23 +83,19 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     store = store_for(state)
     store.ping()  # an unreachable store fails here, before the dataset is hashed
     version = dataset_version(spec.data)
-    fresh = {"run_id": spec.name, "cluster": state.name, "attempts": [], "dataset_version": version}
+    fresh = RunRecord(run_id=spec.name, cluster=state.name, dataset_version=version)
     existing = runstore.read_run_record(store, spec.name)
     if new:
         return Plan(store=store, cluster=cluster, record=fresh, nodes=nodes[: spec.nodes.max],
                     resume_from=0, complete=False, replaces=existing is not None)
     record = existing or fresh
-    if record.get("dataset_version", version) != version:
-        raise ConfigError(
-            f"run {spec.name!r} was trained on dataset version {record['dataset_version']}, "
-            f"but {spec.data.path or spec.data.source} is now version {version}; "
-            "use a new run name, or --new to start over",
-            file=str(run_file), field="data",
-        )
-    saved_model = record.get("spec", {}).get("model")
+    changed = version_mismatch(spec.name, saved=record.dataset_version, current=version, data=spec.data)
+    if changed:
+        raise ConfigError(f"{changed}; use a new run name, or --new to start over", file=str(run_file), field="data")
+    saved_model = (record.spec or {}).get("model")
     if saved_model is not None and saved_model != spec.model.model_dump(mode="json"):
-        changed = sorted(k for k, v in spec.model.model_dump(mode="json").items() if saved_model.get(k) != v)
-        was = ", ".join(f"model.{k}={saved_model.get(k)}" for k in changed)
+        changes = sorted(k for k, v in spec.model.model_dump(mode="json").items() if saved_model.get(k) != v)
+        was = ", ".join(f"model.{k}={saved_model.get(k)}" for k in changes)
         raise ConfigError(
             f"run {spec.name!r} has checkpoints of another shape ({was}); "
             "its checkpoints cannot load into this model: use a new run name, or --new to start over",
@@ -184,32 +176,33 @@ def node_log(node: dict[str, Any], run_id: str) -> Path:
 def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat) -> Launch:
     """Record the attempt in the store, then start one torchrun agent per node."""
     ensure_rendezvous(state, plan.cluster)
-    attempt = len(plan.record["attempts"]) + 1
+    number = len(plan.record.attempts) + 1
     # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
     # earlier run of the same name, say before `--new`) can never be joined again.
-    rdzv_id = f"{spec.name}-{attempt}-{secrets.token_hex(4)}"
-    plan.record["spec"] = spec.model_dump(mode="json")
-    plan.record["attempts"].append(
-        {
-            "attempt": attempt,
-            "started": time.time(),
-            "resume_from": plan.resume_from,
-            "nodes": [n["name"] for n in plan.nodes],
-            "rdzv_id": rdzv_id,
-        }
+    rdzv_id = f"{spec.name}-{number}-{secrets.token_hex(4)}"
+    plan.record.spec = spec.model_dump(mode="json")
+    plan.record.attempts.append(
+        Attempt(attempt=number, started=time.time(), resume_from=plan.resume_from,
+                nodes=[n["name"] for n in plan.nodes], rdzv_id=rdzv_id)
     )
-    runstore.write_run_record(plan.store, spec.name, plan.record)
-
+    runstore.write_run_record(plan.store, plan.record)
     agents = {
-        node["name"]: _start_agent(state, spec, node, cluster=plan.cluster, store=plan.store, attempt=attempt,
+        node["name"]: _start_agent(state, spec, node, cluster=plan.cluster, store=plan.store, attempt=number,
                                    nnodes=len(plan.nodes), rdzv_id=rdzv_id, log_format=log_format)
         for node in plan.nodes
     }
-    write_private(
-        state.run_record_path(spec.name),
-        json.dumps({"run_id": spec.name, "attempt": attempt, "agents": {n: p.pid for n, p in agents.items()}}, indent=1),
-    )
-    return Launch(spec.name, attempt, plan.resume_from, plan.nodes, agents)
+    return Launch(spec.name, number, plan.resume_from, plan.nodes, agents)
+
+
+def finish(plan: Plan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
+    """Record how the attempt a foreground ``train`` followed ended (every agent has exited)."""
+    attempt = plan.record.attempts[-1]
+    attempt.ended = time.time()
+    attempt.exit_codes = exit_codes
+    attempt.last_committed_step = runstore.latest_committed_step(plan.store, spec.name) or 0
+    attempt.outcome = "completed" if attempt.last_committed_step >= spec.steps else "failed"
+    runstore.write_run_record(plan.store, plan.record)
+    return attempt
 
 
 def _start_agent(state: ClusterState, spec: RunSpec, node: dict[str, Any], *, cluster: dict[str, Any], store: Store,
@@ -239,7 +232,7 @@ def _start_agent(state: ClusterState, spec: RunSpec, node: dict[str, Any], *, cl
 
 
 @dataclass(frozen=True)
-class Rejoin:
+class Rejoined:
     run_id: str
     node: str
     attempt: int
@@ -249,7 +242,7 @@ class Rejoin:
 
 
 def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
-           log_format: LogFormat = "console") -> Rejoin:
+           log_format: LogFormat = "console") -> Rejoined:
     """Start the agent of a node that left a running run, so it joins at the next rendezvous.
 
     The running agents see a node waiting and restart their workers on the larger world (no
@@ -258,97 +251,28 @@ def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
     most ``max_restarts`` times: a flapping node cannot loop forever.
     """
     cluster = state.read()
-    nodes = {n["name"]: n for n in cluster["nodes"]}
-    if node_name not in nodes:
-        raise UsageError(f"no node {node_name!r} in cluster {state.name!r} (nodes: {', '.join(nodes)})", field="NODE")
-    live = running_nodes(state)
-    if run is None:
-        if len(live) != 1:
-            found = ", ".join(sorted(live)) or "none"
-            raise UsageError(f"name the run to rejoin (runs running on cluster {state.name!r}: {found})", field="--run")
-        run = next(iter(live))
-    if run not in live:
-        raise StateError(f"run {run!r} is not running on cluster {state.name!r}; start it with `infractl train`",
-                         field="--run")
-    if node_name in live[run]:
+    node = runs.node(state, node_name, field="NODE")
+    run, live = runs.running_run(state, run)
+    if node_name in live:
         raise UsageError(f"node {node_name!r} is already running run {run!r}", field="NODE")
     store = store_for(state)
     record = runstore.read_run_record(store, run)
-    if record is None or not record.get("attempts") or "spec" not in record:
+    attempt = record.last_attempt if record is not None else None
+    if record is None or attempt is None or record.spec is None:
         raise StateError(f"run {run!r} has no run.json with its spec and attempts in the store")
-    spec = RunSpec.model_validate(record["spec"])
-    attempt = record["attempts"][-1]
-    if len(live[run]) >= spec.nodes.max:
-        raise UsageError(f"run {run!r} already runs on nodes.max ({spec.nodes.max}) node(s): {', '.join(sorted(live[run]))}")
-    rejoins = attempt.setdefault("rejoins", [])
-    done = sum(1 for r in rejoins if r["node"] == node_name)
+    spec = RunSpec.model_validate(record.spec)
+    if len(live) >= spec.nodes.max:
+        raise UsageError(f"run {run!r} already runs on nodes.max ({spec.nodes.max}) node(s): {', '.join(sorted(live))}")
+    done = attempt.rejoins_of(node_name)
     if done >= spec.max_restarts:
         raise StateError(
-            f"node {node_name!r} has already rejoined attempt {attempt['attempt']} of run {run!r} {done} time(s) "
+            f"node {node_name!r} has already rejoined attempt {attempt.attempt} of run {run!r} {done} time(s) "
             f"(max_restarts: {spec.max_restarts}); find out why it keeps failing (`infractl logs --node {node_name}`)"
         )
-    agent = _start_agent(state, spec, nodes[node_name], cluster=cluster, store=store, attempt=attempt["attempt"],
-                         nnodes=len(attempt["nodes"]), rdzv_id=attempt["rdzv_id"], log_format=log_format,
+    agent = _start_agent(state, spec, node, cluster=cluster, store=store, attempt=attempt.attempt,
+                         nnodes=len(attempt.nodes), rdzv_id=attempt.rdzv_id, log_format=log_format,
                          note=" (rejoined)")
-    rejoins.append({"node": node_name, "time": time.time(), "pid": agent.pid})
-    runstore.write_run_record(store, run, record)
-    local = state.run_record_path(run)
-    if local.is_file():
-        agents = json.loads(local.read_text())
-        agents.setdefault("agents", {})[node_name] = agent.pid
-        write_private(local, json.dumps(agents, indent=1))
-    return Rejoin(run_id=run, node=node_name, attempt=attempt["attempt"], pid=agent.pid, rejoins=done + 1,
-                  budget=spec.max_restarts)
-
-
-def running_nodes(state: ClusterState) -> dict[str, set[str]]:
-    """run id -> names of the nodes that have live processes of it (the rendezvous server excluded)."""
-    runs: dict[str, set[str]] = {}
-    for p in proc.find(state.dir):
-        try:
-            env = p.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        run, node = env.get(proc.RUN_ENV), env.get(proc.NODE_ENV)
-        if run and node and node != RENDEZVOUS_NODE:
-            runs.setdefault(run, set()).add(node)
-    return runs
-
-
-def watch(started: Launch, spec: RunSpec, plan: Plan, out: Output) -> dict[str, Any]:
-    """Follow a launched run until every agent exits; raise TrainingError unless it completed."""
-    exit_codes: dict[str, int] = {}
-    store_down = False
-    with out.step_progress(spec.steps, description=spec.name) as bar:
-        bar.update(started.resume_from, loss=None, tokens_per_s=None, world_size=None)
-        while len(exit_codes) < len(started.agents):
-            time.sleep(_POLL_S)
-            for name, agent in started.agents.items():
-                if name not in exit_codes and (rc := agent.poll()) is not None:
-                    exit_codes[name] = rc
-            try:
-                latest = runstore.latest_metrics(plan.store, spec.name)
-            except StoreError as exc:
-                # The trainers ride out a store outage; following them does too (one warning).
-                if not store_down:
-                    out.warn(f"cannot follow the run's progress: {exc.message}; training goes on")
-                store_down = True
-                continue
-            if store_down:
-                out.info("the store is reachable again")
-                store_down = False
-            if latest and latest.get("attempt") == started.attempt:
-                bar.update(int(latest["step"]), loss=latest.get("loss"),
-                           tokens_per_s=latest.get("tokens_per_s"), world_size=latest.get("world_size"))
-    last = runstore.latest_committed_step(plan.store, spec.name) or 0
-    attempt = plan.record["attempts"][-1]
-    attempt.update({"ended": time.time(), "exit_codes": exit_codes, "last_committed_step": last})
-    attempt["outcome"] = "completed" if last >= spec.steps else "failed"
-    runstore.write_run_record(plan.store, spec.name, plan.record)
-    if attempt["outcome"] != "completed":
-        failed = sorted(n for n, rc in exit_codes.items() if rc != 0) or sorted(exit_codes)
-        raise TrainingError(
-            f"run {spec.name!r} stopped at committed step {last} of {spec.steps} "
-            f"(agent exit codes {exit_codes}); see `infractl logs --run {spec.name} --node {failed[0]}`"
-        )
-    return attempt
+    attempt.rejoins.append(Rejoin(node=node_name, time=time.time(), pid=agent.pid))
+    runstore.write_run_record(store, record)
+    return Rejoined(run_id=run, node=node_name, attempt=attempt.attempt, pid=agent.pid, rejoins=done + 1,
+                    budget=spec.max_restarts)

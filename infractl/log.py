@@ -9,7 +9,7 @@ from typing import Literal
 
 import structlog
 
-__all__ = ["LogFormat", "configure", "get_logger", "LOG_FORMAT_ENV"]
+__all__ = ["LogFormat", "setup", "get_logger", "LOG_FORMAT_ENV"]
 
 LogFormat = Literal["console", "json"]
 
@@ -17,7 +17,7 @@ LogFormat = Literal["console", "json"]
 LOG_FORMAT_ENV = "INFRACTL_LOG_FORMAT"
 
 
-def configure(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
+def setup(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
     """Route structlog to stderr as console lines or JSON lines (``fmt`` or $INFRACTL_LOG_FORMAT)."""
     fmt = fmt or os.environ.get(LOG_FORMAT_ENV, "console")  # type: ignore[assignment]
     renderer: structlog.typing.Processor

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["CLUSTER_ENV", "NODE_ENV", "RUN_ENV", "spawn", "find", "kill", "wait_gone"]
+__all__ = ["CLUSTER_ENV", "NODE_ENV", "RUN_ENV", "spawn", "find", "running_runs", "kill", "wait_gone"]
 
 CLUSTER_ENV = "INFRACTL_CLUSTER_DIR"
 NODE_ENV = "INFRACTL_NODE"
@@ -64,6 +64,21 @@ def find(cluster_dir: Path, *, node: str | None = None, run: str | None = None) 
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def running_runs(cluster_dir: Path) -> dict[str, set[str]]:
+    """run id -> names of the nodes that have live processes of it (processes that belong to no
+    run, such as the cluster's rendezvous server, are left out)."""
+    runs: dict[str, set[str]] = {}
+    for p in find(cluster_dir):
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        run, node = env.get(RUN_ENV), env.get(NODE_ENV)
+        if run and node:
+            runs.setdefault(run, set()).add(node)
+    return runs
 
 
 def kill(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:

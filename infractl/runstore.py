@@ -1,30 +1,47 @@
-"""Where a run's objects live in the store, and the checkpoint commit protocol.
+"""The store's layout and its typed records: the one place that knows where a run's objects
+live and what they hold (the CLI, the trainer, drills, and the handover bundle and outside tools
+read the store through this module).
 
 Layout (``<store>/runs/<run-id>/``)::
 
-    run.json                          resolved spec, cluster, attempts (written by the launcher)
-    metrics/<first-step>-<ns>.jsonl   per-step records, one object per chunk (no appends)
+    run.json                          RunRecord: resolved spec, cluster, dataset version, attempts
+                                      (each with its nodes, rejoins and outcome); the launcher writes it
+    metrics/<first-step>-<ns>.jsonl   StepRecord lines, one object per chunk (object stores cannot
+                                      append); a step written again after a resume: the newest counts
+    tensorboard/...                   TensorBoard event files, uploaded whole
     ckpt/step-<N>/...                 DCP shards and .metadata
-    ckpt/step-<N>/MANIFEST.json       every key with size and sha256, step, world size
+    ckpt/step-<N>/MANIFEST.json       Manifest: every key with size and sha256, step, world size, and
+                                      extra (the SaveReason, tokens seen, config hash, dataset version,
+                                      environment fingerprint, save timings)
     ckpt/step-<N>/COMMITTED           written last and create-only
+    drills/<drill-id>.json            DrillRecord: one fault drill and its measured recovery
 
-A checkpoint exists only once COMMITTED exists. The trainer writes; the CLI only reads.
+A checkpoint exists only once COMMITTED exists. Records are JSON; readers accept fields they do not
+know (a newer writer) and supply defaults for fields a record lacks (an older writer).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 from infractl.errors import InfractlError, StoreError
 from infractl.store import Store, StoreKeyError
 
 __all__ = [
+    "SaveReason",
+    "StepRecord",
+    "Rejoin",
+    "Attempt",
+    "RunRecord",
+    "DrillRecord",
     "ManifestEntry",
     "Manifest",
     "CheckpointError",
@@ -44,6 +61,10 @@ __all__ = [
     "write_run_record",
     "list_runs",
     "latest_metrics",
+    "starts_a_process",
+    "drill_key",
+    "write_drill_record",
+    "read_drill_records",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -52,6 +73,161 @@ _METRICS_CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")
 
 class CheckpointError(InfractlError):
     """A checkpoint failed verification (missing key, wrong size or checksum)."""
+
+
+class SaveReason(enum.StrEnum):
+    """Why a checkpoint was saved (``Manifest.extra["reason"]``)."""
+
+    SCHEDULED = "scheduled"  # every checkpoint.every steps
+    FINAL = "final"  # the last step
+    PREEMPTION = "preemption"  # the emergency save on a preemption notice
+
+
+class StepRecord(TypedDict):
+    """One line of ``metrics/*.jsonl``: a training step as rank 0 saw it."""
+
+    step: int
+    loss: float
+    step_time_s: float  # the training step alone: evaluation and checkpointing are outside it
+    tokens_per_s: float
+    world_size: int
+    attempt: int
+    restart_count: int
+    time: float
+    # The split of step_time_s. The parts need not add up to it: the loss all-reduce for the
+    # record is in neither, and comm_s overlaps forward_backward_s (see trainer/metrics.py).
+    data_s: float  # fetching the batch and moving it to the device
+    forward_backward_s: float  # forward, loss, zero_grad, backward (DDP's all-reduce wait too)
+    optimizer_s: float  # gradient clipping, optimizer and LR scheduler step
+    comm_s: float | None  # gradient all-reduce window (DDP, zero1); None for fsdp
+    # Time the training thread spent in Checkpointer.save (staging, and waiting for the
+    # previous save) after this step; 0.0 on steps without a checkpoint. None only in the
+    # copy of a checkpoint step's record written before the save.
+    checkpoint_blocking_s: float | None
+    peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
+    val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
+    # The environment fingerprint, in the first record of every trainer process: the first
+    # step after a (re)start. ``starts_a_process`` is how readers ask.
+    environment: NotRequired[dict[str, Any]]
+
+
+def starts_a_process(record: StepRecord) -> bool:
+    """Whether ``record`` is the first step of a trainer process (a start or a restart)."""
+    return "environment" in record
+
+
+_R = TypeVar("_R")
+
+
+def _from_dict(cls: type[_R], raw: dict[str, Any]) -> _R:
+    """A record dataclass from JSON: unknown keys (a newer writer) are ignored, missing ones
+    (an older writer) take their defaults."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass
+class Rejoin:
+    """A node started again for a running attempt (``infractl rejoin``)."""
+
+    node: str
+    time: float
+    pid: int
+
+
+@dataclass
+class Attempt:
+    """One launch of a run: the agents started together, and what became of them."""
+
+    attempt: int
+    started: float
+    resume_from: int
+    nodes: list[str]
+    rdzv_id: str
+    rejoins: list[Rejoin] = field(default_factory=list)
+    # Set when a foreground `infractl train` saw every agent exit.
+    ended: float | None = None
+    exit_codes: dict[str, int] = field(default_factory=dict)
+    last_committed_step: int | None = None
+    outcome: str | None = None  # "completed" | "failed"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Attempt":
+        attempt = _from_dict(cls, raw)
+        attempt.rejoins = [_from_dict(Rejoin, r) for r in raw.get("rejoins", [])]
+        return attempt
+
+    def rejoins_of(self, node: str) -> int:
+        return sum(1 for r in self.rejoins if r.node == node)
+
+
+@dataclass
+class RunRecord:
+    """``run.json``: what a run is (its resolved spec) and every attempt to train it."""
+
+    run_id: str
+    cluster: str
+    dataset_version: str | None = None
+    spec: dict[str, Any] | None = None  # RunSpec as JSON, set at the first launch
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RunRecord":
+        record = _from_dict(cls, raw)
+        record.attempts = [Attempt.from_dict(a) for a in raw.get("attempts", [])]
+        return record
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @property
+    def last_attempt(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
+
+
+@dataclass
+class DrillRecord:
+    """``drills/<drill-id>.json``: one fault drill against a running run, measured from outside
+    (see infractl/drill/ for how each field is measured)."""
+
+    drill_id: str
+    drill: str  # the kind: kill-node, kill-during-checkpoint, hang-node, preempt, store-outage
+    run_id: str
+    cluster: str
+    node: str | None
+    survivors: list[str]
+    fault_time: float
+    fault: dict[str, Any]
+    step_at_fault: int | None
+    last_committed_step: int
+    world_size_at_fault: int | None
+    detect_s: float | None = None
+    restart_s: float | None = None
+    resumed_from_step: int | None = None
+    expected_resume_step: int | None = None
+    lost_work_steps: int | None = None
+    world_size_after: int | None = None
+    emergency_checkpoint_step: int | None = None
+    emergency_checkpoint_s: float | None = None
+    rejoin_s: float | None = None
+    final_step: int | None = None
+    final_committed: bool = False
+    steps: int = 0
+    outcome: str = "timeout"  # recovered | failed | timeout
+    finished_time: float = 0.0
+    timeout_s: float = 0.0
+
+    @property
+    def resumed_correctly(self) -> bool:
+        """Resumed from the newest committed step (never step 0 when something was committed)."""
+        return self.resumed_from_step is not None and self.resumed_from_step == self.expected_resume_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"resumed_correctly": self.resumed_correctly}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DrillRecord":
+        return _from_dict(cls, raw)
 
 
 def _parse_json(store: Store, key: str, data: bytes) -> Any:
@@ -77,6 +253,14 @@ class Manifest:
     files: list[ManifestEntry]
     created: float = field(default_factory=time.time)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> SaveReason | None:
+        """Why this checkpoint was saved, when the writer said so."""
+        try:
+            return SaveReason(self.extra.get("reason"))
+        except ValueError:
+            return None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -198,7 +382,7 @@ def prune_checkpoints(store: Store, run_id: str, *, keep: int, idle: bool = Fals
     return sorted(doomed)
 
 
-def write_metrics(store: Store, run_id: str, records: list[dict[str, Any]]) -> None:
+def write_metrics(store: Store, run_id: str, records: list[StepRecord]) -> None:
     """Write one chunk of per-step records as its own object (object stores cannot append)."""
     if not records:
         return
@@ -217,10 +401,10 @@ def _metrics_chunks(store: Store, run_id: str) -> list[tuple[str, int, int]]:
     return chunks
 
 
-def read_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
+def read_metrics(store: Store, run_id: str) -> list[StepRecord]:
     """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
     chunks = sorted((written, first, key) for key, first, written in _metrics_chunks(store, run_id))
-    by_step: dict[int, dict[str, Any]] = {}
+    by_step: dict[int, StepRecord] = {}
     for _written, _first, key in chunks:
         for line in store.get_bytes(key).splitlines():
             if line.strip():
@@ -229,27 +413,28 @@ def read_metrics(store: Store, run_id: str) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def read_run_record(store: Store, run_id: str) -> dict[str, Any] | None:
+def read_run_record(store: Store, run_id: str) -> RunRecord | None:
     key = f"{run_prefix(run_id)}/run.json"
     try:
         data = store.get_bytes(key)
     except StoreKeyError:
         return None
-    record = _parse_json(store, key, data)
-    if not isinstance(record, dict):
-        raise StoreError(store.uri, f"{key} is not a run record (a JSON object)")
-    return record
+    raw = _parse_json(store, key, data)
+    try:
+        return RunRecord.from_dict(raw)
+    except (TypeError, AttributeError) as exc:
+        raise StoreError(store.uri, f"{key} is not a run record ({exc})") from None
 
 
-def write_run_record(store: Store, run_id: str, record: dict[str, Any]) -> None:
-    store.put_bytes(f"{run_prefix(run_id)}/run.json", json.dumps(record, indent=1).encode())
+def write_run_record(store: Store, record: RunRecord) -> None:
+    store.put_bytes(f"{run_prefix(record.run_id)}/run.json", record.to_json())
 
 
 def list_runs(store: Store) -> list[str]:
     return sorted({o.key.split("/")[1] for o in store.list("runs/") if o.key.endswith("/run.json")})
 
 
-def latest_metrics(store: Store, run_id: str) -> dict[str, Any] | None:
+def latest_metrics(store: Store, run_id: str) -> StepRecord | None:
     """The newest per-step record (reads only the most recently written chunk)."""
     newest: tuple[int, str] | None = None
     for key, _first, written in _metrics_chunks(store, run_id):
@@ -259,3 +444,20 @@ def latest_metrics(store: Store, run_id: str) -> dict[str, Any] | None:
         return None
     lines = [line for line in store.get_bytes(newest[1]).splitlines() if line.strip()]
     return _parse_json(store, newest[1], lines[-1]) if lines else None  # type: ignore[no-any-return]
+
+
+def drill_key(run_id: str, drill_id: str) -> str:
+    return f"{run_prefix(run_id)}/drills/{drill_id}.json"
+
+
+def write_drill_record(store: Store, record: DrillRecord) -> None:
+    store.put_bytes(drill_key(record.run_id, record.drill_id), json.dumps(record.to_dict(), indent=1).encode())
+
+
+def read_drill_records(store: Store, run_id: str) -> list[DrillRecord]:
+    """Every drill of the run, oldest first."""
+    records = []
+    for obj in store.list(f"{run_prefix(run_id)}/drills/"):
+        if obj.key.endswith(".json"):
+            records.append(DrillRecord.from_dict(_parse_json(store, obj.key, store.get_bytes(obj.key))))
+    return sorted(records, key=lambda r: r.fault_time)

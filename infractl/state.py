@@ -58,10 +58,6 @@ class ClusterState:
         return self.dir / "terraform"
 
     @property
-    def runs_dir(self) -> Path:
-        return self.dir / "runs"
-
-    @property
     def default_store(self) -> Path:
         return self.dir / "store"
 
@@ -85,9 +81,6 @@ class ClusterState:
 
     def spec(self) -> ClusterSpec:
         return ClusterSpec.model_validate(self.read()["spec"])
-
-    def run_record_path(self, run_id: str) -> Path:
-        return self.runs_dir / f"{run_id}.json"
 
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from conftest import Cli, wait_for_commit, write
-from infractl import drill, proc, runstore
+from infractl import proc, runstore
 from infractl.store import FileStore, open_store
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +54,7 @@ def assert_recovered(result: dict[str, Any], store: FileStore, *, world_after: i
     assert 0 < result["restart_s"] and (result["detect_s"] is None or result["detect_s"] <= result["restart_s"])
     assert result["final_committed"] and result["final_step"] == result["steps"]
     assert runstore.latest_committed_step(store, "drill") == result["steps"]
-    assert json.loads(store.get_bytes(drill.drill_key("drill", result["drill_id"]))) == result
+    assert json.loads(store.get_bytes(runstore.drill_key("drill", result["drill_id"]))) == result
 
 
 def teardown(cli: Cli) -> None:
@@ -85,7 +85,7 @@ def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cli: Cli) -> None:
     assert result["world_size_at_fault"] == 2 and result["world_size_after"] == 1
     assert result["lost_work_steps"] == result["step_at_fault"] - result["resumed_from_step"] >= 0
     assert 0 < result["detect_s"] <= result["restart_s"]
-    assert json.loads(store.get_bytes(drill.drill_key("drill", result["drill_id"]))) == result
+    assert json.loads(store.get_bytes(runstore.drill_key("drill", result["drill_id"]))) == result
     assert proc.find(cli.home / "local", node="node-0") == []
 
     # The operator brings node-0 back: the run grows to 2 nodes again and finishes there.
@@ -108,7 +108,8 @@ def test_kill_node_1_twice_with_a_rejoin_between(cli: Cli) -> None:
     assert summary["median_restart_s"] > 0 and summary["worst_restart_s"] >= summary["median_restart_s"]
     assert_recovered(second, store, world_after=1)
     record = runstore.read_run_record(store, "drill")
-    assert [r["node"] for r in record["attempts"][-1]["rejoins"]] == ["node-1"]
+    assert record is not None and record.last_attempt is not None
+    assert [r.node for r in record.last_attempt.rejoins] == ["node-1"]
     teardown(cli)
 
 
@@ -119,8 +120,9 @@ def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cli: Cli) -
     # The budget lives in the run record in the store, not in any process: a node that already
     # rejoined this attempt max_restarts (3) times is refused, whoever asks.
     record = runstore.read_run_record(store, "drill")
-    record["attempts"][-1]["rejoins"] = [{"node": "node-1", "time": 0.0, "pid": 0}] * 3
-    runstore.write_run_record(store, "drill", record)
+    assert record is not None and record.last_attempt is not None
+    record.last_attempt.rejoins = [runstore.Rejoin(node="node-1", time=0.0, pid=0)] * 3
+    runstore.write_run_record(store, record)
     proc.kill(proc.find(cli.home / "local", node="node-1"))
     assert proc.wait_gone(cli.home / "local", node="node-1", timeout=30) == []
     refused = cli("rejoin", "node-1", expect=2).stderr

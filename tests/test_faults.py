@@ -30,7 +30,8 @@ from test_checkpoint import one_rank  # noqa: F401 (a fixture)
 from test_trainer import REPO, ok, start_torchrun, store_of, tiny_spec, torchrun
 from trainer.backoff import retry_delays
 from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
-from trainer.metrics import MetricsWriter, StepRecord
+from infractl.runstore import StepRecord
+from trainer.metrics import MetricsWriter
 
 # -- helpers ----------------------------------------------------------------------------------
 

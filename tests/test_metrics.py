@@ -16,7 +16,8 @@ from infractl.runstore import read_metrics, verify_checkpoint
 from infractl.store import Store
 from test_trainer import Run, store_of, tiny_spec, torchrun
 from trainer.fingerprint import RUNTIME_IMAGE_ENV, environment_fingerprint, git_revision
-from trainer.metrics import MetricsWriter, StepRecord, peak_memory_bytes, tensorboard_prefix
+from infractl.runstore import StepRecord
+from trainer.metrics import MetricsWriter, peak_memory_bytes, tensorboard_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 SPLIT = ("data_s", "forward_backward_s", "optimizer_s")

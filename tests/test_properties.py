@@ -241,10 +241,10 @@ def drill_options(kind: str) -> dict[str, Any]:
         "--run": names, "--cluster": None, "--timeout": floats(), "--repeat": ints(),
         "--wait": FLAG, "--no-wait": FLAG, "--json": FLAG,
     }
-    if kind == "store-outage":
-        options["--seconds"] = floats()
-    else:
+    if KINDS[kind].targets_node:
         options["--node"] = names
+    else:
+        options["--seconds"] = floats()
     return options
 
 

@@ -152,12 +152,38 @@ def test_metrics_keep_the_newest_record_of_a_step(store: Store) -> None:
     assert runstore.latest_metrics(store, "r") == {"step": 3, "loss": 3.0}
 
 
-def test_run_records_are_listed(store: Store) -> None:
-    runstore.write_run_record(store, "a", {"cluster": "c"})
-    runstore.write_run_record(store, "b", {"cluster": "c"})
+def test_run_records_are_listed_and_round_trip(store: Store) -> None:
+    attempt = runstore.Attempt(attempt=1, started=1.0, resume_from=0, nodes=["node-0"], rdzv_id="a-1-x",
+                               rejoins=[runstore.Rejoin(node="node-1", time=2.0, pid=7)])
+    runstore.write_run_record(store, runstore.RunRecord(run_id="a", cluster="c", attempts=[attempt]))
+    runstore.write_run_record(store, runstore.RunRecord(run_id="b", cluster="c"))
     assert runstore.list_runs(store) == ["a", "b"]
-    assert runstore.read_run_record(store, "a") == {"cluster": "c"}
+    again = runstore.read_run_record(store, "a")
+    assert again == runstore.RunRecord(run_id="a", cluster="c", attempts=[attempt])
+    assert again.last_attempt is not None and again.last_attempt.rejoins_of("node-1") == 1
     assert runstore.read_run_record(store, "missing") is None
+
+
+def test_records_read_fields_they_do_not_know_and_default_those_they_lack(store: Store) -> None:
+    store.put_bytes("runs/a/run.json", json.dumps({
+        "run_id": "a", "cluster": "c", "from_a_newer_version": 1,
+        "attempts": [{"attempt": 1, "started": 1.0, "resume_from": 0, "nodes": [], "rdzv_id": "x"}],
+    }).encode())
+    record = runstore.read_run_record(store, "a")
+    assert record is not None and record.spec is None and record.attempts[0].rejoins == []
+    store.put_bytes("runs/b/run.json", b'{"cluster": "c"}')
+    with pytest.raises(StoreError, match="runs/b/run.json is not a run record"):
+        runstore.read_run_record(store, "b")
+
+
+def test_drill_records_round_trip(store: Store) -> None:
+    record = runstore.DrillRecord(drill_id="d1", drill="kill-node", run_id="a", cluster="c", node="node-1",
+                                  survivors=["node-0"], fault_time=5.0, fault={"signal": "SIGKILL"}, step_at_fault=12,
+                                  last_committed_step=10, world_size_at_fault=2, resumed_from_step=10,
+                                  expected_resume_step=10, outcome="recovered")
+    runstore.write_drill_record(store, record)
+    assert runstore.read_drill_records(store, "a") == [record]
+    assert json.loads(store.get_bytes(runstore.drill_key("a", "d1")))["resumed_correctly"] is True
 
 
 def test_keys_cannot_escape_the_root(store: Store) -> None:

@@ -29,7 +29,8 @@ from infractl.runstore import (
 )
 from infractl.store import Store, open_store
 from trainer.data import ByteBatches, sample_indices
-from trainer.metrics import MetricsWriter, StepRecord
+from infractl.runstore import StepRecord
+from trainer.metrics import MetricsWriter
 from trainer.optimizer import lr_factor
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from infractl.config import per_rank_batch
-from infractl.errors import ConfigError
+from trainer.errors import RunRefused
 
 __all__ = [
     "num_samples",
@@ -32,7 +32,7 @@ def num_samples(corpus_len: int, seq_len: int) -> int:
     """Whole samples (``seq_len`` inputs plus one target byte) the corpus holds."""
     count = (corpus_len - 1) // seq_len
     if count < 1:
-        raise ConfigError(
+        raise RunRefused(
             f"data: the split ({corpus_len} bytes) is shorter than one sample "
             f"(model.seq_len + 1 = {seq_len + 1} bytes)"
         )
@@ -117,7 +117,7 @@ class ValidationBatches:
         samples = num_samples(len(tokens), seq_len)
         total = min(batches * batch_size, samples - samples % batch_size)
         if total == 0:
-            raise ConfigError(
+            raise RunRefused(
                 f"data: the validation split holds {samples} sample(s), fewer than one batch ({batch_size}); "
                 "raise data.val_fraction or turn evaluation off (eval.every: 0)"
             )

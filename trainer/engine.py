@@ -6,8 +6,8 @@ it without a collective of their own: whether a rank got a preemption notice (th
 saves this step, waits for the commit and exits; see ``Preempted``).
 
 Training does not wait long for a slow or unreachable store: a scheduled save whose previous
-save is still running after a short wait (``_SAVE_WAIT_S``) on any rank is skipped, which the
-ranks agree on in a one-number all-reduce on checkpoint steps.
+save is still running after a short wait on any rank is skipped, which the ranks agree on in a
+one-number all-reduce on checkpoint steps (see ``trainer.saves``).
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import RunSpec
-from infractl.dataset import open_dataset
-from infractl.errors import ConfigError
+from infractl.dataset import open_dataset, version_mismatch
 from infractl.log import get_logger
-from infractl.runstore import Manifest
+from infractl.runstore import Manifest, SaveReason, StepRecord
 from infractl.store import Store
-from trainer.backoff import retry_delays
-from trainer.checkpoint import Checkpointer, SaveFailed
+from trainer.checkpoint import Checkpointer
 from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
+from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
-from trainer.metrics import CommTimer, MetricsWriter, StepClock, StepRecord, peak_memory_bytes
+from trainer.metrics import CommTimer, MetricsWriter, StepClock, peak_memory_bytes
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype, parallelize
 from trainer.preemption import PreemptionNotice
+from trainer.saves import Saves
 from trainer.state import (
     ModelState,
     RNGState,
@@ -72,11 +72,6 @@ def config_hash(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-#: How long a scheduled save waits for the previous one before it is skipped (at most a
-#: quarter of the step timeout): enough for a healthy store, short next to the watchdog.
-_SAVE_WAIT_S = 5.0
-
-
 class Preempted(Exception):
     """Training stopped at ``step`` because a rank got a preemption notice; ``step`` is
     committed. ``signalled``: whether this rank got it (else a peer did)."""
@@ -101,71 +96,27 @@ class Trainer:
         device: torch.device,
     ) -> None:
         self.spec = spec
-        self.preemption = PreemptionNotice()
-        self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.env = env
         self.device = device
+        self.preemption = PreemptionNotice()
+        self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.config_hash = config_hash(spec)
         self.fingerprint = environment_fingerprint(world_size=env.world_size)
         log.info("environment", **self.fingerprint)
-
-        dataset = open_dataset(spec.data)
-        self.dataset_version = dataset.version
-        self.data = ByteBatches(
-            dataset.tokens("train"),
-            seq_len=spec.model.seq_len,
-            batch_size=spec.batch_size,
-            seed=spec.seed,
-            rank=env.rank,
-            world_size=env.world_size,
-        )
-        self.validation = (
-            ValidationBatches(
-                dataset.tokens("val"),
-                seq_len=spec.model.seq_len,
-                batch_size=spec.batch_size,
-                batches=spec.eval.batches,
-                rank=env.rank,
-                world_size=env.world_size,
-            )
-            if spec.eval.every
-            else None
-        )
-
-        if spec.deterministic:
-            make_deterministic()
-        # Same seed on every rank for the initial weights, then a per-rank seed for
-        # anything random during training (a resume restores these states).
-        seed_everything(spec.seed)
-        model = GPT(GPTConfig.from_spec(spec.model))
-        seed_everything(spec.seed + env.rank)
-        self.model = parallelize(
-            model,
-            scheme=spec.parallel,
-            device=device,
-            activation_checkpointing=spec.activation_checkpointing,
-            mixed_precision=spec.mixed_precision,
-            cpu_offload=spec.cpu_offload,
-        )
-        self.optimizer = build_optimizer(
-            self.model, lr=spec.lr, shard_state=spec.parallel == "zero1"
-        )
-        self.progress = TrainState(
-            scheduler=build_scheduler(self.optimizer, total_steps=spec.steps)
-        )
-
+        self.dataset_version, self.data, self.validation = _build_data(spec, env)
+        self.model = _build_model(spec, env, device)
+        self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel == "zero1")
+        self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
-            store,
-            run_id=run_id,
-            workdir=workdir,
-            rank=env.rank,
-            world_size=env.world_size,
+            store, run_id=run_id, workdir=workdir, rank=env.rank, world_size=env.world_size,
             keep=spec.checkpoint.keep,
         )
-        self.metrics = (
-            MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id)
-            if env.rank == 0
-            else None
+        metrics = (
+            MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id) if env.rank == 0 else None
+        )
+        self.saves = Saves(
+            self.checkpointer, metrics, every=spec.checkpoint.every, step_timeout_s=spec.watchdog.step_timeout_s,
+            rank=env.rank, device=device, state=lambda: self._state(None), extra=self._extra,
         )
         self.clock = StepClock(device)
         # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
@@ -209,13 +160,11 @@ class Trainer:
             log.warning(
                 "config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash
             )
-        saved_version = manifest.extra.get("dataset_version")
-        if saved_version is not None and saved_version != self.dataset_version:
-            # Continuing on other data would silently make a different model under the same name.
-            raise ConfigError(
-                f"data: run {self.checkpointer.run_id!r} was trained on dataset version {saved_version}, "
-                f"but {self.spec.data.path or self.spec.data.source} is now version {self.dataset_version}; "
-                "train it under a new run name, or start over with `infractl train --new`"
+        changed = version_mismatch(self.checkpointer.run_id, saved=manifest.extra.get("dataset_version"),
+                                   current=self.dataset_version, data=self.spec.data)
+        if changed:
+            raise RunRefused(
+                f"data: {changed}; train it under a new run name, or start over with `infractl train --new`"
             )
         return self.progress.step
 
@@ -259,42 +208,18 @@ class Trainer:
                     record["environment"] = self.fingerprint
                 if self.validation is not None and (step % spec.eval.every == 0 or final):
                     record["val_loss"] = self._evaluate(self.validation)
-                scheduled = step % spec.checkpoint.every == 0 and not final
-                if scheduled and self._previous_save_running(step):
-                    scheduled = False
-                if scheduled:
-                    self._checkpoint(step, record, reason="scheduled")
-                elif not (final or preempted) and self.metrics is not None:
-                    self.metrics.add(record)
+                if not final:
+                    self.saves.after_step(step, record, preempted=preempted > 0)
             if first:
                 self._warmed_up()
                 first = False
             if final:
-                self._save_final(step, record)
+                self.saves.final(step, record)
             elif preempted:
-                self._save_preempted(step, record, ranks_signalled=preempted)
-        self.checkpointer.close()  # saves are async: the last one must commit before exit 0
-        if self.metrics is not None:
-            self.metrics.close()
+                self._stop_preempted(step, record, ranks_signalled=preempted)
+        self.saves.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
-
-    def _previous_save_running(self, step: int) -> bool:
-        """Collective: wait a little for the previous save on every rank; True (logged) if it
-        is still running on any: the scheduled save of ``step`` is then skipped."""
-        wait_s = min(_SAVE_WAIT_S, self.spec.watchdog.step_timeout_s / 4)
-        running = torch.tensor([float(self.checkpointer.settle(wait_s))], device=self.device)
-        dist.all_reduce(running)
-        ranks = round(running.item())
-        if ranks and self.env.rank == 0:
-            log.warning(
-                "checkpoint_skipped",
-                step=step,
-                reason="the previous save is still running",
-                ranks_saving=ranks,
-                waited_s=wait_s,
-            )
-        return ranks > 0
 
     def _warmed_up(self) -> None:
         """After the first step of this process (loading and the first step may be slow): from
@@ -313,34 +238,9 @@ class Trainer:
         self.watchdog.start()
         log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
 
-    def _save_final(self, step: int, record: StepRecord) -> None:
-        """Save the last step and wait until it is committed: the state is still in memory,
-        so a failed save (the store is down) is retried with backoff, for up to 10 minutes,
-        before the last failure is raised."""
-        self._checkpoint(step, record, reason="final")
-        for delay in [*retry_delays(), None]:
-            try:
-                self.checkpointer.wait()
-                return
-            except SaveFailed as exc:
-                if delay is None:
-                    raise
-                if self.env.rank == 0:
-                    log.warning(
-                        "checkpoint_failed", step=exc.step, error=exc.error, retry_in_s=delay
-                    )
-                time.sleep(delay)
-                self.checkpointer.save(step, self._state(None), extra=self._extra("final"))
-
-    def _save_preempted(self, step: int, record: StepRecord, *, ranks_signalled: int) -> None:
-        """A rank got a preemption notice: commit ``step`` (unless its save is already in
-        flight), wait for it, and stop. The agent kills this process if the grace ends first;
-        the previous committed step then stays the one to resume from."""
-        if self.checkpointer.in_flight_step != step:
-            self._checkpoint(step, record, reason="preemption")
-        self.checkpointer.close()
-        if self.metrics is not None:
-            self.metrics.close()
+    def _stop_preempted(self, step: int, record: StepRecord, *, ranks_signalled: int) -> None:
+        """A rank got a preemption notice: commit ``step`` and stop (``Preempted``)."""
+        self.saves.preempted(step, record)
         signalled = self.preemption.signalled
         # Rank 0 speaks for the job; the others' lines are there for their own logs.
         report = log.warning if self.env.rank == 0 else log.info
@@ -403,23 +303,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=compute_dtype(self.spec.mixed_precision))
 
-    def _checkpoint(self, step: int, record: StepRecord, *, reason: str) -> None:
-        """Start saving ``step`` and record it: ``record`` is the step's, still unwritten.
-        ``reason``: "scheduled", "final" or "preemption" (kept in the manifest)."""
-        # Metrics first: once the step is committed a crash resumes after it, and records
-        # still buffered would never be written. This step's record is among them, but its
-        # checkpoint_blocking_s is known only after the save: it is written now without it,
-        # and again after the save with it (read_metrics keeps a step's newest record).
-        if self.metrics is not None:
-            self.metrics.add(record | {"checkpoint_blocking_s": None})
-            self.metrics.flush()
-        started = time.perf_counter()
-        self.checkpointer.save(step, self._state(None), extra=self._extra(reason))
-        blocking = time.perf_counter() - started
-        if self.metrics is not None:
-            self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})
-
-    def _extra(self, reason: str) -> dict[str, Any]:
+    def _extra(self, reason: SaveReason) -> dict[str, Any]:
         """What a checkpoint's manifest records besides the files."""
         return {
             "reason": reason,
@@ -428,3 +312,35 @@ class Trainer:
             "dataset_version": self.dataset_version,
             "environment": self.fingerprint,
         }
+
+
+def _build_data(spec: RunSpec, env: DistEnv) -> tuple[str, ByteBatches, ValidationBatches | None]:
+    """The dataset's version, this rank's training batches, and its validation batches (when
+    the run evaluates)."""
+    dataset = open_dataset(spec.data)
+    data = ByteBatches(
+        dataset.tokens("train"), seq_len=spec.model.seq_len, batch_size=spec.batch_size, seed=spec.seed,
+        rank=env.rank, world_size=env.world_size,
+    )
+    validation = None
+    if spec.eval.every:
+        validation = ValidationBatches(
+            dataset.tokens("val"), seq_len=spec.model.seq_len, batch_size=spec.batch_size,
+            batches=spec.eval.batches, rank=env.rank, world_size=env.world_size,
+        )
+    return dataset.version, data, validation
+
+
+def _build_model(spec: RunSpec, env: DistEnv, device: torch.device) -> torch.nn.Module:
+    """The model, parallelized by the run's scheme."""
+    if spec.deterministic:
+        make_deterministic()
+    # Same seed on every rank for the initial weights, then a per-rank seed for anything
+    # random during training (a resume restores these states).
+    seed_everything(spec.seed)
+    model = GPT(GPTConfig.from_spec(spec.model))
+    seed_everything(spec.seed + env.rank)
+    return parallelize(
+        model, scheme=spec.parallel, device=device, activation_checkpointing=spec.activation_checkpointing,
+        mixed_precision=spec.mixed_precision, cpu_offload=spec.cpu_offload,
+    )

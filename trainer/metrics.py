@@ -13,14 +13,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl.log import get_logger
-from infractl.runstore import run_prefix, write_metrics
+from infractl.runstore import StepRecord, run_prefix, write_metrics
 from infractl.store import Store
 from trainer.backoff import retry_delays
 from trainer.fingerprint import Fingerprint
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
 __all__ = [
-    "StepRecord",
     "MetricsWriter",
     "StepClock",
     "CommTimer",
@@ -38,32 +37,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-
-class StepRecord(TypedDict):
-    """One line of ``runs/<id>/metrics/*.jsonl``; the CLI's status and progress bar read these."""
-
-    step: int
-    loss: float
-    step_time_s: float  # the training step alone: evaluation and checkpointing are outside it
-    tokens_per_s: float
-    world_size: int
-    attempt: int
-    restart_count: int
-    time: float
-    # The split of step_time_s. The parts need not add up to it: the loss all-reduce for the
-    # record is in neither, and comm_s overlaps forward_backward_s (see CommTimer).
-    data_s: float  # fetching the batch and moving it to the device
-    forward_backward_s: float  # forward, loss, zero_grad, backward (DDP's all-reduce wait too)
-    optimizer_s: float  # gradient clipping, optimizer and LR scheduler step
-    comm_s: float | None  # gradient all-reduce window (DDP, zero1); None for fsdp
-    # Time the training thread spent in Checkpointer.save (staging, and waiting for the
-    # previous save) after this step; 0.0 on steps without a checkpoint. None only in the
-    # copy of a checkpoint step's record written before the save (see Trainer.train).
-    checkpoint_blocking_s: float | None
-    peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
-    val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
-    environment: NotRequired[Fingerprint]  # in the first record of every process
 
 
 #: TensorBoard tags of the numeric record fields (the rest are not worth a chart).

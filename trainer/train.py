@@ -27,15 +27,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from infractl.config import RunSpec, load_run_json, per_rank_batch
 from infractl.errors import UsageError
-from infractl.log import configure, get_logger
+from infractl.log import get_logger, setup
 from infractl.store import Store, open_store
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import Preempted, Trainer
+from trainer.errors import RunRefused
 from trainer.preemption import PEER_PREEMPTED_EXIT
 
 __all__ = ["main"]
 
 log = get_logger("trainer")
+
+#: A bad spec, bad arguments or a run that cannot go on as specified: nothing was written.
+REFUSED_EXIT = 2
 
 
 def _run_id(value: str) -> str:
@@ -68,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = DistEnv.from_environ()
     # Rank 0 speaks for the job; the others report only what goes wrong.
-    configure(level=logging.INFO if env.rank == 0 else logging.WARNING)
+    setup(level=logging.INFO if env.rank == 0 else logging.WARNING)
     structlog.contextvars.bind_contextvars(rank=env.rank)
     try:
         spec = load_run_json(args.spec)
@@ -81,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         # Every rank says it: torchrun stops the others as soon as the first one exits.
         log.error(exc.message)
-        return exc.exit_code
+        return REFUSED_EXIT
 
     device = init_process_group(env)
     try:
@@ -98,10 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.clear_frames(exc.__traceback__)
         if isinstance(exc, Preempted):
             return 0 if exc.signalled else PEER_PREEMPTED_EXIT
-        if not isinstance(exc, UsageError):
-            raise
-        log.error(exc.message)  # e.g. a corpus too short for one sample
-        return exc.exit_code
+        if isinstance(exc, RunRefused):
+            log.error(str(exc))  # e.g. a corpus too short for one sample
+            return REFUSED_EXIT
+        raise
     finally:
         gc.collect()
         destroy_process_group()

@@ -11,9 +11,8 @@ from typer._click import exceptions as click_errors
 
 from infractl import __version__
 from infractl.cli import cluster, data, drill, observe, schema, train
-from infractl.cli._common import current_output, reset_output
+from infractl.cli._common import current_output, debug_requested, reset_output, set_debug
 from infractl.errors import InfractlError
-from infractl.log import LogFormat, configure
 from infractl.output import Output
 
 __all__ = ["app", "main"]
@@ -40,20 +39,14 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
-    log_format: Annotated[LogFormat, typer.Option("--log-format", help="infractl's own log lines: console or json.")] = "console",
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
 ) -> None:
-    configure(log_format)
+    set_debug(debug)
 
 
 for module in (cluster, train, observe, data, schema, drill):
     module.register(app)
-
-
-def _flags(argv: list[str]) -> set[str]:
-    """The flags given before a ``--`` (what an error needs to know before parsing succeeded)."""
-    return set(argv[: argv.index("--")] if "--" in argv else argv)
 
 
 def _usage_field(exc: click_errors.UsageError) -> str | None:
@@ -87,15 +80,15 @@ def main() -> None:
     """Run the CLI. Every way out is one line on stderr (and one JSON object on stdout with
     ``--json``) and an exit code: 0 done, 1 failed while working, 2 refused (nothing changed),
     70 a bug in infractl, 130 interrupted. ``--debug`` re-raises with the traceback."""
-    flags = _flags(sys.argv[1:])
-    debug = "--debug" in flags
+    argv = sys.argv[1:]
     # Until a command made its Output (it parsed its options), guess --json from the words.
-    parsing = Output(json_mode="--json" in flags)
+    parsing = Output(json_mode="--json" in (argv[: argv.index("--")] if "--" in argv else argv))
     reset_output()
+    set_debug(False)
     try:
         rv = app(standalone_mode=False, prog_name="infractl")
     except InfractlError as exc:
-        if debug:
+        if debug_requested():
             raise
         out = current_output() or parsing
         out.error(exc.message, exit_code=exc.exit_code, field=exc.field, file=exc.file)
@@ -114,7 +107,7 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except Exception as exc:  # a bug: say so in one line instead of a traceback
-        if debug:
+        if debug_requested():
             raise
         (current_output() or parsing).error(
             f"internal error: {type(exc).__name__}: {exc} (a bug in infractl; "

@@ -11,6 +11,7 @@ import typer
 
 from infractl.config import NAME_PATTERN
 from infractl.errors import UsageError
+from infractl.log import LogFormat
 from infractl.output import Output
 
 __all__ = [
@@ -18,12 +19,16 @@ __all__ = [
     "JsonOpt",
     "YesOpt",
     "RunArg",
+    "RunOpt",
+    "LogFormatOpt",
     "NodeArg",
     "name_option",
     "finite_option",
     "output",
     "current_output",
     "reset_output",
+    "set_debug",
+    "debug_requested",
     "confirm",
 ]
 
@@ -56,6 +61,10 @@ ClusterOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 RunArg = Annotated[str, typer.Argument(help="Run name.", metavar="RUN", callback=name_option)]
+RunOpt = Annotated[Optional[str], typer.Option(
+    "--run", "-r", callback=name_option,
+    help="Run name. Default: the run running on the cluster (logs: else the run launched last).")]
+LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="Log lines: console or json.")]
 NodeArg = Annotated[str, typer.Argument(help="Node name (e.g. node-1).", metavar="NODE", callback=name_option)]
 
 
@@ -78,6 +87,19 @@ def current_output() -> Output | None:
 def reset_output() -> None:
     """Forget the previous command's Output (the CLI may run more than once in a process)."""
     _current.clear()
+
+
+_debug: list[bool] = [False]
+
+
+def set_debug(on: bool) -> None:
+    """``--debug``, as the root command parsed it."""
+    _debug[0] = on
+
+
+def debug_requested() -> bool:
+    """Whether this command line asked for tracebacks (False until the root options parsed)."""
+    return _debug[0]
 
 
 def confirm(question: str, *, yes: bool, flag: str = "--yes") -> None:

@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, launcher, proc, runstore
+from infractl import cluster, proc, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
 from infractl.errors import StateError, StoreError
@@ -57,35 +57,24 @@ def teardown(cluster_opt: ClusterOpt = None, yes: YesOpt = False,
     out.result(asdict(result))
 
 
-def _run_row(state: ClusterState, store: Store, run_id: str, record: dict[str, Any]) -> dict[str, Any]:
-    try:
-        steps: int | None = RunSpec.model_validate(record.get("spec")).steps
-    except ValidationError:
-        steps = None  # a record without a valid spec (written by another version): still listed
-    last = runstore.latest_committed_step(store, run_id)
-    latest = runstore.latest_metrics(store, run_id) or {}
-    attempts = record.get("attempts") or []
-    if proc.find(state.dir, run=run_id):
-        run_state = "running"
-    elif steps is not None and (last or 0) >= steps:
-        run_state = "completed"
-    elif attempts and attempts[-1].get("outcome") == "failed":
-        run_state = "failed"
-    else:
-        run_state = "stopped"
-    return {
-        "run": run_id, "state": run_state, "attempts": len(attempts), "steps": steps,
-        "last_committed_step": last, "last_step": latest.get("step"), "loss": latest.get("loss"),
-        "world_size": latest.get("world_size"),
-    }
-
-
 def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
+    """Every run of the cluster: its state, attempts, last committed step and newest metrics."""
+    live = runs.running(state)
     rows = []
-    for run_id in runstore.list_runs(store):
-        record = runstore.read_run_record(store, run_id) or {}
-        if record.get("cluster") == state.name:
-            rows.append(_run_row(state, store, run_id, record))
+    for record in runs.cluster_runs(state, store):
+        try:
+            steps: int | None = RunSpec.model_validate(record.spec).steps
+        except ValidationError:
+            steps = None  # a record without a valid spec (written by another version): still listed
+        last = runstore.latest_committed_step(store, record.run_id)
+        latest = runstore.latest_metrics(store, record.run_id)
+        rows.append({
+            "run": record.run_id,
+            "state": runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps),
+            "attempts": len(record.attempts), "steps": steps, "last_committed_step": last,
+            "last_step": latest["step"] if latest else None, "loss": latest["loss"] if latest else None,
+            "world_size": latest["world_size"] if latest else None,
+        })
     return rows
 
 
@@ -94,7 +83,7 @@ def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
     return [
         {"run": run_id, "state": "running", "nodes": sorted(nodes), "attempts": None, "steps": None,
          "last_committed_step": None, "last_step": None, "loss": None, "world_size": None}
-        for run_id, nodes in sorted(launcher.running_nodes(state).items())
+        for run_id, nodes in sorted(runs.running(state).items())
     ]
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from infractl import cluster, runstore
-from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, name_option, output
-from infractl.errors import StateError, StoreError, UsageError
+from infractl import cluster, runs, runstore
+from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, RunOpt, name_option, output
+from infractl.errors import StoreError, UsageError
 from infractl.launcher import node_log
+from infractl.runstore import RunRecord
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -22,38 +23,29 @@ def logs(
     cluster_opt: ClusterOpt = None,
     node: Annotated[Optional[str], typer.Option(
         "--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)] = None,
-    run: Annotated[Optional[str], typer.Option(
-        "--run", "-r", help="Run name. Default: the most recently launched run.", callback=name_option)] = None,
+    run: RunOpt = None,
     tail: Annotated[int, typer.Option("--tail", help="Lines per node (0 = all).", min=0, max=10**9)] = 200,
 ) -> None:
-    """Print the training logs of every node (or one) for a run, after the run's attempts from the store.
+    """Print the run's attempts from the store, then the training logs of every node (or one).
 
-    The logs live on the nodes: with the store unreachable they are still printed, and the
-    command then exits 1 naming the store.
+    The logs live on the nodes: with the store unreachable they are still printed (name the run
+    with --run), and the command then exits 1 naming the store.
     """
     out = output()
     state, _ = resolve_cluster(cluster_opt)
-    record = state.read()
-    nodes = record["nodes"]
-    if node is not None:
-        nodes = [n for n in nodes if n["name"] == node]
-        if not nodes:
-            names = ", ".join(n["name"] for n in record["nodes"])
-            raise UsageError(f"no node {node!r} in cluster {state.name!r} (nodes: {names})", field="--node")
+    nodes = state.read()["nodes"] if node is None else [runs.node(state, node, field="--node")]
+    store = cluster.store_for(state)
     if run is None:
-        records = sorted(state.runs_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-        if not records:
-            raise StateError(f"no run has been launched on cluster {state.name!r}")
-        run = records[-1].stem
-    elif not any(node_log(n, run).is_file() for n in record["nodes"]) and not state.run_record_path(run).is_file():
-        raise UsageError(f"no run {run!r} has been launched on cluster {state.name!r}", field="--run")
+        run = runs.latest_run(state, store)
     store_error: StoreError | None = None
     try:
-        run_record = runstore.read_run_record(cluster.store_for(state), run)
+        record = runstore.read_run_record(store, run)
     except StoreError as exc:
-        store_error, run_record = exc, None
-    if run_record is not None:
-        out.raw("".join(f"{line}\n" for line in _attempt_lines(run, run_record)))
+        store_error, record = exc, None
+    else:
+        if record is None or record.cluster != state.name:
+            raise UsageError(f"no run {run!r} has been launched on cluster {state.name!r}", field="--run")
+        out.raw("".join(f"{line}\n" for line in _attempt_lines(record)))
     for n in nodes:
         path: Path = node_log(n, run)
         out.raw(f"==> {n['name']} · run {run} · {path}\n")
@@ -67,14 +59,13 @@ def logs(
         raise store_error
 
 
-def _attempt_lines(run: str, record: dict[str, Any]) -> list[str]:
+def _attempt_lines(record: RunRecord) -> list[str]:
     """One line per attempt of the run, from its record in the store."""
     lines = []
-    for a in record.get("attempts") or []:
-        outcome = a.get("outcome") or "running or stopped"
-        rejoins = f", {len(a['rejoins'])} rejoin(s)" if a.get("rejoins") else ""
-        lines.append(f"run {run} attempt {a.get('attempt')}: nodes {', '.join(a.get('nodes') or [])}, "
-                     f"resumed from step {a.get('resume_from', 0)}{rejoins}: {outcome}")
+    for a in record.attempts:
+        rejoins = f", {len(a.rejoins)} rejoin(s)" if a.rejoins else ""
+        lines.append(f"run {record.run_id} attempt {a.attempt}: nodes {', '.join(a.nodes)}, "
+                     f"resumed from step {a.resume_from}{rejoins}: {a.outcome or 'running or stopped'}")
     return lines
 
 

@@ -1,16 +1,20 @@
-"""``infractl train``: launch (or resume) a run on every node."""
+"""``infractl train``: launch (or resume) a run on every node and follow it; ``infractl rejoin``."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from infractl import launcher, runstore
-from infractl.cli._common import ClusterOpt, JsonOpt, NodeArg, YesOpt, confirm, name_option, output
-from infractl.config import load_run
-from infractl.log import LogFormat
+from infractl.cli._common import ClusterOpt, JsonOpt, LogFormatOpt, NodeArg, RunOpt, YesOpt, confirm, output
+from infractl.config import RunSpec, load_run
+from infractl.errors import StoreError, TrainingError
+from infractl.output import Output
+from infractl.runstore import Attempt
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -23,7 +27,7 @@ def train(
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once the agents are started.")] = False,
     yes: YesOpt = False,
     json_mode: JsonOpt = False,
-    log_format: Annotated[LogFormat, typer.Option("--log-format", help="Trainer log lines: console or json.")] = "console",
+    log_format: LogFormatOpt = "console",
 ) -> None:
     """Train RUN_FILE on every node; re-running the same run resumes from its last committed checkpoint."""
     out = output(json_mode)
@@ -48,21 +52,60 @@ def train(
                     "agents": {n: a.pid for n, a in started.agents.items()}})
         return
     try:
-        attempt = launcher.watch(started, spec, plan, out)
+        attempt = _follow(started, spec, plan, out)
     except KeyboardInterrupt:
         out.info(f"stopped following; run {spec.name!r} continues (`infractl status`, `infractl logs`)")
         raise typer.Exit(130) from None
-    out.success(f"run {spec.name!r} completed: final checkpoint committed at step {attempt['last_committed_step']}")
-    out.result({"run_id": spec.name, **attempt})
+    out.success(f"run {spec.name!r} completed: final checkpoint committed at step {attempt.last_committed_step}")
+    out.result({"run_id": spec.name, **asdict(attempt)})
+
+
+# Seconds between looks at the agents and the store while following a run in the foreground.
+_POLL_S = 1.0
+
+
+def _follow(started: launcher.Launch, spec: RunSpec, plan: launcher.Plan, out: Output) -> Attempt:
+    """Show the run's progress from the store until every agent exits; record how the attempt
+    ended; ``TrainingError`` unless it completed. Through a store outage the trainers go on, and
+    so does following them (one warning)."""
+    exit_codes: dict[str, int] = {}
+    store_down = False
+    with out.step_progress(spec.steps, description=spec.name) as bar:
+        bar.update(started.resume_from, loss=None, tokens_per_s=None, world_size=None)
+        while len(exit_codes) < len(started.agents):
+            time.sleep(_POLL_S)
+            for name, agent in started.agents.items():
+                if name not in exit_codes and (rc := agent.poll()) is not None:
+                    exit_codes[name] = rc
+            try:
+                latest = runstore.latest_metrics(plan.store, spec.name)
+            except StoreError as exc:
+                if not store_down:
+                    out.warn(f"cannot follow the run's progress: {exc.message}; training goes on")
+                store_down = True
+                continue
+            if store_down:
+                out.info("the store is reachable again")
+                store_down = False
+            if latest and latest.get("attempt") == started.attempt:
+                bar.update(latest["step"], loss=latest.get("loss"),
+                           tokens_per_s=latest.get("tokens_per_s"), world_size=latest.get("world_size"))
+    attempt = launcher.finish(plan, spec, exit_codes)
+    if attempt.outcome != "completed":
+        failed = sorted(n for n, rc in exit_codes.items() if rc != 0) or sorted(exit_codes)
+        raise TrainingError(
+            f"run {spec.name!r} stopped at committed step {attempt.last_committed_step} of {spec.steps} "
+            f"(agent exit codes {exit_codes}); see `infractl logs --run {spec.name} --node {failed[0]}`"
+        )
+    return attempt
 
 
 def rejoin(
     node: NodeArg,
-    run: Annotated[Optional[str], typer.Option(
-        "--run", "-r", help="Run to rejoin. Default: the run running on the cluster.", callback=name_option)] = None,
+    run: RunOpt = None,
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
-    log_format: Annotated[LogFormat, typer.Option("--log-format", help="Trainer log lines: console or json.")] = "console",
+    log_format: LogFormatOpt = "console",
 ) -> None:
     """Start NODE's agent again for a running run that lost it; the run grows back at the next rendezvous."""
     out = output(json_mode)

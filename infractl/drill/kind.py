@@ -1,0 +1,126 @@
+"""A fault kind, and what a drill of any kind shares while it runs.
+
+A kind is a small class in ``kinds/`` (one file each) that says how to inject its fault, how to
+undo it, and what counts as recovered; ``register`` adds it to ``KINDS`` by name. Everything
+else (choosing the target, watching processes and the store, the record, series) is shared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import psutil
+
+from infractl.drill import measure
+from infractl.errors import UsageError
+from infractl.runstore import DrillRecord
+from infractl.state import ClusterState
+from infractl.store import Store
+
+__all__ = ["Drill", "Kind", "KINDS", "Progress", "Target", "kind_named", "register"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a drill strikes: a run, and a node of it (None for a fault of the store)."""
+
+    run_id: str
+    node: str | None
+    survivors: list[str]
+    spec: dict[str, Any]
+
+
+@dataclass
+class Drill:
+    """One drill while it runs: the target, what was looked up before the fault, and what the
+    fault did (``fault``, recorded as is)."""
+
+    state: ClusterState
+    store: Store
+    target: Target
+    commits: measure.Commits
+    workers: list[psutil.Process]  # every worker of the run at the fault
+    victims: list[psutil.Process]  # the target node's processes of the run
+    deadline: float  # time.monotonic() by which the drill gives up
+    timeout: float
+    seconds: float  # how long a timed fault lasts (store-outage)
+    progress: Progress
+    fault: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.target.run_id
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class Kind:
+    """A fault kind. A new instance serves each drill, so it may keep that drill's state."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    #: The fault strikes a node (``--node``); else it strikes the store and lasts ``--seconds``.
+    targets_node: ClassVar[bool] = True
+    #: The struck node is out of the run afterwards: a series rejoins it before the next drill,
+    #: and the run's nodes.min must allow it to leave.
+    node_leaves: ClassVar[bool] = False
+
+    def prepare(self, drill: Drill) -> None:
+        """Before the fault: validate and look up whatever the fault needs (may wait)."""
+
+    def inject(self, drill: Drill) -> list[psutil.Process]:
+        """Strike; record what was done in ``drill.fault``. Return the processes whose exit is
+        the first sign that the job noticed (detect_s), if any."""
+        raise NotImplementedError
+
+    def settle(self, drill: Drill) -> None:
+        """Right after the fault, before watching (a killed node's processes are gone, say)."""
+
+    def holds_store(self, drill: Drill, record: DrillRecord) -> bool:
+        """Called while watching: True while the store must not be polled (it is down)."""
+        return False
+
+    def recovered(self, drill: Drill, record: DrillRecord) -> bool:
+        """Whether the store shows the run recovered; fill in the record's resume fields then."""
+        return measure.resumed(drill.commits, record)
+
+    def on_recovered(self, drill: Drill, record: DrillRecord) -> None:
+        """Once recovered: anything more to read off the store."""
+
+    def undo(self, drill: Drill) -> None:
+        """After watching, whatever happened: leave nothing of the fault behind."""
+
+    def finish(self, drill: Drill, record: DrillRecord) -> None:
+        """Last entries in the record, before it is written."""
+
+    def describe(self, record: DrillRecord) -> str:
+        """How the run came back, for the drill's line."""
+        return (f"resumed from step {record.resumed_from_step} (last committed {record.expected_resume_step}) "
+                f"on world size {record.world_size_after}, lost {record.lost_work_steps} step(s)")
+
+    def succeeded(self, record: DrillRecord) -> bool:
+        """Recovered, and from the newest committed step."""
+        return record.outcome == "recovered" and record.resumed_correctly
+
+
+KINDS: dict[str, type[Kind]] = {}
+
+
+def register(kind: type[Kind]) -> type[Kind]:
+    """Class decorator: make ``kind`` available by its name."""
+    KINDS[kind.name] = kind
+    return kind
+
+
+def kind_named(name: str) -> Kind:
+    """A fresh instance of the kind ``name``; ``UsageError`` for an unknown one."""
+    if name not in KINDS:
+        raise UsageError(f"unknown drill {name!r} (one of: {', '.join(KINDS)})", field="KIND")
+    return KINDS[name]()
+

@@ -1,0 +1,178 @@
+"""What a drill watches, and how it turns that into measurements.
+
+A drill watches only what an operator could: the nodes' processes and the run's objects in
+the store (metrics records, committed checkpoints and their manifests). Times are unix seconds;
+``fault_time`` is taken just before the fault.
+
+``detect_s``
+    fault -> the first worker that was running at the fault (and that the drill did not kill
+    itself) is gone: the first sign that the job noticed. Polled every ``PROC_POLL_S`` s, so an
+    upper bound by that much. None when no process needs to die (store-outage).
+``restart_s``
+    fault -> the ``time`` of the first step completed by a restarted worker group (the first
+    metrics record after the fault that starts a process, ``runstore.starts_a_process``).
+    store-outage: fault -> the first checkpoint committed after the store came back.
+``resumed_from_step``
+    that record's step - 1: the committed step the workers loaded. ``expected_resume_step`` is
+    the newest step committed before that record (from the manifests), and the drill checks
+    the two are equal: a run never resumes from anything but its last committed step.
+``lost_work_steps``
+    ``step_at_fault - resumed_from_step`` (at least 0): steps trained but not kept.
+    ``step_at_fault`` is the newest step in the store at the fault; metrics are flushed every
+    few steps or seconds, so it may trail the ranks by that much.
+``outcome``
+    ``recovered`` once the run resumed and, when the drill waits for the end, its final
+    checkpoint (``spec.steps``) is committed; ``failed`` if every process of the run exited
+    without that; ``timeout`` otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+from infractl import proc, runstore
+from infractl.runstore import DrillRecord, Manifest
+from infractl.store import Store
+
+if TYPE_CHECKING:
+    from infractl.drill.kind import Drill, Kind
+
+__all__ = [
+    "Commits",
+    "GONE_TIMEOUT_S",
+    "PROC_POLL_S",
+    "STORE_POLL_S",
+    "agents",
+    "alive",
+    "observe",
+    "resumed",
+    "uploading_step",
+    "workers",
+]
+
+PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
+_COMMIT_POLL_S = 0.2  # committed steps and their manifests
+STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
+GONE_TIMEOUT_S = 30.0
+
+
+class Commits:
+    """Every commit of the run seen since the drill began (step -> its manifest).
+
+    Retention deletes old steps within seconds on a fast run, so commits are polled often and
+    remembered: which step was the newest committed one at a given moment is then known even
+    after it is gone from the store.
+    """
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self.seen: dict[int, Manifest] = {}
+
+    def poll(self) -> None:
+        for step in runstore.committed_steps(self.store, self.run_id):
+            if step not in self.seen and (manifest := runstore.read_manifest(self.store, self.run_id, step)):
+                self.seen[step] = manifest
+
+    def newest(self) -> int:
+        return max(self.seen, default=0)
+
+    def since(self, when: float) -> list[Manifest]:
+        """Commits later than ``when``, oldest first."""
+        return sorted((m for m in self.seen.values() if m.created > when), key=lambda m: m.created)
+
+    def newest_before(self, when: float) -> int | None:
+        steps = [step for step, m in self.seen.items() if m.created < when]
+        return max(steps) if steps else None
+
+
+def uploading_step(store: Store, run_id: str, after: int) -> int | None:
+    """A step newer than ``after`` with files in the store and no COMMITTED yet."""
+    dirs = runstore.step_objects(store, run_id)
+    pending = [step for step, names in dirs.items() if step > after and names and "COMMITTED" not in names]
+    return min(pending) if pending else None
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def workers(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The training workers among a node's processes (not its torchrun agent)."""
+
+    def is_agent(p: psutil.Process) -> bool:
+        try:
+            return "torch.distributed.run" in p.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return True  # gone: not a worker to watch
+
+    return [p for p in procs if not is_agent(p)]
+
+
+def agents(procs: list[psutil.Process]) -> list[psutil.Process]:
+    working = {p.pid for p in workers(procs)}
+    return [p for p in procs if p.pid not in working]
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+
+def resumed(commits: Commits, record: DrillRecord) -> bool:
+    """Fill in the resume fields once a restarted worker group completed a step; True then."""
+    restarts = [r for r in runstore.read_metrics(commits.store, record.run_id)
+                if r["time"] > record.fault_time and runstore.starts_a_process(r)]
+    if not restarts:
+        return False
+    first = min(restarts, key=lambda r: r["time"])
+    record.restart_s = round(first["time"] - record.fault_time, 3)
+    record.resumed_from_step = first["step"] - 1
+    record.expected_resume_step = commits.newest_before(first["time"]) or 0
+    record.world_size_after = first["world_size"]
+    if record.step_at_fault is not None:
+        # step_at_fault may trail the ranks (see the module doc): a resume from a step saved
+        # after the fault (preemption) lost nothing, not a negative amount.
+        record.lost_work_steps = max(0, record.step_at_fault - record.resumed_from_step)
+    return True
+
+
+def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psutil.Process],
+            wait_finish: bool) -> None:
+    """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
+    recovered = False
+    next_commits = next_metrics = 0.0
+    while time.monotonic() < drill.deadline:
+        holding = kind.holds_store(drill, record)
+        if record.detect_s is None and watched and not all(alive(p) for p in watched):
+            record.detect_s = round(time.time() - record.fault_time, 3)
+        if time.monotonic() < next_commits or holding:
+            time.sleep(PROC_POLL_S)
+            continue
+        next_commits = time.monotonic() + _COMMIT_POLL_S
+        drill.commits.poll()
+        if recovered and (not wait_finish or drill.commits.newest() >= record.steps):
+            record.final_committed = drill.commits.newest() >= record.steps
+            record.outcome = "recovered"
+            return
+        if time.monotonic() < next_metrics:
+            continue
+        # Metrics records and the /proc scan cost more than a listing of commits: less often.
+        next_metrics = time.monotonic() + STORE_POLL_S
+        if not recovered:
+            recovered = kind.recovered(drill, record)
+            if recovered:
+                kind.on_recovered(drill, record)
+                drill.progress(f"recovered: {kind.describe(record)}, {record.restart_s}s after the fault")
+                continue
+        if not proc.find(drill.state.dir, run=drill.run_id):
+            drill.commits.poll()
+            record.final_committed = drill.commits.newest() >= record.steps
+            record.outcome = "recovered" if recovered and record.final_committed else "failed"
+            return

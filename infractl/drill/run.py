@@ -1,0 +1,104 @@
+"""One drill: choose the target, look up what the fault needs, strike, watch, record."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from infractl import proc, runs, runstore
+from infractl.cluster import store_for
+from infractl.drill import measure
+from infractl.drill.kind import Drill, Kind, Progress, Target, kind_named
+from infractl.errors import StateError, UsageError
+from infractl.runstore import DrillRecord
+from infractl.state import ClusterState
+
+__all__ = ["run_drill", "select"]
+
+
+def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -> Target:
+    """Validate the target; change nothing. A drill measures recovery through the store: with
+    the store unreachable it would strike blind, so that is checked first."""
+    cluster_nodes = [n["name"] for n in state.read()["nodes"]]
+    if node is not None:
+        runs.node(state, node, field="--node")
+    store_for(state).ping()
+    run, running_on = runs.running_run(state, run)
+    live = [n for n in cluster_nodes if n in running_on]
+    record = runstore.read_run_record(store_for(state), run)
+    if record is None or record.spec is None:
+        raise StateError(f"run {run!r} has no run.json with its spec in the store of cluster {state.name!r}")
+    spec = record.spec
+    if not kind.targets_node:
+        return Target(run, None, live, spec)
+    if node is None:
+        node = live[-1]
+    elif node not in live:
+        raise StateError(f"node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})",
+                         field="--node")
+    survivors = [n for n in live if n != node]
+    minimum = int(spec["nodes"]["min"])
+    if kind.node_leaves and len(survivors) < minimum:
+        raise UsageError(f"{kind.name} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
+                         f"fewer than its nodes.min ({minimum})", field="--node")
+    return Target(run, node, survivors, spec)
+
+
+def run_drill(
+    state: ClusterState,
+    kind_name: str,
+    *,
+    node: str | None = None,
+    run: str | None = None,
+    seconds: float = 10.0,
+    timeout: float = 600.0,
+    wait_finish: bool = True,
+    progress: Progress = lambda _msg: None,
+) -> DrillRecord:
+    """Inject one fault of ``kind_name`` into a running job, measure its recovery, record it in
+    the store (``runs/<run>/drills/<id>.json``) and return the record."""
+    kind = kind_named(kind_name)
+    target = select(state, kind, node, run)
+    store = store_for(state)
+    drill_id = f"{kind.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+    drill = Drill(
+        state=state, store=store, target=target, commits=measure.Commits(store, target.run_id),
+        workers=[], victims=[], deadline=time.monotonic() + timeout, timeout=timeout, seconds=seconds,
+        progress=progress,
+    )
+    # Everything slow to look up is looked up before the fault: kill-during-checkpoint must
+    # strike within the moment between a step's upload and its commit.
+    drill.commits.poll()
+    latest = runstore.latest_metrics(store, target.run_id)
+    drill.workers = measure.workers(proc.find(state.dir, run=target.run_id))
+    if target.node is not None:
+        drill.victims = proc.find(state.dir, node=target.node, run=target.run_id)
+    kind.prepare(drill)
+    last_committed = drill.commits.newest()
+
+    fault_time = time.time()
+    watched = kind.inject(drill)
+    where = f"node {target.node!r}" if target.node else "the store"
+    step_at_fault = latest["step"] if latest else None
+    progress(f"{kind.name}: fault on {where} of run {target.run_id!r} at step {step_at_fault}, "
+             f"last committed step {last_committed}")
+    record = DrillRecord(
+        drill_id=drill_id, drill=kind.name, run_id=target.run_id, cluster=state.name, node=target.node,
+        survivors=target.survivors, fault_time=fault_time, fault=drill.fault, step_at_fault=step_at_fault,
+        last_committed_step=last_committed, world_size_at_fault=latest["world_size"] if latest else None,
+        steps=int(target.spec["steps"]), timeout_s=timeout,
+    )
+    try:
+        kind.settle(drill)
+        measure.observe(drill, kind, record, watched=watched, wait_finish=wait_finish)
+        if wait_finish and record.final_committed:
+            # The last commit comes just before the processes exit: the drill ends with the run.
+            proc.wait_gone(state.dir, run=target.run_id, timeout=measure.GONE_TIMEOUT_S)
+    finally:
+        kind.undo(drill)
+    kind.finish(drill, record)
+    newest = runstore.latest_metrics(store, target.run_id)
+    record.final_step = newest["step"] if newest else None
+    record.finished_time = time.time()
+    runstore.write_drill_record(store, record)
+    return record

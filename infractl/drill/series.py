@@ -1,0 +1,105 @@
+"""``--repeat N``: drills in a row on one run, a node the fault removed rejoining in between."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from infractl import launcher, proc, runstore
+from infractl.cluster import store_for
+from infractl.drill import measure
+from infractl.drill.kind import Progress, kind_named
+from infractl.drill.run import run_drill, select
+from infractl.errors import UsageError
+from infractl.runstore import DrillRecord
+from infractl.state import ClusterState
+from infractl.store import Store
+
+__all__ = ["Series", "run_series"]
+
+
+@dataclass
+class Series:
+    """The drills of a series in order, and what an operator asks of them."""
+
+    results: list[DrillRecord] = field(default_factory=list)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(1 for r in self.results if kind_named(r.drill).succeeded(r))
+
+    def restart_times(self) -> list[float]:
+        return [r.restart_s for r in self.results if r.restart_s is not None]
+
+    def summary(self) -> dict[str, Any]:
+        times = self.restart_times()
+        return {
+            "drills": len(self.results),
+            "succeeded": self.succeeded,
+            "median_restart_s": round(statistics.median(times), 3) if times else None,
+            "worst_restart_s": max(times) if times else None,
+            "drill_ids": [r.drill_id for r in self.results],
+        }
+
+
+def run_series(
+    state: ClusterState,
+    kind_name: str,
+    repeat: int,
+    *,
+    node: str | None = None,
+    run: str | None = None,
+    seconds: float = 10.0,
+    timeout: float = 600.0,
+    wait_finish: bool = True,
+    progress: Progress = lambda _msg: None,
+) -> Series:
+    """``repeat`` drills in a row on one run; a node a fault removed rejoins before the next one.
+
+    Each drill waits only for recovery; with ``wait_finish`` the last also waits for the run to
+    finish. Stops early if a drill does not recover (the run is then in no state for the next).
+    """
+    kind = kind_named(kind_name)
+    target = select(state, kind, node, run)
+    budget = int(target.spec["max_restarts"])
+    if repeat > budget:
+        raise UsageError(f"{repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
+                         f"(it is {budget}): every fault costs the surviving agents one restart", field="--repeat")
+    series = Series()
+    for i in range(repeat):
+        last = i == repeat - 1
+        progress(f"drill {i + 1}/{repeat}")
+        record = run_drill(state, kind_name, node=target.node, run=target.run_id, seconds=seconds,
+                           timeout=timeout, wait_finish=last and wait_finish, progress=progress)
+        series.results.append(record)
+        if record.outcome != "recovered":
+            break
+        if kind.node_leaves and not last:
+            store = store_for(state)
+            _rejoin(state, store, record, timeout=timeout, progress=progress)
+            runstore.write_drill_record(store, record)
+            if record.rejoin_s is None:
+                break
+    return series
+
+
+def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: float, progress: Progress) -> None:
+    """Bring the drill's node back and wait until a step runs on the whole world again."""
+    assert record.node is not None
+    proc.wait_gone(state.dir, node=record.node, run=record.run_id, timeout=measure.GONE_TIMEOUT_S)
+    started = time.time()
+    launcher.rejoin(state, record.node, run=record.run_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        grown = [r for r in runstore.read_metrics(store, record.run_id)
+                 if r["time"] > started and r["world_size"] == record.world_size_at_fault]
+        if grown:
+            record.rejoin_s = round(min(r["time"] for r in grown) - started, 3)
+            progress(f"node {record.node!r} rejoined: world size {record.world_size_at_fault} again "
+                     f"after {record.rejoin_s}s")
+            return
+        if not proc.find(state.dir, run=record.run_id):
+            return
+        time.sleep(measure.STORE_POLL_S)

@@ -1,0 +1,87 @@
+"""Which run, which node, and what state a run is in: the control plane's questions about runs,
+answered one way for every caller (the CLI, the launcher, drills and status).
+
+"The run" of a command that acts on a running job (drill, rejoin) is the run named by ``--run``
+if it is running, else the one run that is running. Commands that read a run's past (logs) take
+the run that is running, else the run of this cluster whose latest attempt started last, by the
+run records in the store: the store is the source of truth, not files on this machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from infractl import proc, runstore
+from infractl.errors import StateError, UsageError
+from infractl.runstore import RunRecord
+from infractl.state import ClusterState
+from infractl.store import Store
+
+__all__ = ["RunState", "node", "running", "running_run", "latest_run", "cluster_runs", "run_state"]
+
+RunState = Literal["running", "completed", "failed", "stopped"]
+
+
+def node(state: ClusterState, name: str, *, field: str) -> dict[str, Any]:
+    """The inventory entry of node ``name``; ``UsageError`` naming ``field`` and the nodes there are."""
+    nodes = state.read()["nodes"]
+    for entry in nodes:
+        if entry["name"] == name:
+            return entry  # type: ignore[no-any-return]
+    names = ", ".join(n["name"] for n in nodes)
+    raise UsageError(f"no node {name!r} in cluster {state.name!r} (nodes: {names})", field=field)
+
+
+def running(state: ClusterState) -> dict[str, set[str]]:
+    """run id -> the nodes with live processes of it."""
+    return proc.running_runs(state.dir)
+
+
+def running_run(state: ClusterState, run: str | None, *, field: str = "--run") -> tuple[str, set[str]]:
+    """The run a command acts on while it runs, and the nodes running it: ``run`` when it is
+    running, else the one run that is running (refused when none is, or several are)."""
+    live = running(state)
+    if run is None:
+        if not live:
+            raise StateError(
+                f"no run is running on cluster {state.name!r}; start one with `infractl train RUN.yaml --detach`"
+            )
+        if len(live) > 1:
+            raise UsageError(
+                f"several runs are running on cluster {state.name!r} ({', '.join(sorted(live))}); pick one",
+                field=field,
+            )
+        run = next(iter(live))
+    elif run not in live:
+        raise StateError(f"run {run!r} is not running on cluster {state.name!r}", field=field)
+    return run, live[run]
+
+
+def cluster_runs(state: ClusterState, store: Store) -> list[RunRecord]:
+    """The run records of this cluster's runs in the store, by run id."""
+    records = (runstore.read_run_record(store, run_id) for run_id in runstore.list_runs(store))
+    return [r for r in records if r is not None and r.cluster == state.name]
+
+
+def latest_run(state: ClusterState, store: Store) -> str:
+    """The run that is running (if exactly one), else the run whose latest attempt started last."""
+    live = running(state)
+    if len(live) == 1:
+        return next(iter(live))
+    launched = [r for r in cluster_runs(state, store) if r.last_attempt is not None]
+    if not launched:
+        raise StateError(f"no run has been launched on cluster {state.name!r}")
+    return max(launched, key=lambda r: r.last_attempt.started if r.last_attempt else 0.0).run_id
+
+
+def run_state(record: RunRecord, *, is_running: bool, last_committed: int | None, steps: int | None) -> RunState:
+    """running while it has processes; completed once its last step is committed; failed when
+    its last attempt ended without that; stopped otherwise (killed, or never followed to the end)."""
+    if is_running:
+        return "running"
+    if steps is not None and (last_committed or 0) >= steps:
+        return "completed"
+    attempt = record.last_attempt
+    if attempt is not None and attempt.outcome == "failed":
+        return "failed"
+    return "stopped"

@@ -1,0 +1,123 @@
+"""When and why the trainer saves: scheduled saves (skipped while the previous one still runs),
+the final save (retried until it commits), and the emergency save on a preemption notice.
+
+Each save writes the step's metrics record first: once the step is committed a crash resumes
+after it, and records still buffered would never be written. The record's
+``checkpoint_blocking_s`` is known only after the save, so it is written without it and again
+after the save with it (``read_metrics`` keeps a step's newest record).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from infractl.log import get_logger
+from infractl.runstore import SaveReason, StepRecord
+from trainer.backoff import retry_delays
+from trainer.checkpoint import Checkpointer, SaveFailed
+from trainer.metrics import MetricsWriter
+
+__all__ = ["SAVE_WAIT_S", "Saves"]
+
+log = get_logger(__name__)
+
+#: How long a scheduled save waits for the previous one before it is skipped (at most a
+#: quarter of the step timeout): enough for a healthy store, short next to the watchdog.
+SAVE_WAIT_S = 5.0
+
+
+class Saves:
+    """The saves of one rank. ``state()`` is the state to save; ``extra(reason)`` what the
+    manifest records besides the files."""
+
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        metrics: MetricsWriter | None,
+        *,
+        every: int,
+        step_timeout_s: float,
+        rank: int,
+        device: torch.device,
+        state: Callable[[], dict[str, Any]],
+        extra: Callable[[SaveReason], dict[str, Any]],
+    ) -> None:
+        self.checkpointer = checkpointer
+        self.metrics = metrics
+        self.every = every
+        self.wait_s = min(SAVE_WAIT_S, step_timeout_s / 4)
+        self.rank = rank
+        self.device = device
+        self._state = state
+        self._extra = extra
+
+    def after_step(self, step: int, record: StepRecord, *, preempted: bool) -> None:
+        """Any step but the last: save it if it is due (a collective on due steps), else
+        record it, unless a preemption save of it follows (``preempted``) and records it."""
+        if step % self.every == 0 and not self._previous_save_running(step):
+            self._save(step, record, SaveReason.SCHEDULED)
+        elif not preempted and self.metrics is not None:
+            self.metrics.add(record)
+
+    def final(self, step: int, record: StepRecord) -> None:
+        """Save the last step and wait until it is committed: the state is still in memory,
+        so a failed save (the store is down) is retried with backoff, for up to 10 minutes,
+        before the last failure is raised."""
+        self._save(step, record, SaveReason.FINAL)
+        for delay in [*retry_delays(), None]:
+            try:
+                self.checkpointer.wait()
+                return
+            except SaveFailed as exc:
+                if delay is None:
+                    raise
+                if self.rank == 0:
+                    log.warning("checkpoint_failed", step=exc.step, error=exc.error, retry_in_s=delay)
+                time.sleep(delay)
+                self.checkpointer.save(step, self._state(), extra=self._extra(SaveReason.FINAL))
+
+    def preempted(self, step: int, record: StepRecord) -> None:
+        """A rank got a preemption notice: commit ``step`` (unless its save is already in
+        flight) and wait for it. The agent kills this process if the grace ends first; the
+        previous committed step then stays the one to resume from."""
+        if self.checkpointer.in_flight_step != step:
+            self._save(step, record, SaveReason.PREEMPTION)
+        self.close()
+
+    def close(self) -> None:
+        """Saves are async: the last one must commit before the process exits 0."""
+        self.checkpointer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _previous_save_running(self, step: int) -> bool:
+        """Collective: wait a little for the previous save on every rank; True (logged) if it
+        is still running on any: the scheduled save of ``step`` is then skipped."""
+        running = torch.tensor([float(self.checkpointer.settle(self.wait_s))], device=self.device)
+        dist.all_reduce(running)
+        ranks = round(running.item())
+        if ranks and self.rank == 0:
+            log.warning(
+                "checkpoint_skipped",
+                step=step,
+                reason="the previous save is still running",
+                ranks_saving=ranks,
+                waited_s=self.wait_s,
+            )
+        return ranks > 0
+
+    def _save(self, step: int, record: StepRecord, reason: SaveReason) -> None:
+        """Start saving ``step`` and record it (see the module doc)."""
+        if self.metrics is not None:
+            self.metrics.add(record | {"checkpoint_blocking_s": None})  # type: ignore[typeddict-item]
+            self.metrics.flush()
+        started = time.perf_counter()
+        self.checkpointer.save(step, self._state(), extra=self._extra(reason))
+        blocking = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})  # type: ignore[typeddict-item]
