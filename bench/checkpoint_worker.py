@@ -50,8 +50,12 @@ def main() -> None:
     step = 0
     for mode in ("async", "sync"):
         checkpointer = Checkpointer(
-            open_store(args.store), run_id=f"bench-{mode}", workdir=args.workdir,
-            rank=rank, world_size=world, keep=2,
+            open_store(args.store),
+            run_id=f"bench-{mode}",
+            workdir=args.workdir,
+            rank=rank,
+            world_size=world,
+            keep=2,
         )
         blocked = []
         for _ in range(args.saves):

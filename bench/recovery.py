@@ -46,8 +46,14 @@ OTHER_KINDS = ("kill-during-checkpoint", "hang-node", "preempt", "store-outage")
 
 def _infractl(home: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "INFRACTL_HOME": str(home), "NO_COLOR": "1"}
-    done = subprocess.run([sys.executable, "-m", "infractl", *args], cwd=home.parent, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-m", "infractl", *args],
+        cwd=home.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if done.returncode not in (0, 1):  # 1: a drill did not recover; still a result to report
         raise SystemExit(f"infractl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return done
@@ -98,8 +104,20 @@ def measure(drills: int) -> dict[str, Any]:
             _infractl(home, "train", str(run), "--detach", timeout=300)
             _waited_for_first_commit(home, timeout=300)
             started = time.monotonic()
-            series = json.loads(_infractl(home, "drill", "kill-node", "--node", "node-1", "--repeat", str(drills),
-                                          "--no-wait", "--json", timeout=drills * 600).stdout)
+            series = json.loads(
+                _infractl(
+                    home,
+                    "drill",
+                    "kill-node",
+                    "--node",
+                    "node-1",
+                    "--repeat",
+                    str(drills),
+                    "--no-wait",
+                    "--json",
+                    timeout=drills * 600,
+                ).stdout
+            )
             elapsed = time.monotonic() - started
             others: list[dict[str, Any]] = []
             others_error = None
@@ -120,13 +138,28 @@ def measure(drills: int) -> dict[str, Any]:
         "worst_restart_s": series["worst_restart_s"],
         "median_detect_s": round(statistics.median(detects), 3) if detects else None,
         "median_rejoin_s": round(statistics.median(rejoins), 3) if rejoins else None,
-        "median_lost_work_steps": statistics.median(r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None),
+        "median_lost_work_steps": statistics.median(
+            r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None
+        ),
         "series_s": round(elapsed, 1),
         "restart_s": [r["restart_s"] for r in results],
         "other_kinds": [
-            {k: r.get(k) for k in ("drill", "outcome", "resumed_correctly", "detect_s", "restart_s", "resumed_from_step",
-                                   "lost_work_steps", "world_size_after", "emergency_checkpoint_step",
-                                   "emergency_checkpoint_s", "fault")}
+            {
+                k: r.get(k)
+                for k in (
+                    "drill",
+                    "outcome",
+                    "resumed_correctly",
+                    "detect_s",
+                    "restart_s",
+                    "resumed_from_step",
+                    "lost_work_steps",
+                    "world_size_after",
+                    "emergency_checkpoint_step",
+                    "emergency_checkpoint_s",
+                    "fault",
+                )
+            }
             for r in others
         ],
         "other_kinds_error": others_error,
@@ -141,8 +174,10 @@ def main() -> None:
     if args.drills < 2:
         parser.error("--drills: a series needs at least 2 drills")
     report = measure(args.drills)
-    print(f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
-          f"(resumed from the last committed step: {report['resumed_from_last_committed']})")
+    print(
+        f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
+        f"(resumed from the last committed step: {report['resumed_from_last_committed']})"
+    )
     print(f"restart_s median / worst:     {report['median_restart_s']} / {report['worst_restart_s']}")
     print(f"detect_s median:              {report['median_detect_s']}")
     print(f"rejoin_s median:              {report['median_rejoin_s']}")
@@ -150,15 +185,19 @@ def main() -> None:
     print(f"series wall time (s):         {report['series_s']}")
     for r in report["other_kinds"]:
         if r["drill"] == "store-outage":
-            print(f"{r['drill']:<24} {r['outcome']}: store down {r['fault']['seconds']}s, first commit after the "
-                  f"fault at restart_s {r['restart_s']}")
+            print(
+                f"{r['drill']:<24} {r['outcome']}: store down {r['fault']['seconds']}s, first commit after the "
+                f"fault at restart_s {r['restart_s']}"
+            )
             continue
         extra = f", emergency checkpoint after {r['emergency_checkpoint_s']}s" if r["emergency_checkpoint_s"] else ""
         if "partial_step" in r["fault"]:
             extra += f", partial step {r['fault']['partial_step']} committed: {r['fault']['partial_step_committed']}"
-        print(f"{r['drill']:<24} {r['outcome']}: detect_s {r['detect_s']}, restart_s {r['restart_s']}, "
-              f"resumed from step {r['resumed_from_step']} (correct: {r['resumed_correctly']}), "
-              f"lost {r['lost_work_steps']} step(s), world size after {r['world_size_after']}{extra}")
+        print(
+            f"{r['drill']:<24} {r['outcome']}: detect_s {r['detect_s']}, restart_s {r['restart_s']}, "
+            f"resumed from step {r['resumed_from_step']} (correct: {r['resumed_correctly']}), "
+            f"lost {r['lost_work_steps']} step(s), world size after {r['world_size_after']}{extra}"
+        )
     if report["other_kinds_error"]:
         print(f"other kinds stopped: {report['other_kinds_error']}")
     if args.json:

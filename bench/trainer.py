@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the S3 server launcher the tests use
 from infractl import runstore  # noqa: E402
 from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec  # noqa: E402
 from infractl.store import open_store  # noqa: E402
+
 from s3server import AWS_TEST_ENV, moto_server  # noqa: E402
 
 WORLD = 2
@@ -52,34 +53,86 @@ def _torchrun(args: list[str], *, cwd: Path) -> str:
 def step_time(tmp: Path, *, layers: int, hidden: int, steps: int) -> dict[str, Any]:
     model = ModelSpec(layers=layers, hidden=hidden, heads=4, seq_len=128)
     spec = RunSpec(
-        name="bench", model=model, data=DataSpec(max_bytes=1_000_000), batch_size=16, steps=steps,
-        checkpoint=CheckpointSpec(every=steps), nodes={"min": 1, "max": 1},
+        name="bench",
+        model=model,
+        data=DataSpec(max_bytes=1_000_000),
+        batch_size=16,
+        steps=steps,
+        checkpoint=CheckpointSpec(every=steps),
+        nodes={"min": 1, "max": 1},
     )
     spec_path = tmp / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     (tmp / "store").mkdir()
     store_uri = (tmp / "store").as_uri()
-    _torchrun(["-m", "trainer.train", "--spec", str(spec_path), "--store", store_uri,
-               "--run-id", "bench", "--workdir", str(tmp / "work")], cwd=tmp)
+    _torchrun(
+        [
+            "-m",
+            "trainer.train",
+            "--spec",
+            str(spec_path),
+            "--store",
+            store_uri,
+            "--run-id",
+            "bench",
+            "--workdir",
+            str(tmp / "work"),
+        ],
+        cwd=tmp,
+    )
     ours = [r["step_time_s"] for r in runstore.read_metrics(open_store(store_uri), "bench")][WARMUP_STEPS:]
-    plain_out = _torchrun(["-m", "bench.plain_ddp", f"--layers={layers}", f"--hidden={hidden}",
-                           "--heads=4", "--seq-len=128", "--batch-size=16", f"--steps={steps}"], cwd=tmp)
+    plain_out = _torchrun(
+        [
+            "-m",
+            "bench.plain_ddp",
+            f"--layers={layers}",
+            f"--hidden={hidden}",
+            "--heads=4",
+            "--seq-len=128",
+            "--batch-size=16",
+            f"--steps={steps}",
+        ],
+        cwd=tmp,
+    )
     plain = json.loads(plain_out.strip().splitlines()[-1])["step_times"][WARMUP_STEPS:]
     ours_s, plain_s = statistics.median(ours), statistics.median(plain)
-    return {"ours_step_s": ours_s, "plain_step_s": plain_s, "ratio": ours_s / plain_s,
-            "model": model.model_dump(), "batch_size": 16, "world_size": WORLD, "steps_measured": len(ours)}
+    return {
+        "ours_step_s": ours_s,
+        "plain_step_s": plain_s,
+        "ratio": ours_s / plain_s,
+        "model": model.model_dump(),
+        "batch_size": 16,
+        "world_size": WORLD,
+        "steps_measured": len(ours),
+    }
 
 
 def checkpoint_blocking(tmp: Path, *, layers: int, hidden: int, saves: int) -> dict[str, Any]:
-    out = _torchrun(["-m", "bench.checkpoint_worker", f"--layers={layers}", f"--hidden={hidden}",
-                     f"--saves={saves}", "--store", (tmp / "ckpt-store").as_uri(), "--workdir", str(tmp / "ckpt-work")],
-                    cwd=tmp)
+    out = _torchrun(
+        [
+            "-m",
+            "bench.checkpoint_worker",
+            f"--layers={layers}",
+            f"--hidden={hidden}",
+            f"--saves={saves}",
+            "--store",
+            (tmp / "ckpt-store").as_uri(),
+            "--workdir",
+            str(tmp / "ckpt-work"),
+        ],
+        cwd=tmp,
+    )
     result = json.loads(out.strip().splitlines()[-1])
     # The first async save has no earlier save to wait for; later ones may (at most one in flight).
     async_s = statistics.median(result["blocked_s"]["async"])
     sync_s = statistics.median(result["blocked_s"]["sync"])
-    return {"async_blocked_s": async_s, "sync_blocked_s": sync_s, "ratio_sync_over_async": sync_s / async_s,
-            "params": result["params"], "saves": saves}
+    return {
+        "async_blocked_s": async_s,
+        "sync_blocked_s": sync_s,
+        "ratio_sync_over_async": sync_s / async_s,
+        "params": result["params"],
+        "saves": saves,
+    }
 
 
 def upload_throughput(tmp: Path, *, mib: int, repeats: int) -> dict[str, Any]:
@@ -103,8 +156,13 @@ def upload_throughput(tmp: Path, *, mib: int, repeats: int) -> dict[str, Any]:
             client.upload_file(str(payload), bucket, f"plain/obj-{i}")
             plain.append(time.perf_counter() - started)
     ours_mbs, plain_mbs = mib / statistics.median(ours), mib / statistics.median(plain)
-    return {"ours_mib_s": ours_mbs, "plain_mib_s": plain_mbs, "ratio": ours_mbs / plain_mbs, "mib": mib,
-            "repeats": repeats}
+    return {
+        "ours_mib_s": ours_mbs,
+        "plain_mib_s": plain_mbs,
+        "ratio": ours_mbs / plain_mbs,
+        "mib": mib,
+        "repeats": repeats,
+    }
 
 
 def main() -> None:
@@ -117,18 +175,25 @@ def main() -> None:
         tmp = Path(tmp_name)
         results = {
             "step_time": step_time(tmp, **size, steps=25 if args.quick else 60),
-            "checkpoint": checkpoint_blocking(tmp, layers=size["layers"] * 2, hidden=size["hidden"] * 2,
-                                              saves=3 if args.quick else 5),
+            "checkpoint": checkpoint_blocking(
+                tmp, layers=size["layers"] * 2, hidden=size["hidden"] * 2, saves=3 if args.quick else 5
+            ),
             "upload": upload_throughput(tmp, mib=32 if args.quick else 128, repeats=2 if args.quick else 3),
         }
     st, ck, up = results["step_time"], results["checkpoint"], results["upload"]
-    print(f"(a) step time, {WORLD} ranks, {st['model']}: infractl {st['ours_step_s'] * 1e3:.1f} ms vs plain DDP "
-          f"{st['plain_step_s'] * 1e3:.1f} ms -> ratio {st['ratio']:.2f} (lower is better; 1.00 = no overhead)")
-    print(f"(b) training blocked per checkpoint ({ck['params']:,} params + AdamW state): async "
-          f"{ck['async_blocked_s'] * 1e3:.0f} ms vs sync {ck['sync_blocked_s'] * 1e3:.0f} ms -> sync/async "
-          f"{ck['ratio_sync_over_async']:.1f}x")
-    print(f"(c) upload of {up['mib']} MiB to the S3 server: store.put_file {up['ours_mib_s']:.0f} MiB/s vs boto3 "
-          f"upload_file {up['plain_mib_s']:.0f} MiB/s -> ratio {up['ratio']:.2f}")
+    print(
+        f"(a) step time, {WORLD} ranks, {st['model']}: infractl {st['ours_step_s'] * 1e3:.1f} ms vs plain DDP "
+        f"{st['plain_step_s'] * 1e3:.1f} ms -> ratio {st['ratio']:.2f} (lower is better; 1.00 = no overhead)"
+    )
+    print(
+        f"(b) training blocked per checkpoint ({ck['params']:,} params + AdamW state): async "
+        f"{ck['async_blocked_s'] * 1e3:.0f} ms vs sync {ck['sync_blocked_s'] * 1e3:.0f} ms -> sync/async "
+        f"{ck['ratio_sync_over_async']:.1f}x"
+    )
+    print(
+        f"(c) upload of {up['mib']} MiB to the S3 server: store.put_file {up['ours_mib_s']:.0f} MiB/s vs boto3 "
+        f"upload_file {up['plain_mib_s']:.0f} MiB/s -> ratio {up['ratio']:.2f}"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -229,4 +229,3 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         nodes_removed=len(record["nodes"]),
         runs_purged=purged,
     )
-

@@ -75,11 +75,14 @@ class ClusterSpec(_Spec):
     """cluster.yaml: where training runs."""
 
     name: Name = Field("local", description="Cluster name; state lives in .infractl/<name>/.")
-    provider: Literal["local"] = Field("local", description="Infrastructure provider. `local`: nodes are process trees on this machine.")
+    provider: Literal["local"] = Field(
+        "local", description="Infrastructure provider. `local`: nodes are process trees on this machine."
+    )
     nodes: int = Field(2, ge=1, le=64, description="Number of training nodes.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (ranks) per node.")
     store: str | None = Field(
-        None, description="Object store URI for checkpoints and metrics (file:///abs/path). Default: .infractl/<name>/store."
+        None,
+        description="Object store URI for checkpoints and metrics (file:///abs/path). Default: .infractl/<name>/store.",
     )
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Pinned runtime checked on every node.")
 
@@ -93,7 +96,7 @@ class ModelSpec(_Spec):
     seq_len: int = Field(64, ge=8, le=32768, description="Tokens (bytes) per sample.")
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> "ModelSpec":
+    def _heads_divide_hidden(self) -> ModelSpec:
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         return self
@@ -105,13 +108,18 @@ class DataSpec(_Spec):
 
     source: Literal["stdlib", "prepared"] = Field("stdlib", description="Corpus to train on.")
     path: str | None = Field(None, description="Directory of a prepared dataset (source: prepared).")
-    max_bytes: int = Field(4_000_000, ge=10_000, le=1 << 40, description="Use at most this many bytes of the corpus (source: stdlib).")
+    max_bytes: int = Field(
+        4_000_000, ge=10_000, le=1 << 40, description="Use at most this many bytes of the corpus (source: stdlib)."
+    )
     val_fraction: float = Field(
-        0.05, ge=0, lt=1, description="Share of documents held out for validation (source: stdlib; prepared datasets record their own)."
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of documents held out for validation (source: stdlib; prepared datasets record their own).",
     )
 
     @model_validator(mode="after")
-    def _path_matches_source(self) -> "DataSpec":
+    def _path_matches_source(self) -> DataSpec:
         if self.source == "prepared" and not self.path:
             raise ValueError("path is required when source is prepared (the directory `infractl data prepare` wrote)")
         if self.source == "stdlib" and self.path:
@@ -125,7 +133,9 @@ class CheckpointSpec(_Spec):
 
 
 class EvalSpec(_Spec):
-    every: int = Field(0, ge=0, le=10**9, description="Compute the validation loss every N steps and at the last step (0 = never).")
+    every: int = Field(
+        0, ge=0, le=10**9, description="Compute the validation loss every N steps and at the last step (0 = never)."
+    )
     batches: int = Field(2, ge=1, le=10**6, description="Global batches of the validation split to average over.")
 
 
@@ -134,7 +144,7 @@ class NodeRange(_Spec):
     max: int = Field(1, ge=1, le=1024, description="Most nodes the run uses.")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "NodeRange":
+    def _ordered(self) -> NodeRange:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) must not exceed max ({self.max})")
         return self
@@ -175,7 +185,9 @@ class RunSpec(_Spec):
     name: Name = Field(description="Run name; re-running the same name resumes it.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="Model size.")
     data: DataSpec = Field(default_factory=DataSpec, description="Training data.")
-    batch_size: int = Field(16, ge=1, le=1 << 20, description="Global batch size (samples per step, all ranks together).")
+    batch_size: int = Field(
+        16, ge=1, le=1 << 20, description="Global batch size (samples per step, all ranks together)."
+    )
     steps: int = Field(50, ge=1, le=10**9, description="Optimizer steps to train.")
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed for weights, data order and every RNG.")
@@ -189,7 +201,8 @@ class RunSpec(_Spec):
         ),
     )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each transformer block's activations in the backward pass (less memory, more compute)."
+        False,
+        description="Recompute each transformer block's activations in the backward pass (less memory, more compute).",
     )
     mixed_precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="`bf16`: compute in bfloat16 (weights and optimizer state stay fp32)."
@@ -218,10 +231,11 @@ class RunSpec(_Spec):
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec, description="Grace period after SIGTERM.")
 
     @model_validator(mode="after")
-    def _offload_needs_fsdp(self) -> "RunSpec":
+    def _offload_needs_fsdp(self) -> RunSpec:
         if self.cpu_offload and self.parallel != "fsdp":
             raise _field_error(
-                "cpu_offload", f"needs parallel: fsdp (parallel is {self.parallel}); only FSDP shards can live on the CPU"
+                "cpu_offload",
+                f"needs parallel: fsdp (parallel is {self.parallel}); only FSDP shards can live on the CPU",
             )
         return self
 
@@ -297,9 +311,7 @@ def _read_text(path: Path, what: str) -> str:
 
 
 def _too_big(path: Path, size: int) -> ConfigError:
-    return ConfigError(
-        f"{size:,} bytes; a config file may have at most {MAX_CONFIG_BYTES:,} (1 MiB)", file=str(path)
-    )
+    return ConfigError(f"{size:,} bytes; a config file may have at most {MAX_CONFIG_BYTES:,} (1 MiB)", file=str(path))
 
 
 def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
@@ -320,9 +332,7 @@ def _check_shape(text: str, path: Path) -> None:
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 if len(frames) >= MAX_CONFIG_DEPTH:
                     line = event.start_mark.line + 1 if event.start_mark else "?"
-                    raise ConfigError(
-                        f"line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels", file=str(path)
-                    )
+                    raise ConfigError(f"line {line}: nested deeper than {MAX_CONFIG_DEPTH} levels", file=str(path))
                 frames.append((event.anchor, 1))
                 continue
             if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
@@ -335,7 +345,7 @@ def _check_shape(text: str, path: Path) -> None:
                 if event.anchor is not None:
                     sizes[event.anchor] = 1
             elif isinstance(event, yaml.AliasEvent):
-                added = sizes.get(event.anchor, 1)
+                added = sizes.get(event.anchor or "", 1)
             else:
                 continue
             if frames:
@@ -354,7 +364,7 @@ def _load(path: Path, model: type[_M], what: str) -> _M:
     text = _read_text(path, what)
     _check_shape(text, path)
     try:
-        raw = yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader (CSafeLoader or SafeLoader)
+        raw = yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError as exc:
         raise _yaml_error(path, exc) from None
     if raw is None:

@@ -174,7 +174,7 @@ def _task_message(res: dict[str, Any]) -> str:
     stderr = [line.strip() for line in res.get("stderr_lines") or [] if line.strip()]
     if msg in ("", "non-zero return code") and stderr:
         # A command that failed says why on its last stderr line.
-        return stderr[-1]
+        return str(stderr[-1])
     lines = [line.strip() for line in msg.splitlines() if line.strip()]
     return " ".join(lines[:3]) or "failed (no message)"
 
@@ -186,4 +186,4 @@ def _last_error_line(runner: Any) -> str:
         return "no output"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("ERROR!", "[ERROR]"))]
-    return (errors or lines or ["no output"])[-1]
+    return str((errors or lines or ["no output"])[-1])

@@ -142,14 +142,16 @@ def prepare(
         raise ValueError("shard_bytes must be positive")
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ConfigError(f"{out} is not an empty directory; choose a new one (datasets are immutable)",
-                              field="--out")
+            raise ConfigError(
+                f"{out} is not an empty directory; choose a new one (datasets are immutable)", field="--out"
+            )
     except OSError as exc:
         raise ConfigError(f"cannot use {out}: {exc.strerror or exc}", field="--out") from None
     data = _split_bytes(_documents(sources, include), val_fraction, None)
     if not data["train"]:
-        raise ConfigError(f"no training text found in {', '.join(map(str, sources))} (include {include!r})",
-                          field="SRC")
+        raise ConfigError(
+            f"no training text found in {', '.join(map(str, sources))} (include {include!r})", field="SRC"
+        )
     # Written beside ``out`` and renamed into place: never half a dataset under its name.
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +176,7 @@ def _write(out: Path, data: dict[str, bytearray], val_fraction: float, shard_byt
     manifest: dict[str, Any] = {"format": FORMAT, "tokenizer": "bytes", "val_fraction": val_fraction, "splits": {}}
     digests: dict[str, list[str]] = {}
     for split in SPLITS:
-        shards = []
+        shards: list[dict[str, Any]] = []
         blob = bytes(data[split])
         for index, start in enumerate(range(0, len(blob), shard_bytes)):
             chunk = blob[start : start + shard_bytes]
@@ -193,8 +195,9 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((path / _MANIFEST).read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path} is not a prepared dataset (no {_MANIFEST}); run `infractl data prepare`",
-                          field="data.path") from None
+        raise ConfigError(
+            f"{path} is not a prepared dataset (no {_MANIFEST}); run `infractl data prepare`", field="data.path"
+        ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path / _MANIFEST} ({exc})", field="data.path") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -248,8 +251,10 @@ def version_mismatch(run_id: str, *, saved: str | None, current: str, data: Data
     on other data would silently make a different model under the same name."""
     if saved is None or saved == current:
         return None
-    return (f"run {run_id!r} was trained on dataset version {saved}, "
-            f"but {data.path or data.source} is now version {current}")
+    return (
+        f"run {run_id!r} was trained on dataset version {saved}, "
+        f"but {data.path or data.source} is now version {current}"
+    )
 
 
 def open_dataset(spec: DataSpec, *, verify: bool = True) -> Dataset:

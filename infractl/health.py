@@ -47,47 +47,28 @@ def run(
     node: str | None = None,
 ) -> dict[str, Any]:
     """Join the health check under ``key`` as ``rank`` of ``world`` and time the all_reduce."""
-    import torch
     import torch.distributed as dist
 
     host, port = rendezvous
     timeout = timedelta(seconds=timeout_s)
     try:
-        client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        # torch's stubs do not re-export the c10d store classes from torch.distributed.
+        client = dist.TCPStore(host, port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
     except Exception as exc:  # torch raises several types (RuntimeError, DistStoreError, ...)
-        raise HealthCheckError(
-            f"cannot reach the rendezvous at {host}:{port}: {_first_line(exc)}"
-        ) from None
-    store = dist.PrefixStore(f"health/{key}", client)
+        raise HealthCheckError(f"cannot reach the rendezvous at {host}:{port}: {_first_line(exc)}") from None
+    store = dist.PrefixStore(f"health/{key}", client)  # type: ignore[attr-defined]
     try:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as exc:
         raise HealthCheckError(
-            f"rank {rank} of {world}: the nodes did not all join within {timeout_s:g}s: "
-            f"{_first_line(exc)}"
+            f"rank {rank} of {world}: the nodes did not all join within {timeout_s:g}s: {_first_line(exc)}"
         ) from None
     try:
-        tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-        nbytes = tensor.numel() * tensor.element_size()
-        for _ in range(_WARMUP):
-            dist.all_reduce(tensor)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(_ITERATIONS):
-            dist.all_reduce(tensor)
-        seconds = (time.perf_counter() - start) / _ITERATIONS
-        # Every rank contributed ones at each step: the sum checks that all ranks took part.
-        expected = float(world) ** (_WARMUP + _ITERATIONS)
-        if tensor[0].item() != expected:
-            raise HealthCheckError(
-                f"all_reduce gave {tensor[0].item()}, expected {expected}: a rank is missing"
-            )
+        nbytes, seconds = _time_all_reduce(nbytes, world)
     except HealthCheckError:
         raise
     except Exception as exc:
-        raise HealthCheckError(
-            f"rank {rank} of {world}: all_reduce failed: {_first_line(exc)}"
-        ) from None
+        raise HealthCheckError(f"rank {rank} of {world}: all_reduce failed: {_first_line(exc)}") from None
     finally:
         dist.destroy_process_group()
     algbw = nbytes / seconds / 1e9
@@ -106,6 +87,26 @@ def run(
     }
 
 
+def _time_all_reduce(nbytes: int, world: int) -> tuple[int, float]:
+    """All-reduce about ``nbytes`` over the group: the bytes moved and the seconds one took."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    for _ in range(_WARMUP):
+        dist.all_reduce(tensor)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(_ITERATIONS):
+        dist.all_reduce(tensor)
+    seconds = (time.perf_counter() - start) / _ITERATIONS
+    # Every rank contributed ones at each step: the sum checks that all ranks took part.
+    expected = float(world) ** (_WARMUP + _ITERATIONS)
+    if tensor[0].item() != expected:
+        raise HealthCheckError(f"all_reduce gave {tensor[0].item()}, expected {expected}: a rank is missing")
+    return tensor.numel() * tensor.element_size(), seconds
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -120,16 +121,12 @@ def _endpoint(value: str) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--rendezvous", type=_endpoint, required=True, help="the cluster's rendezvous HOST:PORT"
-    )
+    parser.add_argument("--rendezvous", type=_endpoint, required=True, help="the cluster's rendezvous HOST:PORT")
     parser.add_argument("--key", required=True, help="nonce naming this check in the store")
     parser.add_argument("--rank", type=int, required=True, help="this node's index")
     parser.add_argument("--world", type=int, required=True, help="number of nodes taking part")
     parser.add_argument("--bytes", type=int, default=DEFAULT_BYTES, help="all_reduce size in bytes")
-    parser.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the others"
-    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the others")
     parser.add_argument("--node", help="node name to report (default node-<rank>)")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world:

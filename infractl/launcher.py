@@ -61,10 +61,43 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     """
     cluster = state.read()
     nodes = cluster["nodes"]
+    _check_fits(state, spec, run_file, nodes)
+    store = store_for(state)
+    store.ping()  # an unreachable store fails here, before the dataset is hashed
+    version = dataset_version(spec.data)
+    fresh = RunRecord(run_id=spec.name, cluster=state.name, dataset_version=version)
+    existing = runstore.read_run_record(store, spec.name)
+    if new:
+        return Plan(
+            store=store,
+            cluster=cluster,
+            record=fresh,
+            nodes=nodes[: spec.nodes.max],
+            resume_from=0,
+            complete=False,
+            replaces=existing is not None,
+        )
+    record = existing or fresh
+    _check_continues(record, spec, version, run_file)
+    last = runstore.latest_committed_step(store, spec.name) or 0
+    return Plan(
+        store=store,
+        cluster=cluster,
+        record=record,
+        nodes=nodes[: spec.nodes.max],
+        resume_from=last,
+        complete=last >= spec.steps,
+        replaces=False,
+    )
+
+
+def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, nodes: list[dict[str, Any]]) -> None:
+    """The run fits the cluster: enough nodes, a batch every world size splits, not running yet."""
     if spec.nodes.min > len(nodes):
         raise UsageError(
             f"{spec.nodes.min} exceeds the {len(nodes)} node(s) of cluster {state.name!r}",
-            file=str(run_file), field="nodes.min",
+            file=str(run_file),
+            field="nodes.min",
         )
     processes = int(nodes[0]["processes"])
     for count in range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1):
@@ -73,22 +106,17 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
             raise ConfigError(
                 f"{spec.batch_size} must be divisible by the world size ({count * processes}: "
                 f"{count} node(s) x {processes} process(es))",
-                file=str(run_file), field="batch_size",
+                file=str(run_file),
+                field="batch_size",
             )
     if spec.name in runs.running(state):
         raise UsageError(
-            f"run {spec.name!r} is already running on cluster {state.name!r}; "
-            "see `infractl status` and `infractl logs`"
+            f"run {spec.name!r} is already running on cluster {state.name!r}; see `infractl status` and `infractl logs`"
         )
-    store = store_for(state)
-    store.ping()  # an unreachable store fails here, before the dataset is hashed
-    version = dataset_version(spec.data)
-    fresh = RunRecord(run_id=spec.name, cluster=state.name, dataset_version=version)
-    existing = runstore.read_run_record(store, spec.name)
-    if new:
-        return Plan(store=store, cluster=cluster, record=fresh, nodes=nodes[: spec.nodes.max],
-                    resume_from=0, complete=False, replaces=existing is not None)
-    record = existing or fresh
+
+
+def _check_continues(record: RunRecord, spec: RunSpec, version: str, run_file: Path) -> None:
+    """A run that exists may go on only with the same data and the same model shape."""
     changed = version_mismatch(spec.name, saved=record.dataset_version, current=version, data=spec.data)
     if changed:
         raise ConfigError(f"{changed}; use a new run name, or --new to start over", file=str(run_file), field="data")
@@ -99,15 +127,22 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
         raise ConfigError(
             f"run {spec.name!r} has checkpoints of another shape ({was}); "
             "its checkpoints cannot load into this model: use a new run name, or --new to start over",
-            file=str(run_file), field="model",
+            file=str(run_file),
+            field="model",
         )
-    last = runstore.latest_committed_step(store, spec.name) or 0
-    return Plan(store=store, cluster=cluster, record=record, nodes=nodes[: spec.nodes.max],
-                resume_from=last, complete=last >= spec.steps, replaces=False)
 
 
-def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str, rdzv_id: str,
-                  spec_path: Path, store_uri: str, workdir: Path) -> list[str]:
+def torchrun_argv(
+    spec: RunSpec,
+    *,
+    nnodes: int,
+    processes: int,
+    rendezvous: str,
+    rdzv_id: str,
+    spec_path: Path,
+    store_uri: str,
+    workdir: Path,
+) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={min(spec.nodes.min, nnodes)}:{nnodes}",
@@ -134,8 +169,9 @@ def torchrun_argv(spec: RunSpec, *, nnodes: int, processes: int, rendezvous: str
     ]  # fmt: skip
 
 
-def _node_env(state: ClusterState, node: dict[str, Any], run_id: str, attempt: int,
-              log_format: LogFormat, image: str | None) -> dict[str, str]:
+def _node_env(
+    state: ClusterState, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat, image: str | None
+) -> dict[str, str]:
     env = dict(os.environ)
     network_env = Path(node["workdir"]) / "env" / "network.env"
     if network_env.is_file():
@@ -182,13 +218,27 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
     rdzv_id = f"{spec.name}-{number}-{secrets.token_hex(4)}"
     plan.record.spec = spec.model_dump(mode="json")
     plan.record.attempts.append(
-        Attempt(attempt=number, started=time.time(), resume_from=plan.resume_from,
-                nodes=[n["name"] for n in plan.nodes], rdzv_id=rdzv_id)
+        Attempt(
+            attempt=number,
+            started=time.time(),
+            resume_from=plan.resume_from,
+            nodes=[n["name"] for n in plan.nodes],
+            rdzv_id=rdzv_id,
+        )
     )
     runstore.write_run_record(plan.store, plan.record)
     agents = {
-        node["name"]: _start_agent(state, spec, node, cluster=plan.cluster, store=plan.store, attempt=number,
-                                   nnodes=len(plan.nodes), rdzv_id=rdzv_id, log_format=log_format)
+        node["name"]: _start_agent(
+            state,
+            spec,
+            node,
+            cluster=plan.cluster,
+            store=plan.store,
+            attempt=number,
+            nnodes=len(plan.nodes),
+            rdzv_id=rdzv_id,
+            log_format=log_format,
+        )
         for node in plan.nodes
     }
     return Launch(spec.name, number, plan.resume_from, plan.nodes, agents)
@@ -205,9 +255,19 @@ def finish(plan: Plan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
     return attempt
 
 
-def _start_agent(state: ClusterState, spec: RunSpec, node: dict[str, Any], *, cluster: dict[str, Any], store: Store,
-                 attempt: int, nnodes: int, rdzv_id: str, log_format: LogFormat,
-                 note: str = "") -> subprocess.Popen[bytes]:
+def _start_agent(
+    state: ClusterState,
+    spec: RunSpec,
+    node: dict[str, Any],
+    *,
+    cluster: dict[str, Any],
+    store: Store,
+    attempt: int,
+    nnodes: int,
+    rdzv_id: str,
+    log_format: LogFormat,
+    note: str = "",
+) -> subprocess.Popen[bytes]:
     workdir = Path(node["workdir"])
     spec_path = workdir / "runs" / spec.name / "spec.json"
     write_private(spec_path, spec.model_dump_json(indent=1))
@@ -241,8 +301,9 @@ class Rejoined:
     budget: int
 
 
-def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
-           log_format: LogFormat = "console") -> Rejoined:
+def rejoin(
+    state: ClusterState, node_name: str, *, run: str | None = None, log_format: LogFormat = "console"
+) -> Rejoined:
     """Start the agent of a node that left a running run, so it joins at the next rendezvous.
 
     The running agents see a node waiting and restart their workers on the larger world (no
@@ -269,10 +330,20 @@ def rejoin(state: ClusterState, node_name: str, *, run: str | None = None,
             f"node {node_name!r} has already rejoined attempt {attempt.attempt} of run {run!r} {done} time(s) "
             f"(max_restarts: {spec.max_restarts}); find out why it keeps failing (`infractl logs --node {node_name}`)"
         )
-    agent = _start_agent(state, spec, node, cluster=cluster, store=store, attempt=attempt.attempt,
-                         nnodes=len(attempt.nodes), rdzv_id=attempt.rdzv_id, log_format=log_format,
-                         note=" (rejoined)")
+    agent = _start_agent(
+        state,
+        spec,
+        node,
+        cluster=cluster,
+        store=store,
+        attempt=attempt.attempt,
+        nnodes=len(attempt.nodes),
+        rdzv_id=attempt.rdzv_id,
+        log_format=log_format,
+        note=" (rejoined)",
+    )
     attempt.rejoins.append(Rejoin(node=node_name, time=time.time(), pid=agent.pid))
     runstore.write_run_record(store, record)
-    return Rejoined(run_id=run, node=node_name, attempt=attempt.attempt, pid=agent.pid, rejoins=done + 1,
-                    budget=spec.max_restarts)
+    return Rejoined(
+        run_id=run, node=node_name, attempt=attempt.attempt, pid=agent.pid, rejoins=done + 1, budget=spec.max_restarts
+    )

@@ -48,7 +48,7 @@ def _console(*, stderr: bool) -> Console:
 class StepProgress:
     """Training progress: a bar on a terminal, a plain line every few seconds otherwise."""
 
-    def __init__(self, out: "Output", progress: Progress | None, task: Any, total: int) -> None:
+    def __init__(self, out: Output, progress: Progress | None, task: Any, total: int) -> None:
         self._out = out
         self._progress = progress
         self._task = task
@@ -57,15 +57,13 @@ class StepProgress:
         self._last_step = -1
 
     def update(self, step: int, *, loss: float | None, tokens_per_s: float | None, world_size: int | None) -> None:
-        fields = {
-            "loss": f"{loss:.4f}" if loss is not None else "-",
-            "tps": f"{tokens_per_s:,.0f}" if tokens_per_s else "-",
-            "world": world_size or "-",
-        }
+        shown_loss = f"{loss:.4f}" if loss is not None else "-"
+        tps = f"{tokens_per_s:,.0f}" if tokens_per_s else "-"
+        world = str(world_size or "-")
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, **fields)
+            self._progress.update(self._task, completed=step, loss=shown_loss, tps=tps, world=world)
         elif step != self._last_step and (time.monotonic() - self._last_line > 5 or step >= self._total):
-            self._out.info(f"step {step}/{self._total} loss {fields['loss']} tokens/s {fields['tps']} world {fields['world']}")
+            self._out.info(f"step {step}/{self._total} loss {shown_loss} tokens/s {tps} world {world}")
             self._last_line = time.monotonic()
         self._last_step = step
 

@@ -90,7 +90,9 @@ def kill(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
             continue
 
 
-def wait_gone(cluster_dir: Path, *, timeout: float, node: str | None = None, run: str | None = None) -> list[psutil.Process]:
+def wait_gone(
+    cluster_dir: Path, *, timeout: float, node: str | None = None, run: str | None = None
+) -> list[psutil.Process]:
     """Wait up to ``timeout`` seconds for the matching processes to exit; return those still alive."""
     deadline = time.monotonic() + timeout
     while True:

@@ -19,7 +19,7 @@ __all__ = ["serve"]
 
 def serve(host: str, port: int) -> None:
     """Serve a multi-tenant TCPStore on ``host:port`` until SIGTERM or SIGINT."""
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported in torch's stubs
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -152,7 +152,7 @@ class Attempt:
     outcome: str | None = None  # "completed" | "failed"
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Attempt":
+    def from_dict(cls, raw: dict[str, Any]) -> Attempt:
         attempt = _from_dict(cls, raw)
         attempt.rejoins = [_from_dict(Rejoin, r) for r in raw.get("rejoins", [])]
         return attempt
@@ -172,7 +172,7 @@ class RunRecord:
     attempts: list[Attempt] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "RunRecord":
+    def from_dict(cls, raw: dict[str, Any]) -> RunRecord:
         record = _from_dict(cls, raw)
         record.attempts = [Attempt.from_dict(a) for a in raw.get("attempts", [])]
         return record
@@ -226,7 +226,7 @@ class DrillRecord:
         return asdict(self) | {"resumed_correctly": self.resumed_correctly}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DrillRecord":
+    def from_dict(cls, raw: dict[str, Any]) -> DrillRecord:
         return _from_dict(cls, raw)
 
 
@@ -257,16 +257,16 @@ class Manifest:
     @property
     def reason(self) -> SaveReason | None:
         """Why this checkpoint was saved, when the writer said so."""
-        try:
-            return SaveReason(self.extra.get("reason"))
-        except ValueError:
-            return None
+        reason = self.extra.get("reason")
+        if isinstance(reason, str) and reason in {r.value for r in SaveReason}:
+            return SaveReason(reason)
+        return None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         raw = json.loads(data)
         files = [ManifestEntry(**f) for f in raw.pop("files")]
         return cls(files=files, **raw)
@@ -288,9 +288,7 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def commit_checkpoint(
-    store: Store, run_id: str, manifest: Manifest, *, replace: bool = False
-) -> bool:
+def commit_checkpoint(store: Store, run_id: str, manifest: Manifest, *, replace: bool = False) -> bool:
     """Publish MANIFEST then COMMITTED (create-only). Every listed file must already be in the store.
 
     Returns True if this call committed the step. A step that is already committed is left
@@ -311,7 +309,7 @@ def step_objects(store: Store, run_id: str) -> dict[int, set[str]]:
     steps: dict[int, set[str]] = {}
     base = f"{run_prefix(run_id)}/ckpt/"
     for obj in store.list(base):
-        parts = obj.key[len(base):].split("/")
+        parts = obj.key[len(base) :].split("/")
         match = _STEP_DIR.match(parts[0])
         if match:
             steps.setdefault(int(match.group(1)), set()).add("/".join(parts[1:]))
@@ -351,14 +349,12 @@ def verify_checkpoint(store: Store, run_id: str, step: int) -> Manifest:
     manifest = read_manifest(store, run_id, step)
     if manifest is None:
         raise CheckpointError(f"step {step} of run {run_id!r} has no MANIFEST.json")
-    present = {o.key[len(prefix) + 1:]: o.size for o in store.list(prefix)}
+    present = {o.key[len(prefix) + 1 :]: o.size for o in store.list(prefix)}
     for entry in manifest.files:
         if entry.key not in present:
             raise CheckpointError(f"step {step}: {entry.key} is missing from the store")
         if present[entry.key] != entry.size:
-            raise CheckpointError(
-                f"step {step}: {entry.key} is {present[entry.key]} bytes, manifest says {entry.size}"
-            )
+            raise CheckpointError(f"step {step}: {entry.key} is {present[entry.key]} bytes, manifest says {entry.size}")
     return manifest
 
 
@@ -443,7 +439,8 @@ def latest_metrics(store: Store, run_id: str) -> StepRecord | None:
     if newest is None:
         return None
     lines = [line for line in store.get_bytes(newest[1]).splitlines() if line.strip()]
-    return _parse_json(store, newest[1], lines[-1]) if lines else None  # type: ignore[no-any-return]
+    record: StepRecord | None = _parse_json(store, newest[1], lines[-1]) if lines else None
+    return record
 
 
 def drill_key(run_id: str, drill_id: str) -> str:

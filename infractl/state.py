@@ -67,7 +67,9 @@ class ClusterState:
     def read(self) -> dict[str, Any]:
         """The cluster record written by ``up``; StateError if the cluster is not up."""
         if not self.is_up():
-            raise StateError(f"cluster {self.name!r} is not up (no cluster record in {self.dir}); run `infractl up` first")
+            raise StateError(
+                f"cluster {self.name!r} is not up (no cluster record in {self.dir}); run `infractl up` first"
+            )
         try:
             record = json.loads(self.record_path.read_text())
         except (OSError, ValueError) as exc:
@@ -158,8 +160,9 @@ def known_clusters() -> list[KnownCluster]:
             continue
         try:
             record = state.read()
-            found.append(KnownCluster(path.name, up=True, provider=str(record["spec"]["provider"]),
-                                      nodes=len(record["nodes"])))
+            found.append(
+                KnownCluster(path.name, up=True, provider=str(record["spec"]["provider"]), nodes=len(record["nodes"]))
+            )
         except (OSError, ValueError, KeyError, TypeError):
             found.append(KnownCluster(path.name, up=True, provider=None, nodes=None))
     return found

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 from hypothesis import HealthCheck, settings
 
 from infractl import proc, runstore
 from infractl.cli import main
 from infractl.store import Store
+
+from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,7 +74,7 @@ class Cli:
 
 
 @pytest.fixture
-def cli(tmp_path: Path) -> "Cli":
+def cli(tmp_path: Path) -> Cli:
     runner = Cli(tmp_path)
     yield runner
     # A failed test must not leak node processes: kill whatever its clusters still run, by PID.
@@ -110,6 +117,14 @@ def run_cli(args: list[str], *, home: Path, cwd: Path) -> Outcome:
     return Outcome(code if isinstance(code, int) else (0 if code is None else 1), out.getvalue(), err.getvalue())
 
 
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank gloo process group in this process, for tests of collective code."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
@@ -136,13 +151,6 @@ def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float)
 # ``store_uri``     parametrized over ["file", "s3"]: write a test once, run it on both backends.
 # ``s3_auth_server`` a second moto server that enforces credentials (IAM), with one valid user.
 
-import json
-import uuid
-from collections.abc import Iterator
-from typing import Any
-
-from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
-
 
 @pytest.fixture(scope="session")
 def aws_test_env() -> Iterator[dict[str, str]]:
@@ -155,9 +163,7 @@ def aws_test_env() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def s3_server(
-    aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+def s3_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Endpoint URL (``http://127.0.0.1:PORT``) of a moto S3 server for this test process."""
     with moto_server(tmp_path_factory.mktemp("moto") / "server.log") as endpoint:
         yield endpoint
@@ -169,10 +175,10 @@ def s3_client(endpoint: str, **credentials: str) -> Any:
     from botocore.config import Config
 
     return boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        config=Config(
-            s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}
-        ),
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard", "max_attempts": 2}),
         **credentials,
     )
 
@@ -216,9 +222,7 @@ class S3AuthServer:
 
 
 @pytest.fixture(scope="session")
-def s3_auth_server(
-    aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[S3AuthServer]:
+def s3_auth_server(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3AuthServer]:
     """moto with authentication on: the first 3 requests (create a user, give it S3, make its key)
     run unauthenticated; every later request must be signed by a known key and be allowed."""
     import boto3
@@ -228,16 +232,17 @@ def s3_auth_server(
         iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
         iam.create_user(UserName="infractl-test")
         iam.put_user_policy(
-            UserName="infractl-test", PolicyName="admin",
-            PolicyDocument=json.dumps({
-                "Version": "2012-10-17",
-                "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
-            }),
+            UserName="infractl-test",
+            PolicyName="admin",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+                }
+            ),
         )
         key = iam.create_access_key(UserName="infractl-test")["AccessKey"]
-        server = S3AuthServer(
-            endpoint, key["AccessKeyId"], key["SecretAccessKey"], new_bucket_name()
-        )
+        server = S3AuthServer(endpoint, key["AccessKeyId"], key["SecretAccessKey"], new_bucket_name())
         owner = s3_client(
             endpoint,
             aws_access_key_id=server.access_key_id,

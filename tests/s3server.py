@@ -40,9 +40,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def moto_server(
-    log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0
-) -> Iterator[str]:
+def moto_server(log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0) -> Iterator[str]:
     """Run ``python -m moto.server`` on a free loopback port until the block ends; yield its URL."""
     for _attempt in range(3):  # the free port may be taken between probing and binding: retry
         port = free_port()
@@ -50,7 +48,9 @@ def moto_server(
         with log.open("ab") as out:
             server = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
             )
         deadline = time.monotonic() + startup_s

@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from test_trainer import tiny_spec
 
 from infractl import proc, runstore
 from infractl.config import CheckpointSpec, ModelSpec, RunSpec
-from test_trainer import tiny_spec
 from infractl.runstore import (
     Manifest,
     ManifestEntry,
@@ -101,13 +100,6 @@ class FlakyStore(FileStore):
         if any(key.startswith(checkpoint_prefix("r", step) + "/") for step in self.failing):
             raise OSError("store unreachable")
         super().put_file(key, path)
-
-
-@pytest.fixture
-def one_rank() -> Any:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _checkpointer(store: Store, tmp_path: Path) -> Checkpointer:
@@ -198,15 +190,19 @@ class Job:
             "--run-id", spec.name,
             "--workdir", str(tmp_path / "node0"),
         ]  # fmt: skip
-        environ = os.environ | env | {
-            "OMP_NUM_THREADS": "1",
-            "INFRACTL_ATTEMPT": str(attempt),
-            "INFRACTL_LOG_FORMAT": "json",
-            "PYTHONPATH": str(REPO),
-            # Inherited by the agent and its workers (which start their own sessions): finds
-            # the whole tree to kill it.
-            proc.CLUSTER_ENV: str(tmp_path),
-        }
+        environ = (
+            os.environ
+            | env
+            | {
+                "OMP_NUM_THREADS": "1",
+                "INFRACTL_ATTEMPT": str(attempt),
+                "INFRACTL_LOG_FORMAT": "json",
+                "PYTHONPATH": str(REPO),
+                # Inherited by the agent and its workers (which start their own sessions): finds
+                # the whole tree to kill it.
+                proc.CLUSTER_ENV: str(tmp_path),
+            }
+        )
         with self.log_path.open("w") as log:
             self.agent = subprocess.Popen(argv, cwd=REPO, env=environ, stderr=log)
 
@@ -247,18 +243,14 @@ def timestamp(event: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(
-    tmp_path: Path, store_uri: str
-) -> None:
+def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(tmp_path: Path, store_uri: str) -> None:
     store = open_store(store_uri)  # file:// and the S3 server (conftest's store_uri)
     run(tmp_path, spec_of(steps=5), store_uri=store_uri)
     assert committed_steps(store, "ck") == [5]
 
     # Resumed at 5, the save of step 10 uploads its shards, then (fault injection) waits
     # before the manifest and COMMITTED: kill the whole tree in that window.
-    job = Job(
-        tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri
-    )
+    job = Job(tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri)
     step10 = checkpoint_prefix("ck", 10)
 
     def uploaded() -> set[str]:
@@ -329,9 +321,7 @@ def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     # Never two in flight: each save starts only once the previous one committed, and the
     # last one committed before the trainer finished (and exited 0).
     assert order == [
-        (event, step)
-        for step in (2, 4, 6, 8)
-        for event in ("checkpoint_started", "checkpoint_committed")
+        (event, step) for step in (2, 4, 6, 8) for event in ("checkpoint_started", "checkpoint_committed")
     ] + [("finished", 8)]
     committed = job.events("checkpoint_committed")
     assert all(e["waited_s"] > 0 for e in committed[1:]), committed  # the guard did wait

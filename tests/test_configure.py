@@ -73,9 +73,7 @@ def configured(
 ) -> tuple[Path, list[Node], ConfigureResult]:
     state_dir = tmp_path_factory.mktemp("cluster")
     nodes = _provision(state_dir, 2)
-    result = configure(
-        state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first"
-    )
+    result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
     return state_dir, nodes, result
 
 
@@ -118,15 +116,11 @@ def test_second_configure_changes_nothing(
     assert len(again.health) == 2
 
 
-def test_wrong_torch_pin_is_refused_naming_node_and_field(
-    tmp_path: Path, rendezvous: tuple[str, int]
-) -> None:
+def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendezvous: tuple[str, int]) -> None:
     nodes = _provision(tmp_path, 2)
 
     with pytest.raises(ConfigureError) as excinfo:
-        configure(
-            tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin"
-        )
+        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin")
 
     message = str(excinfo.value)
     assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))

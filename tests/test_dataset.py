@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cli
 from infractl import dataset
 from infractl.config import DataSpec
 from infractl.errors import ConfigError
+
+from conftest import Cli
 
 
 def _corpus(root: Path, files: dict[str, str]) -> Path:

@@ -11,9 +11,10 @@ from typing import Any
 import psutil
 import pytest
 
-from conftest import Cli, wait_for_commit, write
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
+
+from conftest import Cli, wait_for_commit, write
 
 pytestmark = pytest.mark.e2e
 

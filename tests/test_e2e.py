@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from conftest import Cli, wait_for_commit, write
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
+
+from conftest import Cli, wait_for_commit, write
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +45,9 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
 
     odd = write(cli.cwd / "odd.yaml", (RUN % {"min": 1, "max": 2}).replace("batch_size: 8", "batch_size: 9"))
     refused = cli("train", str(odd), expect=2)
-    assert "odd.yaml: batch_size: 9 must be divisible by the world size (2: 2 node(s) x 1 process(es))" in refused.stderr
+    assert (
+        "odd.yaml: batch_size: 9 must be divisible by the world size (2: 2 node(s) x 1 process(es))" in refused.stderr
+    )
 
     started = json.loads(cli("train", str(run), "--detach", "--json").stdout)
     assert started["attempt"] == 1 and started["resume_from"] == 0
@@ -84,7 +87,9 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
 
     again = cli("train", str(run))
     assert "run 'e2e' already completed (committed step 240 of 240)" in again.stderr
-    other_data = write(cli.cwd / "other.yaml", (RUN % {"min": 1, "max": 2}).replace("max_bytes: 200000", "max_bytes: 150000"))
+    other_data = write(
+        cli.cwd / "other.yaml", (RUN % {"min": 1, "max": 2}).replace("max_bytes: 200000", "max_bytes: 150000")
+    )
     refused = cli("train", str(other_data), expect=2)
     assert "other.yaml: data: run 'e2e' was trained on dataset version" in refused.stderr
     other_shape = write(cli.cwd / "shape.yaml", (RUN % {"min": 1, "max": 2}).replace("hidden: 64", "hidden: 32"))

@@ -15,10 +15,11 @@ import psutil
 import pytest
 import structlog
 import torch
+from test_trainer import REPO, ok, start_torchrun, store_of, tiny_spec, torchrun
 
-from conftest import wait_for_commit
 from infractl.config import CheckpointSpec, WatchdogSpec
 from infractl.runstore import (
+    StepRecord,
     committed_steps,
     latest_committed_step,
     latest_metrics,
@@ -26,12 +27,11 @@ from infractl.runstore import (
     verify_checkpoint,
 )
 from infractl.store import FileStore
-from test_checkpoint import one_rank  # noqa: F401 (a fixture)
-from test_trainer import REPO, ok, start_torchrun, store_of, tiny_spec, torchrun
 from trainer.backoff import retry_delays
 from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
-from infractl.runstore import StepRecord
 from trainer.metrics import MetricsWriter
+
+from conftest import wait_for_commit
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -145,9 +145,7 @@ def test_settle_waits_a_bounded_time_for_the_save_in_flight(
     (tmp_path / "store").mkdir()
     store = FileStore(tmp_path / "store")
     monkeypatch.setenv(UPLOAD_DELAY_ENV, "1")
-    checkpointer = Checkpointer(
-        store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2
-    )
+    checkpointer = Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
     assert checkpointer.settle(0.1) is False  # nothing in flight
     checkpointer.save(1, {"w": torch.zeros(8)}, extra={})
     started = time.monotonic()

@@ -10,13 +10,12 @@ from typing import Any
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_trainer import Run, store_of, tiny_spec, torchrun
 
 import infractl
-from infractl.runstore import read_metrics, verify_checkpoint
+from infractl.runstore import StepRecord, read_metrics, verify_checkpoint
 from infractl.store import Store
-from test_trainer import Run, store_of, tiny_spec, torchrun
 from trainer.fingerprint import RUNTIME_IMAGE_ENV, environment_fingerprint, git_revision
-from infractl.runstore import StepRecord
 from trainer.metrics import MetricsWriter, peak_memory_bytes, tensorboard_prefix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,9 +42,7 @@ def scalars(store: Store, run_id: str, tmp_path: Path) -> dict[str, dict[int, fl
         store.get_file(obj.key, local / obj.key.rsplit("/", 1)[-1])
     events = EventAccumulator(str(local))
     events.Reload()
-    return {
-        tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]
-    }
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 # -- unit ------------------------------------------------------------------------------------
@@ -149,9 +146,7 @@ def test_first_record_and_every_checkpoint_carry_the_fingerprint(
     assert {k: logged[k] for k in fingerprint} == fingerprint
 
 
-def test_tensorboard_event_file_in_the_store_holds_every_step(
-    ddp_run: tuple[Path, Run], tmp_path: Path
-) -> None:
+def test_tensorboard_event_file_in_the_store_holds_every_step(ddp_run: tuple[Path, Run], tmp_path: Path) -> None:
     run_dir, _ = ddp_run
     store = store_of(run_dir)
     records = read_metrics(store, "tiny")

@@ -37,10 +37,11 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from conftest import OUTAGE_RUN, REPO, Outage, Outcome, run_cli, store_down_cluster
 from infractl.config import MAX_CONFIG_BYTES, NAME_PATTERN
 from infractl.drill import KINDS
 from infractl.output import printable
+
+from conftest import OUTAGE_RUN, REPO, Outage, Outcome, run_cli, store_down_cluster
 
 pytestmark = pytest.mark.xdist_group("properties")
 
@@ -69,7 +70,9 @@ def snapshot(root: Path) -> dict[str, tuple[str, int, str]]:
 
 def check(args: list[str], outcome: Outcome, *, allowed: set[int], before: dict[str, Any], home: Path) -> None:
     event(f"{args[0] if args else '(none)'} exit {outcome.code}")
-    detail = f"infractl {args!r}\nexit {outcome.code}\nstdout:\n{outcome.stdout[-3000:]}\nstderr:\n{outcome.stderr[-3000:]}"
+    detail = (
+        f"infractl {args!r}\nexit {outcome.code}\nstdout:\n{outcome.stdout[-3000:]}\nstderr:\n{outcome.stderr[-3000:]}"
+    )
     assert "Traceback" not in outcome.stderr, detail
     assert outcome.code in allowed, detail
     assert len([line for line in outcome.stderr.splitlines() if line.strip()]) <= 3, detail
@@ -86,8 +89,23 @@ def check(args: list[str], outcome: Outcome, *, allowed: set[int], before: dict[
 
 
 # Options that take a value: the word after one is its value, even if it reads "--json".
-VALUE_OPTIONS = {"--cluster", "-c", "--node", "-n", "--run", "-r", "--tail", "--out", "-o", "--val-fraction",
-                 "--include", "--timeout", "--repeat", "--seconds", "--log-format"}
+VALUE_OPTIONS = {
+    "--cluster",
+    "-c",
+    "--node",
+    "-n",
+    "--run",
+    "-r",
+    "--tail",
+    "--out",
+    "-o",
+    "--val-fraction",
+    "--include",
+    "--timeout",
+    "--repeat",
+    "--seconds",
+    "--log-format",
+}
 
 
 def json_requested(args: list[str]) -> bool:
@@ -162,7 +180,7 @@ config_values = st.one_of(
 def misspell(key: str, data: st.DataObject) -> str:
     if len(key) > 1 and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(key) - 1))
-        return key[:i] + key[i + 1:]
+        return key[:i] + key[i + 1 :]
     return key + data.draw(st.sampled_from(["s", "_", "X", "é"]))
 
 
@@ -190,10 +208,13 @@ def mutate(doc: dict[str, Any], data: st.DataObject) -> dict[str, Any]:
     return doc
 
 
-ALIAS_BOMB = "\n".join(
-    ["lol0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
-    + [f"lol{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]
-) + "\n"
+ALIAS_BOMB = (
+    "\n".join(
+        ["lol0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+        + [f"lol{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 7)]
+    )
+    + "\n"
+)
 
 
 def document(schema: dict[str, Any], data: st.DataObject) -> bytes:
@@ -238,8 +259,13 @@ log_formats = st.one_of(st.sampled_from(["console", "json"]), arg_text)
 
 def drill_options(kind: str) -> dict[str, Any]:
     options: dict[str, Any] = {
-        "--run": names, "--cluster": None, "--timeout": floats(), "--repeat": ints(),
-        "--wait": FLAG, "--no-wait": FLAG, "--json": FLAG,
+        "--run": names,
+        "--cluster": None,
+        "--timeout": floats(),
+        "--repeat": ints(),
+        "--wait": FLAG,
+        "--no-wait": FLAG,
+        "--json": FLAG,
     }
     if KINDS[kind].targets_node:
         options["--node"] = names
@@ -256,12 +282,27 @@ COMMANDS: dict[tuple[str, ...], tuple[list[Any], dict[str, Any]]] = {
     ("status",): ([], {"--cluster": None, "--json": FLAG}),
     ("logs",): ([], {"--cluster": None, "--node": names, "--run": names, "--tail": ints()}),
     ("metrics",): ([names], {"--cluster": None, "--json": FLAG}),
-    ("train",): (["RUN_FILE"], {"--cluster": None, "--new": FLAG, "--detach": FLAG, "--yes": FLAG,
-                                "--json": FLAG, "--log-format": log_formats}),
+    ("train",): (
+        ["RUN_FILE"],
+        {
+            "--cluster": None,
+            "--new": FLAG,
+            "--detach": FLAG,
+            "--yes": FLAG,
+            "--json": FLAG,
+            "--log-format": log_formats,
+        },
+    ),
     ("rejoin",): ([names], {"--run": names, "--cluster": None, "--json": FLAG, "--log-format": log_formats}),
-    ("data", "prepare"): ([st.one_of(st.sampled_from(["corpus.txt", "nowhere", "."]), arg_text)],
-                          {"--out": st.one_of(st.just("ds"), arg_text), "--val-fraction": floats(),
-                           "--include": arg_text, "--json": FLAG}),
+    ("data", "prepare"): (
+        [st.one_of(st.sampled_from(["corpus.txt", "nowhere", "."]), arg_text)],
+        {
+            "--out": st.one_of(st.just("ds"), arg_text),
+            "--val-fraction": floats(),
+            "--include": arg_text,
+            "--json": FLAG,
+        },
+    ),
     ("schema",): ([], {"--out": st.one_of(st.just("schemas-out"), arg_text)}),
     **{("drill", kind): ([], drill_options(kind)) for kind in KINDS},
 }
@@ -299,13 +340,17 @@ def command_line(share: Share, data: st.DataObject, scratch: Path) -> list[str]:
         elif options[option] is not FLAG:
             if data.draw(st.integers(0, 19)):  # else: the option's value is missing
                 args.append(data.draw(options[option]))
-    mutation = data.draw(st.sampled_from(["none"] * 6 + ["drop", "duplicate", "unknown-option", "json", "unknown-command"]))
+    mutation = data.draw(
+        st.sampled_from(["none"] * 6 + ["drop", "duplicate", "unknown-option", "json", "unknown-command"])
+    )
     if mutation == "drop" and len(args) > 1:
         del args[data.draw(st.integers(0, len(args) - 1))]
     elif mutation == "duplicate":
         args.append(data.draw(st.sampled_from(args)))
     elif mutation == "unknown-option":
-        args.insert(data.draw(st.integers(1, len(args))), data.draw(st.sampled_from(["--frobnicate", "-z", "--json=1"])))
+        args.insert(
+            data.draw(st.integers(1, len(args))), data.draw(st.sampled_from(["--frobnicate", "-z", "--json=1"]))
+        )
     elif mutation == "json":
         args.append("--json")
     elif mutation == "unknown-command":
@@ -346,15 +391,19 @@ def run_and_check(share: Share, args: list[str], scratch: Path) -> None:
 
 
 @given(data=st.data())
-def test_generated_run_files_are_refused_in_one_line(tmp_path_factory: pytest.TempPathFactory,
-                                                     data: st.DataObject) -> None:
+def test_generated_run_files_are_refused_in_one_line(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     base = tmp_path_factory.getbasetemp()
     share = Share(base / "nothing-up" / ".infractl", ["local"], [("train",)], {2})
     with scratch_dir(base) as scratch:
         run = scratch / "run.yaml"
         run.write_bytes(document(RUN_SCHEMA, data))
-        args = ["train", str(run), *data.draw(st.lists(st.sampled_from(["--json", "--new", "--yes", "--detach"]),
-                                                        max_size=2, unique=True))]
+        args = [
+            "train",
+            str(run),
+            *data.draw(st.lists(st.sampled_from(["--json", "--new", "--yes", "--detach"]), max_size=2, unique=True)),
+        ]
         run_and_check(share, args, scratch)
 
 
@@ -362,15 +411,16 @@ def _cluster_name(option: str) -> str:
     """The cluster ``-c OPTION`` would create (to hold its lock), when it can be told."""
     try:
         doc = yaml.safe_load(Path(option).read_bytes())
-    except Exception:  # noqa: BLE001 - a file that cannot be read or parsed is refused before any lock
+    except Exception:
         return "local"
     name = doc.get("name", "local") if isinstance(doc, dict) else "local"
     return name if isinstance(name, str) and re.fullmatch(NAME_PATTERN, name) else "local"
 
 
 @given(data=st.data())
-def test_generated_cluster_files_are_refused_in_one_line(tmp_path_factory: pytest.TempPathFactory,
-                                                         data: st.DataObject) -> None:
+def test_generated_cluster_files_are_refused_in_one_line(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     base = tmp_path_factory.getbasetemp()
     share = Share(base / "nothing-up" / ".infractl", ["local"], [("up",)], {0, 2})  # 0: `status`
     with scratch_dir(base) as scratch:
@@ -382,8 +432,7 @@ def test_generated_cluster_files_are_refused_in_one_line(tmp_path_factory: pytes
 
 
 @given(data=st.data())
-def test_generated_command_lines_with_nothing_up(tmp_path_factory: pytest.TempPathFactory,
-                                                 data: st.DataObject) -> None:
+def test_generated_command_lines_with_nothing_up(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     base = tmp_path_factory.getbasetemp()
     share = Share(base / "nothing-up" / ".infractl", ["local", "c1"], list(COMMANDS), {0, 2})
     with scratch_dir(base) as scratch:
@@ -391,8 +440,9 @@ def test_generated_command_lines_with_nothing_up(tmp_path_factory: pytest.TempPa
 
 
 @given(data=st.data())
-def test_generated_command_lines_against_an_unreachable_store(outage: Outage, tmp_path_factory: pytest.TempPathFactory,
-                                                              data: st.DataObject) -> None:
+def test_generated_command_lines_against_an_unreachable_store(
+    outage: Outage, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     share = Share(outage.cli.home, [outage.cluster, "local"], SAFE_EVERYWHERE, {0, 1, 2})
     with scratch_dir(tmp_path_factory.getbasetemp()) as scratch:
         args = command_line(share, data, scratch)

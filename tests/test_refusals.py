@@ -92,7 +92,7 @@ def test_refusal_inside_the_lock_removes_the_cluster_directory_the_lock_made(
 
 def test_alias_expansion_bomb_is_refused(cli: Cli) -> None:
     lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    for prev, name in zip("abcde", "bcdef"):
+    for prev, name in zip("abcde", "bcdef", strict=True):
         lines.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
     run = write(cli.cwd / "run.yaml", "\n".join(lines) + "\n")
     line = _one_line(cli("train", str(run), expect=2).stderr)
@@ -146,10 +146,14 @@ def test_command_line_errors_are_one_line_with_where_help_is(cli: Cli) -> None:
 def test_json_refusals_print_one_error_object_on_stdout(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", "name: r\nmodel: {hiden: 64}\n")
     result = cli("train", str(run), "--json", expect=2)
-    assert json.loads(result.stdout) == {"error": {
-        "message": f"{run}: model.hiden: unknown field", "exit_code": 2,
-        "field": "model.hiden", "file": str(run),
-    }}
+    assert json.loads(result.stdout) == {
+        "error": {
+            "message": f"{run}: model.hiden: unknown field",
+            "exit_code": 2,
+            "field": "model.hiden",
+            "file": str(run),
+        }
+    }
     _one_line(result.stderr)
 
     result = cli("status", "--json", "--frobnicate", expect=2)

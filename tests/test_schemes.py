@@ -214,9 +214,7 @@ def test_activation_checkpointing_bf16_and_offload_combine_with_each_scheme(
 
 
 @pytest.mark.parametrize("scheme", ["ddp", "zero1"])
-def test_cpu_offload_is_refused_outside_fsdp_naming_the_field(
-    scheme: str, tmp_path: Path
-) -> None:
+def test_cpu_offload_is_refused_outside_fsdp_naming_the_field(scheme: str, tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(f"name: r\nparallel: {scheme}\ncpu_offload: true\n")
     with pytest.raises(ConfigError, match=rf"run.yaml: cpu_offload: .*parallel: fsdp.*{scheme}"):

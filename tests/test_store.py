@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
-from conftest import REPO, S3AuthServer, s3_client
 
 from infractl import runstore
 from infractl.errors import ConfigError, UsageError
 from infractl.runstore import CheckpointError, Manifest, ManifestEntry
 from infractl.store import FileStore, S3Store, Store, StoreError, StoreKeyError, StoreUnavailable, open_store
+
+from conftest import REPO, S3AuthServer, s3_client
 
 MIB = 1024 * 1024
 
@@ -153,8 +154,14 @@ def test_metrics_keep_the_newest_record_of_a_step(store: Store) -> None:
 
 
 def test_run_records_are_listed_and_round_trip(store: Store) -> None:
-    attempt = runstore.Attempt(attempt=1, started=1.0, resume_from=0, nodes=["node-0"], rdzv_id="a-1-x",
-                               rejoins=[runstore.Rejoin(node="node-1", time=2.0, pid=7)])
+    attempt = runstore.Attempt(
+        attempt=1,
+        started=1.0,
+        resume_from=0,
+        nodes=["node-0"],
+        rdzv_id="a-1-x",
+        rejoins=[runstore.Rejoin(node="node-1", time=2.0, pid=7)],
+    )
     runstore.write_run_record(store, runstore.RunRecord(run_id="a", cluster="c", attempts=[attempt]))
     runstore.write_run_record(store, runstore.RunRecord(run_id="b", cluster="c"))
     assert runstore.list_runs(store) == ["a", "b"]
@@ -165,10 +172,17 @@ def test_run_records_are_listed_and_round_trip(store: Store) -> None:
 
 
 def test_records_read_fields_they_do_not_know_and_default_those_they_lack(store: Store) -> None:
-    store.put_bytes("runs/a/run.json", json.dumps({
-        "run_id": "a", "cluster": "c", "from_a_newer_version": 1,
-        "attempts": [{"attempt": 1, "started": 1.0, "resume_from": 0, "nodes": [], "rdzv_id": "x"}],
-    }).encode())
+    store.put_bytes(
+        "runs/a/run.json",
+        json.dumps(
+            {
+                "run_id": "a",
+                "cluster": "c",
+                "from_a_newer_version": 1,
+                "attempts": [{"attempt": 1, "started": 1.0, "resume_from": 0, "nodes": [], "rdzv_id": "x"}],
+            }
+        ).encode(),
+    )
     record = runstore.read_run_record(store, "a")
     assert record is not None and record.spec is None and record.attempts[0].rejoins == []
     store.put_bytes("runs/b/run.json", b'{"cluster": "c"}')
@@ -177,10 +191,22 @@ def test_records_read_fields_they_do_not_know_and_default_those_they_lack(store:
 
 
 def test_drill_records_round_trip(store: Store) -> None:
-    record = runstore.DrillRecord(drill_id="d1", drill="kill-node", run_id="a", cluster="c", node="node-1",
-                                  survivors=["node-0"], fault_time=5.0, fault={"signal": "SIGKILL"}, step_at_fault=12,
-                                  last_committed_step=10, world_size_at_fault=2, resumed_from_step=10,
-                                  expected_resume_step=10, outcome="recovered")
+    record = runstore.DrillRecord(
+        drill_id="d1",
+        drill="kill-node",
+        run_id="a",
+        cluster="c",
+        node="node-1",
+        survivors=["node-0"],
+        fault_time=5.0,
+        fault={"signal": "SIGKILL"},
+        step_at_fault=12,
+        last_committed_step=10,
+        world_size_at_fault=2,
+        resumed_from_step=10,
+        expected_resume_step=10,
+        outcome="recovered",
+    )
     runstore.write_drill_record(store, record)
     assert runstore.read_drill_records(store, "a") == [record]
     assert json.loads(store.get_bytes(runstore.drill_key("a", "d1")))["resumed_correctly"] is True
@@ -274,7 +300,11 @@ def test_s3_uri_is_canonical_and_keeps_endpoint_and_region() -> None:
     store = open_store(uri, field="f")
     assert isinstance(store, S3Store)
     assert (store.bucket, store.prefix, store.endpoint_url, store.region) == (
-        "bkt", "a/b", "http://127.0.0.1:9000", "eu-west-1")
+        "bkt",
+        "a/b",
+        "http://127.0.0.1:9000",
+        "eu-west-1",
+    )
     assert store.uri == "s3://bkt/a/b?endpoint_url=http://127.0.0.1:9000&region=eu-west-1"
     assert open_store("s3://bkt").uri == "s3://bkt"
 
@@ -305,9 +335,7 @@ def _s3(uri: str, **knobs: Any) -> S3Store:
     """The store of ``uri`` with tuning knobs (thresholds, page size) changed for a test."""
     base = open_store(uri)
     assert isinstance(base, S3Store)
-    return S3Store(
-        base.bucket, base.prefix, endpoint_url=base.endpoint_url, field="cluster.store", **knobs
-    )
+    return S3Store(base.bucket, base.prefix, endpoint_url=base.endpoint_url, field="cluster.store", **knobs)
 
 
 def _count_calls(store: S3Store, operation: str) -> list[int]:
@@ -322,9 +350,7 @@ def test_s3_conditional_put_gets_412_over_http(s3_store_uri: str) -> None:
     # The server itself refuses the second create-only write: not a client-side existence check.
     raw = s3_client(store.endpoint_url or "")
     with pytest.raises(ClientError) as err:
-        raw.put_object(
-            Bucket=store.bucket, Key="store/ckpt/step-1/COMMITTED", Body=b"2", IfNoneMatch="*"
-        )
+        raw.put_object(Bucket=store.bucket, Key="store/ckpt/step-1/COMMITTED", Body=b"2", IfNoneMatch="*")
     assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
     puts = _count_calls(store, "PutObject")
     assert not store.put_if_absent("ckpt/step-1/COMMITTED", b"2")
@@ -419,9 +445,7 @@ def test_s3_check_unreachable_endpoint(aws_test_env: dict[str, str]) -> None:
     )
 
 
-def test_s3_check_credentials(
-    s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_s3_check_credentials(s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
     uri = f"s3://{s3_auth_server.bucket}/p?endpoint_url={s3_auth_server.endpoint}"
     where = f"cluster.store: cannot reach s3://{s3_auth_server.bucket}/p: "
     for name, value in s3_auth_server.env().items():
@@ -430,9 +454,7 @@ def test_s3_check_credentials(
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNUNKNOWN00")
     message = _check_error(open_store(uri, field="cluster.store"))
-    assert message.startswith(
-        where + "InvalidAccessKeyId (The AWS Access Key Id you provided does not exist"
-    )
+    assert message.startswith(where + "InvalidAccessKeyId (The AWS Access Key Id you provided does not exist")
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_auth_server.access_key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -451,22 +473,28 @@ def test_s3_check_without_credentials(s3_store_uri: str, monkeypatch: pytest.Mon
     )
 
 
-def test_s3_check_refuses_a_read_only_store(
-    s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_s3_check_refuses_a_read_only_store(s3_auth_server: S3AuthServer, monkeypatch: pytest.MonkeyPatch) -> None:
     import boto3
 
     iam = boto3.client(
-        "iam", endpoint_url=s3_auth_server.endpoint, region_name="us-east-1",
+        "iam",
+        endpoint_url=s3_auth_server.endpoint,
+        region_name="us-east-1",
         aws_access_key_id=s3_auth_server.access_key_id,
         aws_secret_access_key=s3_auth_server.secret_access_key,
     )
     iam.create_user(UserName="reader")
     iam.put_user_policy(
-        UserName="reader", PolicyName="read",
-        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [
-            {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"},
-        ]}),
+        UserName="reader",
+        PolicyName="read",
+        PolicyDocument=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {"Effect": "Allow", "Action": ["s3:Get*", "s3:List*"], "Resource": "*"},
+                ],
+            }
+        ),
     )
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
@@ -482,8 +510,12 @@ def test_s3_check_refuses_a_read_only_store(
 
 def test_s3_unreachable_endpoint_is_store_unavailable_within_seconds(aws_test_env: dict[str, str]) -> None:
     store = open_store("s3://bkt/p?endpoint_url=http://127.0.0.1:1", field="cluster.store", interactive=True)
-    for call in (lambda: store.get_bytes("runs/x/run.json"), lambda: store.list("runs/"), store.ping,
-                 lambda: store.put_bytes("runs/x/a", b"1")):
+    for call in (
+        lambda: store.get_bytes("runs/x/run.json"),
+        lambda: store.list("runs/"),
+        store.ping,
+        lambda: store.put_bytes("runs/x/a", b"1"),
+    ):
         with pytest.raises(StoreUnavailable) as err:
             call()
         assert str(err.value).startswith("store s3://bkt/p?endpoint_url=http://127.0.0.1:1: cannot ")

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Outage, store_down_cluster
 from infractl import proc
 from infractl.drill import KINDS
+
+from conftest import Outage, store_down_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("store-outage")]
 

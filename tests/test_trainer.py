@@ -22,6 +22,7 @@ from infractl import dataset
 from infractl.config import CheckpointSpec, DataSpec, EvalSpec, ModelSpec, RunSpec, load_run_json, per_rank_batch
 from infractl.errors import ConfigError
 from infractl.runstore import (
+    StepRecord,
     checkpoint_prefix,
     committed_steps,
     read_metrics,
@@ -29,7 +30,6 @@ from infractl.runstore import (
 )
 from infractl.store import Store, open_store
 from trainer.data import ByteBatches, sample_indices
-from infractl.runstore import StepRecord
 from trainer.metrics import MetricsWriter
 from trainer.optimizer import lr_factor
 
@@ -108,9 +108,7 @@ def torchrun(
 
     The store is ``store_uri`` (``file://`` or ``s3://...?endpoint_url=``; the trainers find S3
     credentials in the inherited environment), by default ``tmp_path/store``."""
-    return start_torchrun(
-        tmp_path, spec, nproc=nproc, nodes=nodes, attempt=attempt, store_uri=store_uri
-    ).finish()
+    return start_torchrun(tmp_path, spec, nproc=nproc, nodes=nodes, attempt=attempt, store_uri=store_uri).finish()
 
 
 @dataclass
@@ -155,12 +153,16 @@ def start_torchrun(
     store_uri = store_uri or default_store_uri(tmp_path)
     spec_path = tmp_path / f"spec-{attempt}.json"
     spec_path.write_text(spec.model_dump_json())
-    common = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "INFRACTL_ATTEMPT": str(attempt),
-        "INFRACTL_LOG_FORMAT": "json",
-        "PYTHONPATH": str(REPO),
-    } | dict(env or {})
+    common = (
+        os.environ
+        | {
+            "OMP_NUM_THREADS": "1",
+            "INFRACTL_ATTEMPT": str(attempt),
+            "INFRACTL_LOG_FORMAT": "json",
+            "PYTHONPATH": str(REPO),
+        }
+        | dict(env or {})
+    )
     if nodes == 1:
         rendezvous = [["--standalone", "--nnodes=1"]]
     else:
@@ -245,9 +247,7 @@ def test_ranks_split_the_global_batch_without_overlap(world_size: int) -> None:
         union = np.concatenate(shares)
         assert len(set(union.tolist())) == batch_size  # no sample on two ranks
         # The global batch does not depend on how many ranks share it.
-        whole = sample_indices(
-            seed=0, step=step, rank=0, world_size=1, batch_size=batch_size, samples=samples
-        )
+        whole = sample_indices(seed=0, step=step, rank=0, world_size=1, batch_size=batch_size, samples=samples)
         assert np.array_equal(union, whole)
 
 
@@ -255,9 +255,7 @@ def test_each_epoch_visits_every_sample_once() -> None:
     samples, batch_size = 64, 8
     seen = np.concatenate(
         [
-            sample_indices(
-                seed=1, step=s, rank=r, world_size=2, batch_size=batch_size, samples=samples
-            )
+            sample_indices(seed=1, step=s, rank=r, world_size=2, batch_size=batch_size, samples=samples)
             for s in range(1, samples // batch_size + 1)
             for r in range(2)
         ]
@@ -274,9 +272,7 @@ def test_batches_pair_each_byte_with_the_next() -> None:
 
 
 def test_batch_size_not_divisible_by_world_size_names_batch_size() -> None:
-    with pytest.raises(
-        ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"
-    ):
+    with pytest.raises(ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"):
         per_rank_batch(10, 4)
 
 
@@ -364,9 +360,7 @@ def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Pa
     assert committed_steps(store, "tiny")[-1] == 12
 
 
-def test_uncommitted_step_is_never_loaded_and_resume_is_exact(
-    tmp_path: Path, store_uri: str
-) -> None:
+def test_uncommitted_step_is_never_loaded_and_resume_is_exact(tmp_path: Path, store_uri: str) -> None:
     store = store_of(store_uri)  # file:// and the S3 server (conftest's store_uri)
     spec = tiny_spec(steps=10)
     ok(torchrun(tmp_path, spec, store_uri=store_uri))
@@ -416,9 +410,7 @@ def test_resume_on_fewer_ranks_reshards_and_keeps_the_data_order(tmp_path: Path)
     records = [r for r in read_metrics(store, spec.name) if r["attempt"] == 2]
     assert [(r["step"], r["world_size"]) for r in records] == [(s, 1) for s in range(6, 11)]
     # One rank sees the same global batches as two did; only reduction order differs.
-    assert [r["loss"] for r in records] == pytest.approx(
-        [before[s] for s in range(6, 11)], rel=1e-4
-    )
+    assert [r["loss"] for r in records] == pytest.approx([before[s] for s in range(6, 11)], rel=1e-4)
     assert verify_checkpoint(store, spec.name, 10).world_size == 1
 
 
@@ -441,9 +433,7 @@ def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_pa
     run = torchrun(tmp_path, tiny_spec(batch_size=9))
 
     assert not run.ok
-    errors = {
-        e["event"] for e in run.events if e["level"] == "error"
-    }  # one line per rank that got there
+    errors = {e["event"] for e in run.events if e["level"] == "error"}  # one line per rank that got there
     assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
     assert list((tmp_path / "store").iterdir()) == []
 
@@ -459,17 +449,13 @@ def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refus
         dataset.prepare([src], tmp_path / name, val_fraction=0.3)
         return str(tmp_path / name)
 
-    spec = tiny_spec(
-        data=DataSpec(source="prepared", path=prepared("ds1", "a")), eval=EvalSpec(every=5, batches=1)
-    )
+    spec = tiny_spec(data=DataSpec(source="prepared", path=prepared("ds1", "a")), eval=EvalSpec(every=5, batches=1))
     ok(torchrun(tmp_path, spec))
     records = read_metrics(store_of(tmp_path), "tiny")
     assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
     assert all(r["val_loss"] > 0 for r in records if "val_loss" in r)
 
-    changed = spec.model_copy(
-        update={"steps": 15, "data": DataSpec(source="prepared", path=prepared("ds2", "b"))}
-    )
+    changed = spec.model_copy(update={"steps": 15, "data": DataSpec(source="prepared", path=prepared("ds2", "b"))})
     refused = torchrun(tmp_path, changed, attempt=2)
     assert not refused.ok
     assert "was trained on dataset version" in refused.stderr

@@ -5,9 +5,7 @@ from __future__ import annotations
 __all__ = ["retry_delays"]
 
 
-def retry_delays(
-    *, first_s: float = 1.0, cap_s: float = 15.0, total_s: float = 600.0
-) -> list[float]:
+def retry_delays(*, first_s: float = 1.0, cap_s: float = 15.0, total_s: float = 600.0) -> list[float]:
     """Seconds to sleep before each retry: doubling from ``first_s``, at most ``cap_s`` each,
     at most ``total_s`` together.
 

@@ -57,8 +57,9 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from infractl.log import get_logger
 from infractl.runstore import (
@@ -177,9 +178,7 @@ class Checkpointer:
             log.info("checkpoint_started", step=step, waited_s=round(waited, 3))
         staged = self._stage(step, state)
         blocking = time.monotonic() - called
-        in_flight = _InFlight(
-            step=step, timings={"called": called, "waited_s": waited, "blocking_s": blocking}
-        )
+        in_flight = _InFlight(step=step, timings={"called": called, "waited_s": waited, "blocking_s": blocking})
         # The thread carries this thread's log context (the rank) into its log lines.
         context = contextvars.copy_context()
         in_flight.thread = threading.Thread(
@@ -257,9 +256,7 @@ class Checkpointer:
             self._repair.add(step)
             shutil.rmtree(self._restore_dir(step), ignore_errors=True)
         if steps:
-            raise CheckpointError(
-                f"run {self.run_id!r}: no committed checkpoint verifies (tried steps {steps})"
-            )
+            raise CheckpointError(f"run {self.run_id!r}: no committed checkpoint verifies (tried steps {steps})")
         return None
 
     # -- protocol, off the training thread ----------------------------------------------
@@ -276,9 +273,7 @@ class Checkpointer:
             except Exception as exc:
                 error = _describe(exc)
             # A committed step is rewritten only when load found it corrupt.
-            exists, check_error = self._on_rank0(
-                functools.partial(self._committed_unasked, step), group=self._group
-            )
+            exists, check_error = self._on_rank0(functools.partial(self._committed_unasked, step), group=self._group)
             error = error or check_error
             if error is None and not exists:
                 try:
@@ -320,9 +315,7 @@ class Checkpointer:
         except Exception as exc:
             return False, _describe(exc)
 
-    def _commit(
-        self, in_flight: _InFlight, step: int, files: list[ManifestEntry], extra: dict[str, Any]
-    ) -> bool:
+    def _commit(self, in_flight: _InFlight, step: int, files: list[ManifestEntry], extra: dict[str, Any]) -> bool:
         """Rank 0: publish the manifest and COMMITTED, prune, log. True if newly committed."""
         timings = in_flight.timings
         seconds = time.monotonic() - timings["called"]
@@ -376,7 +369,7 @@ class Checkpointer:
         staging.mkdir(parents=True)
         # The writer stages (a CPU copy, as BlockingAsyncStager) before the write is queued.
         # Files are read back at once for upload: fsync of scratch files buys nothing.
-        written = dcp.async_save(
+        written = async_save(
             state,
             storage_writer=FileSystemWriter(staging, sync_files=False),
             process_group=self._group,
@@ -393,9 +386,7 @@ class Checkpointer:
         entries = []
         for path in sorted(p for p in staged.dir.rglob("*") if p.is_file()):
             key = path.relative_to(staged.dir).as_posix()
-            entries.append(
-                ManifestEntry(key=key, size=path.stat().st_size, sha256=file_sha256(path))
-            )
+            entries.append(ManifestEntry(key=key, size=path.stat().st_size, sha256=file_sha256(path)))
             self.store.put_file(f"{prefix}/{key}", path)
         return entries
 
@@ -421,18 +412,14 @@ class Checkpointer:
 
     def _load(self, manifest: Manifest, state: dict[str, Any]) -> None:
         restore = self._restore_dir(manifest.step)
-        dcp.load(state, storage_reader=FileSystemReader(restore))
+        load(state, storage_reader=FileSystemReader(restore))
         # Ranks sharing this workdir may still be reading it.
         dist.barrier()
         shutil.rmtree(restore, ignore_errors=True)
         _remove_empty(restore.parent)
 
     def _download(self, key: str, dest: Path, entry: ManifestEntry) -> None:
-        if (
-            dest.is_file()
-            and dest.stat().st_size == entry.size
-            and file_sha256(dest) == entry.sha256
-        ):
+        if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
             return  # another rank on this node already fetched it
         tmp = dest.with_name(f".{dest.name}.rank-{self.rank}.part")
         self.store.get_file(key, tmp)
@@ -442,9 +429,7 @@ class Checkpointer:
             raise CheckpointError(f"{key}: sha256 is {digest}, the manifest says {entry.sha256}")
         os.replace(tmp, dest)
 
-    def _on_rank0(
-        self, compute: Callable[[], _T], *, group: dist.ProcessGroup | None = None
-    ) -> _T:
+    def _on_rank0(self, compute: Callable[[], _T], *, group: dist.ProcessGroup | None = None) -> _T:
         """``compute()`` run on rank 0 only, its result given to every rank: one decision.
 
         ``group``: the checkpoint group off the training thread; the default group otherwise.

@@ -33,8 +33,7 @@ def num_samples(corpus_len: int, seq_len: int) -> int:
     count = (corpus_len - 1) // seq_len
     if count < 1:
         raise RunRefused(
-            f"data: the split ({corpus_len} bytes) is shorter than one sample "
-            f"(model.seq_len + 1 = {seq_len + 1} bytes)"
+            f"data: the split ({corpus_len} bytes) is shorter than one sample (model.seq_len + 1 = {seq_len + 1} bytes)"
         )
     return count
 
@@ -46,9 +45,7 @@ def _epoch_order(seed: int, epoch: int, count: int) -> np.ndarray:
     return order
 
 
-def sample_indices(
-    *, seed: int, step: int, rank: int, world_size: int, batch_size: int, samples: int
-) -> np.ndarray:
+def sample_indices(*, seed: int, step: int, rank: int, world_size: int, batch_size: int, samples: int) -> np.ndarray:
     """Indices of the samples ``rank`` trains on at ``step`` (1-based); a pure function."""
     if step < 1:
         raise ValueError("step must be at least 1 (steps are 1-based)")

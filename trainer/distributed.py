@@ -43,9 +43,7 @@ class DistEnv:
             try:
                 return int(raw) if raw else default
             except ValueError:
-                raise ValueError(
-                    f"environment variable {name} must be an integer, got {raw!r}"
-                ) from None
+                raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
         return cls(
             rank=number("RANK", 0),
@@ -71,14 +69,12 @@ def init_process_group(env: DistEnv, *, timeout_s: float = 300.0) -> torch.devic
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(
-            backend, timeout=timeout, device_id=device if device.type == "cuda" else None
-        )
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
         # Started without torchrun: a job of one, rendezvous in memory.
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+        # torch's stubs do not re-export the c10d store classes from torch.distributed.
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return device
 
 

@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ def config_hash(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class StepSplit:
+    """How a step's time split (the ``StepRecord`` fields of the same names)."""
+
+    data_s: float
+    forward_backward_s: float
+    optimizer_s: float
+    comm_s: float | None
+
+
 class Preempted(Exception):
     """Training stopped at ``step`` because a rank got a preemption notice; ``step`` is
     committed. ``signalled``: whether this rank got it (else a peer did)."""
@@ -108,15 +119,25 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel == "zero1")
         self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
-            store, run_id=run_id, workdir=workdir, rank=env.rank, world_size=env.world_size,
+            store,
+            run_id=run_id,
+            workdir=workdir,
+            rank=env.rank,
+            world_size=env.world_size,
             keep=spec.checkpoint.keep,
         )
         metrics = (
             MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id) if env.rank == 0 else None
         )
         self.saves = Saves(
-            self.checkpointer, metrics, every=spec.checkpoint.every, step_timeout_s=spec.watchdog.step_timeout_s,
-            rank=env.rank, device=device, state=lambda: self._state(None), extra=self._extra,
+            self.checkpointer,
+            metrics,
+            every=spec.checkpoint.every,
+            step_timeout_s=spec.watchdog.step_timeout_s,
+            rank=env.rank,
+            device=device,
+            state=lambda: self._state(None),
+            extra=self._extra,
         )
         self.clock = StepClock(device)
         # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
@@ -157,11 +178,13 @@ class Trainer:
                 saved_world_size=manifest.world_size,
             )
         if manifest.extra.get("config_hash") != self.config_hash:
-            log.warning(
-                "config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash
-            )
-        changed = version_mismatch(self.checkpointer.run_id, saved=manifest.extra.get("dataset_version"),
-                                   current=self.dataset_version, data=self.spec.data)
+            log.warning("config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash)
+        changed = version_mismatch(
+            self.checkpointer.run_id,
+            saved=manifest.extra.get("dataset_version"),
+            current=self.dataset_version,
+            data=self.spec.data,
+        )
         if changed:
             raise RunRefused(
                 f"data: {changed}; train it under a new run name, or start over with `infractl train --new`"
@@ -200,12 +223,15 @@ class Trainer:
                     attempt=self.env.attempt,
                     restart_count=self.env.restart_count,
                     time=time.time(),
-                    **split,
+                    data_s=split.data_s,
+                    forward_backward_s=split.forward_backward_s,
+                    optimizer_s=split.optimizer_s,
+                    comm_s=split.comm_s,
                     checkpoint_blocking_s=0.0,
                     peak_memory_bytes=peak_memory_bytes(self.device),
                 )
                 if first:
-                    record["environment"] = self.fingerprint
+                    record["environment"] = dict(self.fingerprint)
                 if self.validation is not None and (step % spec.eval.every == 0 or final):
                     record["val_loss"] = self._evaluate(self.validation)
                 if not final:
@@ -247,7 +273,7 @@ class Trainer:
         report("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
         raise Preempted(step, signalled=signalled)
 
-    def _train_step(self, step: int) -> tuple[float, int, dict[str, Any]]:
+    def _train_step(self, step: int) -> tuple[float, int, StepSplit]:
         """One optimizer step; return the global batch's loss, how many ranks got a preemption
         notice, and how the step's time split (the ``StepRecord`` fields ``data_s`` ..
         ``comm_s``)."""
@@ -262,7 +288,7 @@ class Trainer:
         # fsdp's bf16 policy returns bf16 logits; the loss is fp32 for every scheme.
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is not annotated
         backward_done = clock.mark()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), _GRAD_CLIP)
         self.optimizer.step()
@@ -276,12 +302,12 @@ class Trainer:
         total, preempted = summed.tolist()
         global_loss = total / self.env.world_size
         # After .item(): on CUDA the marks are events, complete only once the stream synced.
-        split = {
-            "data_s": round(clock.seconds(start, fetched), 6),
-            "forward_backward_s": round(clock.seconds(fetched, backward_done), 6),
-            "optimizer_s": round(clock.seconds(backward_done, stepped), 6),
-            "comm_s": round(self.comm.seconds(), 6) if self.comm is not None else None,
-        }
+        split = StepSplit(
+            data_s=round(clock.seconds(start, fetched), 6),
+            forward_backward_s=round(clock.seconds(fetched, backward_done), 6),
+            optimizer_s=round(clock.seconds(backward_done, stepped), 6),
+            comm_s=round(self.comm.seconds(), 6) if self.comm is not None else None,
+        )
         return global_loss, round(preempted), split
 
     @torch.no_grad()
@@ -319,14 +345,22 @@ def _build_data(spec: RunSpec, env: DistEnv) -> tuple[str, ByteBatches, Validati
     the run evaluates)."""
     dataset = open_dataset(spec.data)
     data = ByteBatches(
-        dataset.tokens("train"), seq_len=spec.model.seq_len, batch_size=spec.batch_size, seed=spec.seed,
-        rank=env.rank, world_size=env.world_size,
+        dataset.tokens("train"),
+        seq_len=spec.model.seq_len,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        rank=env.rank,
+        world_size=env.world_size,
     )
     validation = None
     if spec.eval.every:
         validation = ValidationBatches(
-            dataset.tokens("val"), seq_len=spec.model.seq_len, batch_size=spec.batch_size,
-            batches=spec.eval.batches, rank=env.rank, world_size=env.world_size,
+            dataset.tokens("val"),
+            seq_len=spec.model.seq_len,
+            batch_size=spec.batch_size,
+            batches=spec.eval.batches,
+            rank=env.rank,
+            world_size=env.world_size,
         )
     return dataset.version, data, validation
 
@@ -341,6 +375,10 @@ def _build_model(spec: RunSpec, env: DistEnv, device: torch.device) -> torch.nn.
     model = GPT(GPTConfig.from_spec(spec.model))
     seed_everything(spec.seed + env.rank)
     return parallelize(
-        model, scheme=spec.parallel, device=device, activation_checkpointing=spec.activation_checkpointing,
-        mixed_precision=spec.mixed_precision, cpu_offload=spec.cpu_offload,
+        model,
+        scheme=spec.parallel,
+        device=device,
+        activation_checkpointing=spec.activation_checkpointing,
+        mixed_precision=spec.mixed_precision,
+        cpu_offload=spec.cpu_offload,
     )

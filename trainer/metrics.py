@@ -23,7 +23,6 @@ from infractl.log import get_logger
 from infractl.runstore import StepRecord, run_prefix, write_metrics
 from infractl.store import Store
 from trainer.backoff import retry_delays
-from trainer.fingerprint import Fingerprint
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -87,7 +86,7 @@ class StepClock:
 
     def mark(self) -> Mark:
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # not annotated in torch
             event.record()
             return event
         return time.perf_counter()
@@ -159,7 +158,8 @@ def _timed_allreduce(timer, bucket):  # type: ignore[no-untyped-def]
         timer.completed()
         return fut.value()
 
-    return default_hooks.allreduce_hook(None, bucket).then(done)
+    # None: the default process group, as DDP's own default hook passes it (the stub says a group).
+    return default_hooks.allreduce_hook(None, bucket).then(done)  # type: ignore[arg-type]
 
 
 class MetricsWriter:
@@ -197,9 +197,7 @@ class MetricsWriter:
         self.every_s = every_s
         self.handoff_wait_s = handoff_wait_s
         self._clock = clock
-        self._close_retry_delays = (
-            retry_delays() if close_retry_delays is None else list(close_retry_delays)
-        )
+        self._close_retry_delays = retry_delays() if close_retry_delays is None else list(close_retry_delays)
         self._pending: list[StepRecord] = []  # the training thread's, not yet handed over
         self._last_flush = clock()
         self._tensorboard: SummaryWriter | None = None
@@ -215,9 +213,7 @@ class MetricsWriter:
         self._closed = False
         # The thread carries the caller's log context (the rank) into its log lines.
         context = contextvars.copy_context()
-        self._thread = threading.Thread(
-            target=context.run, args=(self._run,), name="metrics-writer", daemon=True
-        )
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="metrics-writer", daemon=True)
         self._thread.start()
 
     def add(self, record: StepRecord) -> None:
@@ -225,10 +221,7 @@ class MetricsWriter:
         newest); TensorBoard then gets only the fields it did not have."""
         self._pending.append(record)
         self._chart(record)
-        if (
-            len(self._pending) >= self.every_steps
-            or self._clock() - self._last_flush >= self.every_s
-        ):
+        if len(self._pending) >= self.every_steps or self._clock() - self._last_flush >= self.every_s:
             self._hand_over(upload=False)
 
     def flush(self) -> None:
@@ -282,9 +275,7 @@ class MetricsWriter:
             self._requested = True
             self._cond.notify_all()
             if wait:
-                self._cond.wait_for(
-                    lambda: not self._requested and not self._busy, timeout=self.handoff_wait_s
-                )
+                self._cond.wait_for(lambda: not self._requested and not self._busy, timeout=self.handoff_wait_s)
         self._last_flush = self._clock()
 
     def _run(self) -> None:
@@ -322,7 +313,7 @@ class MetricsWriter:
 
     def _write(self, records: list[StepRecord]) -> None:
         if records:
-            write_metrics(self.store, self.run_id, [dict(r) for r in records])
+            write_metrics(self.store, self.run_id, records)
 
     def _chart(self, record: StepRecord) -> None:
         if self.tensorboard_dir is None:
@@ -334,9 +325,7 @@ class MetricsWriter:
             # resumed run's replayed steps are not drawn twice.
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(
-                str(self.tensorboard_dir), purge_step=step, flush_secs=3600
-            )
+            self._tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=step, flush_secs=3600)
         charted = self._charted.setdefault(step, set())
         raw: dict[str, Any] = dict(record)
         for field, tag in _SCALARS.items():

@@ -55,7 +55,8 @@ class _Attention(nn.Module):
         shape = (batch, seq, self.heads, hidden // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        return out
 
 
 class _MLP(nn.Module):
@@ -65,7 +66,8 @@ class _MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class _Block(nn.Module):
@@ -78,7 +80,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):

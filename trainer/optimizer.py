@@ -18,9 +18,7 @@ _BETAS = (0.9, 0.95)
 _FINAL_FACTOR = 0.1
 
 
-def build_optimizer(
-    model: nn.Module, *, lr: float, shard_state: bool = False
-) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, *, lr: float, shard_state: bool = False) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not biases, norms or embeddings' 1-D params).
 
     ``shard_state`` (ZeRO-1): a ``ZeroRedundancyOptimizer`` gives each rank the AdamW state of
@@ -35,9 +33,7 @@ def build_optimizer(
     ]
     # foreach=False: the per-tensor loop is deterministic and fast enough at these sizes.
     if shard_state:
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=_BETAS, foreach=False
-        )
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=_BETAS, foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=_BETAS, foreach=False)
 
 

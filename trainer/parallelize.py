@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint
+from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -78,12 +78,8 @@ def parallelize(
     # Gradients are reduced in fp32 whatever the compute dtype: a bf16 sum over many ranks
     # loses the small updates that training depends on.
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    offload_policy = (
-        CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
-    )
-    shard = functools.partial(
-        fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy
-    )
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     # Blocks first, then the root: each block is its own unit of all-gather and
     # reduce-scatter (communication overlaps the neighbouring block's compute); the root
     # unit takes what is left (embeddings, final norm). Every rank builds identical initial

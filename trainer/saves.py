@@ -114,10 +114,10 @@ class Saves:
     def _save(self, step: int, record: StepRecord, reason: SaveReason) -> None:
         """Start saving ``step`` and record it (see the module doc)."""
         if self.metrics is not None:
-            self.metrics.add(record | {"checkpoint_blocking_s": None})  # type: ignore[typeddict-item]
+            self.metrics.add(record | {"checkpoint_blocking_s": None})
             self.metrics.flush()
         started = time.perf_counter()
         self.checkpointer.save(step, self._state(), extra=self._extra(reason))
         blocking = time.perf_counter() - started
         if self.metrics is not None:
-            self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})  # type: ignore[typeddict-item]
+            self.metrics.add(record | {"checkpoint_blocking_s": round(blocking, 6)})

@@ -84,17 +84,12 @@ class ShardedOptimizerState(Stateful):
         self.optimizer = optimizer
         names = {p: name for name, p in _unwrapped(model).named_parameters()}
         # The local optimizer holds only this rank's partition.
-        self._owned = [
-            (names[p], p) for group in optimizer.optim.param_groups for p in group["params"]
-        ]
+        self._owned = [(names[p], p) for group in optimizer.optim.param_groups for p in group["params"]]
         self._groups = [[names[p] for p in group["params"]] for group in optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         local = self.optimizer.optim.state
-        state = {
-            name: dict(local[p]) if local.get(p) else _empty_adam_state(p)
-            for name, p in self._owned
-        }
+        state = {name: dict(local[p]) if local.get(p) else _empty_adam_state(p) for name, p in self._owned}
         groups = [
             {k: v for k, v in group.items() if k != "params"} | {"params": names}
             for group, names in zip(self.optimizer.param_groups, self._groups, strict=True)

@@ -18,8 +18,8 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 import torch
@@ -49,21 +49,11 @@ def _run_id(value: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m trainer.train", description=__doc__.split("::")[0]
-    )
-    parser.add_argument(
-        "--spec", type=Path, required=True, help="RunSpec as JSON (RunSpec.model_dump_json())."
-    )
-    parser.add_argument(
-        "--store", required=True, help="Store URI for checkpoints and metrics (file:///...)."
-    )
-    parser.add_argument(
-        "--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/."
-    )
-    parser.add_argument(
-        "--workdir", type=Path, required=True, help="This node's scratch directory."
-    )
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("::")[0])
+    parser.add_argument("--spec", type=Path, required=True, help="RunSpec as JSON (RunSpec.model_dump_json()).")
+    parser.add_argument("--store", required=True, help="Store URI for checkpoints and metrics (file:///...).")
+    parser.add_argument("--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/.")
+    parser.add_argument("--workdir", type=Path, required=True, help="This node's scratch directory.")
     return parser
 
 

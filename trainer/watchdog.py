@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from torch.distributed.elastic.timer import FileTimerClient
+from torch.distributed.elastic.timer.file_based_local_timer import FileTimerClient
 
 from infractl.log import get_logger
 

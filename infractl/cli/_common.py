@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -50,7 +50,7 @@ def finite_option(value: float | None) -> float | None:
 
 
 ClusterOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--cluster",
         "-c",
@@ -61,9 +61,15 @@ ClusterOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 RunArg = Annotated[str, typer.Argument(help="Run name.", metavar="RUN", callback=name_option)]
-RunOpt = Annotated[Optional[str], typer.Option(
-    "--run", "-r", callback=name_option,
-    help="Run name. Default: the run running on the cluster (logs: else the run launched last).")]
+RunOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--run",
+        "-r",
+        callback=name_option,
+        help="Run name. Default: the run running on the cluster (logs: else the run launched last).",
+    ),
+]
 LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="Log lines: console or json.")]
 NodeArg = Annotated[str, typer.Argument(help="Node name (e.g. node-1).", metavar="NODE", callback=name_option)]
 

@@ -31,8 +31,10 @@ def up(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     with state.lock("up"):
         result = cluster.up(state, spec, store, out)
     for h in result.health:
-        out.info(f"health: {h.get('node', '?')}: all_reduce over {h.get('world')} node(s), "
-                 f"bus bandwidth {h.get('busbw_gbps', 0):.3f} GB/s")
+        out.info(
+            f"health: {h.get('node', '?')}: all_reduce over {h.get('world')} node(s), "
+            f"bus bandwidth {h.get('busbw_gbps', 0):.3f} GB/s"
+        )
     if result.changed:
         out.success(f"cluster {spec.name!r} is up: {len(result.nodes)} node(s), rendezvous {result.rendezvous}")
     else:
@@ -40,9 +42,12 @@ def up(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     out.result({**asdict(result), "changed": result.changed})
 
 
-def teardown(cluster_opt: ClusterOpt = None, yes: YesOpt = False,
-             purge: bool = typer.Option(False, "--purge", help="Also delete this cluster's runs from the store."),
-             json_mode: JsonOpt = False) -> None:
+def teardown(
+    cluster_opt: ClusterOpt = None,
+    yes: YesOpt = False,
+    purge: bool = typer.Option(False, "--purge", help="Also delete this cluster's runs from the store."),
+    json_mode: JsonOpt = False,
+) -> None:
     """Stop every job, destroy the nodes, and verify nothing of the cluster is left."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
@@ -52,8 +57,10 @@ def teardown(cluster_opt: ClusterOpt = None, yes: YesOpt = False,
     with state.lock("teardown"):
         result = cluster.teardown(state, out, purge=purge)
     kept = "" if purge else " (store kept; --purge deletes runs)"
-    out.success(f"cluster {result.cluster!r} torn down: {result.nodes_removed} node(s) destroyed, "
-                f"{result.processes_killed} process(es) stopped, nothing left{kept}")
+    out.success(
+        f"cluster {result.cluster!r} torn down: {result.nodes_removed} node(s) destroyed, "
+        f"{result.processes_killed} process(es) stopped, nothing left{kept}"
+    )
     out.result(asdict(result))
 
 
@@ -68,21 +75,35 @@ def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
             steps = None  # a record without a valid spec (written by another version): still listed
         last = runstore.latest_committed_step(store, record.run_id)
         latest = runstore.latest_metrics(store, record.run_id)
-        rows.append({
-            "run": record.run_id,
-            "state": runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps),
-            "attempts": len(record.attempts), "steps": steps, "last_committed_step": last,
-            "last_step": latest["step"] if latest else None, "loss": latest["loss"] if latest else None,
-            "world_size": latest["world_size"] if latest else None,
-        })
+        rows.append(
+            {
+                "run": record.run_id,
+                "state": runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps),
+                "attempts": len(record.attempts),
+                "steps": steps,
+                "last_committed_step": last,
+                "last_step": latest["step"] if latest else None,
+                "loss": latest["loss"] if latest else None,
+                "world_size": latest["world_size"] if latest else None,
+            }
+        )
     return rows
 
 
 def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
     """Without the store, what the processes show: each run that runs, and on which nodes."""
     return [
-        {"run": run_id, "state": "running", "nodes": sorted(nodes), "attempts": None, "steps": None,
-         "last_committed_step": None, "last_step": None, "loss": None, "world_size": None}
+        {
+            "run": run_id,
+            "state": "running",
+            "nodes": sorted(nodes),
+            "attempts": None,
+            "steps": None,
+            "last_committed_step": None,
+            "last_step": None,
+            "loss": None,
+            "world_size": None,
+        }
         for run_id, nodes in sorted(runs.running(state).items())
     ]
 
@@ -93,8 +114,12 @@ def _known(headline: str) -> tuple[dict[str, Any], RenderableType]:
     for col in ("cluster", "provider", "nodes", "state"):
         table.add_column(col)
     for c in clusters:
-        table.add_row(c["name"], c["provider"] or "-", str(c["nodes"] if c["nodes"] is not None else "-"),
-                      "up" if c["up"] else "down")
+        table.add_row(
+            c["name"],
+            c["provider"] or "-",
+            str(c["nodes"] if c["nodes"] is not None else "-"),
+            "up" if c["up"] else "down",
+        )
     human: RenderableType = Group(Text(headline), table) if clusters else Text(headline)
     return {"clusters": clusters}, human
 
@@ -109,16 +134,17 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     state, _ = resolve_cluster(cluster_opt)
     if cluster_opt is None and not state.is_up():
         up_names = [c.name for c in known_clusters() if c.up]
-        headline = ("no cluster is up" if not up_names else
-                    f"cluster 'local' is not up; up here: {', '.join(up_names)} (use -c NAME)")
+        headline = (
+            "no cluster is up"
+            if not up_names
+            else f"cluster 'local' is not up; up here: {', '.join(up_names)} (use -c NAME)"
+        )
         data, human = _known(headline)
         out.result(data, human)
         return
     record = state.read()
     rdzv = record["rendezvous"]
-    nodes = [
-        {**n, "live_processes": len(proc.find(state.dir, node=n["name"]))} for n in record["nodes"]
-    ]
+    nodes = [{**n, "live_processes": len(proc.find(state.dir, node=n["name"]))} for n in record["nodes"]]
     store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
     try:
         runs = _run_rows(state, cluster.store_for(state))
@@ -161,9 +187,15 @@ def _runs_table(runs: list[dict[str, Any]], *, store_reachable: bool) -> Table:
         return "-" if value is None else str(value)
 
     for r in runs:
-        table.add_row(r["run"], r["state"], dash(r["attempts"]),
-                      f"{dash(r['last_committed_step'])}/{dash(r['steps'])}", dash(r["last_step"]),
-                      f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-", dash(r["world_size"]))
+        table.add_row(
+            r["run"],
+            r["state"],
+            dash(r["attempts"]),
+            f"{dash(r['last_committed_step'])}/{dash(r['steps'])}",
+            dash(r["last_step"]),
+            f"{r['loss']:.4f}" if isinstance(r["loss"], (int, float)) else "-",
+            dash(r["world_size"]),
+        )
     return table
 
 

@@ -18,10 +18,15 @@ data_app = typer.Typer(help="Prepare versioned, tokenized datasets.", no_args_is
 
 @data_app.command()
 def prepare(
-    sources: Annotated[list[Path], typer.Argument(help="Text files or directories (walked recursively).", metavar="SRC...", show_default=False)],
+    sources: Annotated[
+        list[Path],
+        typer.Argument(help="Text files or directories (walked recursively).", metavar="SRC...", show_default=False),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="New, empty directory to write the dataset into.")],
-    val_fraction: Annotated[float, typer.Option(
-        "--val-fraction", help="Share of documents held out for validation.", callback=finite_option)] = 0.05,
+    val_fraction: Annotated[
+        float,
+        typer.Option("--val-fraction", help="Share of documents held out for validation.", callback=finite_option),
+    ] = 0.05,
     include: Annotated[str, typer.Option("--include", help="File-name pattern to take from directories.")] = "*",
     json_mode: JsonOpt = False,
 ) -> None:

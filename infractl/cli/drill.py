@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Optional
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -14,21 +15,43 @@ from infractl.state import resolve_cluster
 
 __all__ = ["register"]
 
-app = typer.Typer(help="Fault drills against a running job (started with `infractl train ... --detach`).",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Fault drills against a running job (started with `infractl train ... --detach`).", no_args_is_help=True
+)
 
-NodeOpt = Annotated[Optional[str], typer.Option(
-    "--node", "-n", help="Node to fault. Default: the last node running the run.", callback=name_option)]
-TimeoutOpt = Annotated[float, typer.Option(
-    "--timeout", help="Seconds to wait for each drill's recovery (and the run's end).", min=1, max=7 * 86400,
-    callback=finite_option)]
-SecondsOpt = Annotated[float, typer.Option(
-    "--seconds", help="How long the fault lasts.", min=1, max=86400, callback=finite_option)]
-WaitOpt = Annotated[bool, typer.Option(
-    "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then.")]
-RepeatOpt = Annotated[int, typer.Option(
-    "--repeat", help="Run N drills in a row on the same run (a node the fault removed rejoins in between); "
-                     "prints the success count and the median and worst restart_s.", min=1, max=100)]
+NodeOpt = Annotated[
+    str | None,
+    typer.Option("--node", "-n", help="Node to fault. Default: the last node running the run.", callback=name_option),
+]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds to wait for each drill's recovery (and the run's end).",
+        min=1,
+        max=7 * 86400,
+        callback=finite_option,
+    ),
+]
+SecondsOpt = Annotated[
+    float, typer.Option("--seconds", help="How long the fault lasts.", min=1, max=86400, callback=finite_option)
+]
+WaitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then."
+    ),
+]
+RepeatOpt = Annotated[
+    int,
+    typer.Option(
+        "--repeat",
+        help="Run N drills in a row on the same run (a node the fault removed rejoins in between); "
+        "prints the success count and the median and worst restart_s.",
+        min=1,
+        max=100,
+    ),
+]
 
 
 def _drill(kind: str, out: Output, json_mode: bool, cluster_opt: str | None, repeat: int, **kwargs: Any) -> None:
@@ -51,7 +74,8 @@ def _drill(kind: str, out: Output, json_mode: bool, cluster_opt: str | None, rep
                 out.info(_line(record))
             (out.success if ok else out.warn)(
                 f"{summary['succeeded']}/{repeat} {kind} drills recovered; restart_s median "
-                f"{_s(summary['median_restart_s'])}, worst {_s(summary['worst_restart_s'])}")
+                f"{_s(summary['median_restart_s'])}, worst {_s(summary['worst_restart_s'])}"
+            )
     if not ok:
         raise typer.Exit(1)
 
@@ -63,10 +87,12 @@ def _line(r: DrillRecord) -> str:
         extra = f"; emergency checkpoint of step {r.emergency_checkpoint_step} after {_s(r.emergency_checkpoint_s)}"
     if r.rejoin_s is not None:
         extra += f"; rejoined after {_s(r.rejoin_s)}"
-    return (f"drill {r.drill_id}: {r.drill}{where} of run {r.run_id!r} at step {r.step_at_fault} "
-            f"(committed {r.last_committed_step}); detect {_s(r.detect_s)}, restart {_s(r.restart_s)}, "
-            f"{drills.kind_named(r.drill).describe(r)}{extra}; final step {r.final_step}/{r.steps} "
-            f"{'committed' if r.final_committed else 'not committed'}: {r.outcome}")
+    return (
+        f"drill {r.drill_id}: {r.drill}{where} of run {r.run_id!r} at step {r.step_at_fault} "
+        f"(committed {r.last_committed_step}); detect {_s(r.detect_s)}, restart {_s(r.restart_s)}, "
+        f"{drills.kind_named(r.drill).describe(r)}{extra}; final step {r.final_step}/{r.steps} "
+        f"{'committed' if r.final_committed else 'not committed'}: {r.outcome}"
+    )
 
 
 def _s(value: float | None) -> str:
@@ -83,8 +109,17 @@ def _node_command(kind: type[drills.Kind]) -> Callable[..., None]:
         wait: WaitOpt = True,
         json_mode: JsonOpt = False,
     ) -> None:
-        _drill(kind.name, output(json_mode), json_mode, cluster_opt, repeat, node=node, run=run, timeout=timeout,
-               wait_finish=wait)
+        _drill(
+            kind.name,
+            output(json_mode),
+            json_mode,
+            cluster_opt,
+            repeat,
+            node=node,
+            run=run,
+            timeout=timeout,
+            wait_finish=wait,
+        )
 
     command.__doc__ = kind.help + " Then measure detection, restart, lost work and completion."
     return command
@@ -102,8 +137,17 @@ def _timed_command(kind: type[drills.Kind]) -> Callable[..., None]:
         wait: WaitOpt = True,
         json_mode: JsonOpt = False,
     ) -> None:
-        _drill(kind.name, output(json_mode), json_mode, cluster_opt, repeat, run=run, seconds=seconds,
-               timeout=timeout, wait_finish=wait)
+        _drill(
+            kind.name,
+            output(json_mode),
+            json_mode,
+            cluster_opt,
+            repeat,
+            run=run,
+            seconds=seconds,
+            timeout=timeout,
+            wait_finish=wait,
+        )
 
     command.__doc__ = kind.help
     return command

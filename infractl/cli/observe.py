@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -21,8 +21,9 @@ __all__ = ["register"]
 
 def logs(
     cluster_opt: ClusterOpt = None,
-    node: Annotated[Optional[str], typer.Option(
-        "--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)] = None,
+    node: Annotated[
+        str | None, typer.Option("--node", "-n", help="Only this node (e.g. node-1).", callback=name_option)
+    ] = None,
     run: RunOpt = None,
     tail: Annotated[int, typer.Option("--tail", help="Lines per node (0 = all).", min=0, max=10**9)] = 200,
 ) -> None:
@@ -64,8 +65,10 @@ def _attempt_lines(record: RunRecord) -> list[str]:
     lines = []
     for a in record.attempts:
         rejoins = f", {len(a.rejoins)} rejoin(s)" if a.rejoins else ""
-        lines.append(f"run {record.run_id} attempt {a.attempt}: nodes {', '.join(a.nodes)}, "
-                     f"resumed from step {a.resume_from}{rejoins}: {a.outcome or 'running or stopped'}")
+        lines.append(
+            f"run {record.run_id} attempt {a.attempt}: nodes {', '.join(a.nodes)}, "
+            f"resumed from step {a.resume_from}{rejoins}: {a.outcome or 'running or stopped'}"
+        )
     return lines
 
 
@@ -86,8 +89,15 @@ def metrics(
         table.add_column(col, justify="right")
     for r in records:
         val = f"{r['val_loss']:.4f}" if "val_loss" in r else ""
-        table.add_row(str(r["step"]), f"{r['loss']:.4f}", val, f"{r['step_time_s']:.3f}",
-                      f"{r['tokens_per_s']:,.0f}", str(r.get("world_size", "-")), str(r.get("attempt", "-")))
+        table.add_row(
+            str(r["step"]),
+            f"{r['loss']:.4f}",
+            val,
+            f"{r['step_time_s']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            str(r.get("world_size", "-")),
+            str(r.get("attempt", "-")),
+        )
     out.result(records, table)
 
 

@@ -29,7 +29,9 @@ def write_schemas(out_dir: Path) -> list[Path]:
 
 
 def schema(
-    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the schemas into.")] = Path("schemas"),
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Directory to write the schemas into.")] = Path(
+        "schemas"
+    ),
 ) -> None:
     """Write cluster.schema.json and run.schema.json (for yaml-language-server and other editors)."""
     out = output()

@@ -23,7 +23,9 @@ __all__ = ["register"]
 def train(
     run_file: Annotated[Path, typer.Argument(help="run.yaml describing the model, data, steps and nodes.")],
     cluster_opt: ClusterOpt = None,
-    new: Annotated[bool, typer.Option("--new", help="Delete the run's checkpoints and metrics and start over from step 0.")] = False,
+    new: Annotated[
+        bool, typer.Option("--new", help="Delete the run's checkpoints and metrics and start over from step 0.")
+    ] = False,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once the agents are started.")] = False,
     yes: YesOpt = False,
     json_mode: JsonOpt = False,
@@ -39,17 +41,27 @@ def train(
             confirm(f"Delete the checkpoints and metrics of run {spec.name!r} and start over?", yes=yes)
             plan.store.delete_prefix(runstore.run_prefix(spec.name))
         if plan.complete:
-            out.success(f"run {spec.name!r} already completed (committed step {plan.resume_from} of {spec.steps}); "
-                        "use --new to start over")
+            out.success(
+                f"run {spec.name!r} already completed (committed step {plan.resume_from} of {spec.steps}); "
+                "use --new to start over"
+            )
             out.result({"run_id": spec.name, "outcome": "completed", "last_committed_step": plan.resume_from})
             return
         started = launcher.launch(state, spec, plan, log_format=log_format)
     where = f"resuming from committed step {started.resume_from}" if started.resume_from else "starting at step 0"
     out.info(f"run {spec.name!r} attempt {started.attempt} on {len(started.nodes)} node(s), {where}")
     if detach:
-        out.success(f"run {spec.name!r} started in the background; follow it with `infractl status` and `infractl logs`")
-        out.result({"run_id": spec.name, "attempt": started.attempt, "resume_from": started.resume_from,
-                    "agents": {n: a.pid for n, a in started.agents.items()}})
+        out.success(
+            f"run {spec.name!r} started in the background; follow it with `infractl status` and `infractl logs`"
+        )
+        out.result(
+            {
+                "run_id": spec.name,
+                "attempt": started.attempt,
+                "resume_from": started.resume_from,
+                "agents": {n: a.pid for n, a in started.agents.items()},
+            }
+        )
         return
     try:
         attempt = _follow(started, spec, plan, out)
@@ -88,8 +100,12 @@ def _follow(started: launcher.Launch, spec: RunSpec, plan: launcher.Plan, out: O
                 out.info("the store is reachable again")
                 store_down = False
             if latest and latest.get("attempt") == started.attempt:
-                bar.update(latest["step"], loss=latest.get("loss"),
-                           tokens_per_s=latest.get("tokens_per_s"), world_size=latest.get("world_size"))
+                bar.update(
+                    latest["step"],
+                    loss=latest.get("loss"),
+                    tokens_per_s=latest.get("tokens_per_s"),
+                    world_size=latest.get("world_size"),
+                )
     attempt = launcher.finish(plan, spec, exit_codes)
     if attempt.outcome != "completed":
         failed = sorted(n for n, rc in exit_codes.items() if rc != 0) or sorted(exit_codes)
@@ -112,10 +128,20 @@ def rejoin(
     state, _ = resolve_cluster(cluster_opt)
     with state.lock("rejoin"):
         joined = launcher.rejoin(state, node, run=run, log_format=log_format)
-    out.success(f"node {joined.node!r} is joining run {joined.run_id!r} (attempt {joined.attempt}; "
-                f"rejoin {joined.rejoins} of at most {joined.budget}); the run restarts its workers on the larger world")
-    out.result({"run_id": joined.run_id, "node": joined.node, "attempt": joined.attempt, "pid": joined.pid,
-                "rejoins": joined.rejoins, "budget": joined.budget})
+    out.success(
+        f"node {joined.node!r} is joining run {joined.run_id!r} (attempt {joined.attempt}; "
+        f"rejoin {joined.rejoins} of at most {joined.budget}); the run restarts its workers on the larger world"
+    )
+    out.result(
+        {
+            "run_id": joined.run_id,
+            "node": joined.node,
+            "attempt": joined.attempt,
+            "pid": joined.pid,
+            "rejoins": joined.rejoins,
+            "budget": joined.budget,
+        }
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -51,6 +51,7 @@ class Drill:
     seconds: float  # how long a timed fault lasts (store-outage)
     progress: Progress
     fault: dict[str, Any] = field(default_factory=dict)
+    watched: list[psutil.Process] = field(default_factory=list)  # whose exit means the job noticed
 
     @property
     def run_id(self) -> str:
@@ -101,8 +102,10 @@ class Kind:
 
     def describe(self, record: DrillRecord) -> str:
         """How the run came back, for the drill's line."""
-        return (f"resumed from step {record.resumed_from_step} (last committed {record.expected_resume_step}) "
-                f"on world size {record.world_size_after}, lost {record.lost_work_steps} step(s)")
+        return (
+            f"resumed from step {record.resumed_from_step} (last committed {record.expected_resume_step}) "
+            f"on world size {record.world_size_after}, lost {record.lost_work_steps} step(s)"
+        )
 
     def succeeded(self, record: DrillRecord) -> bool:
         """Recovered, and from the newest committed step."""
@@ -123,4 +126,3 @@ def kind_named(name: str) -> Kind:
     if name not in KINDS:
         raise UsageError(f"unknown drill {name!r} (one of: {', '.join(KINDS)})", field="KIND")
     return KINDS[name]()
-

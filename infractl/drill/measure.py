@@ -127,8 +127,11 @@ def alive(p: psutil.Process) -> bool:
 
 def resumed(commits: Commits, record: DrillRecord) -> bool:
     """Fill in the resume fields once a restarted worker group completed a step; True then."""
-    restarts = [r for r in runstore.read_metrics(commits.store, record.run_id)
-                if r["time"] > record.fault_time and runstore.starts_a_process(r)]
+    restarts = [
+        r
+        for r in runstore.read_metrics(commits.store, record.run_id)
+        if r["time"] > record.fault_time and runstore.starts_a_process(r)
+    ]
     if not restarts:
         return False
     first = min(restarts, key=lambda r: r["time"])
@@ -143,8 +146,7 @@ def resumed(commits: Commits, record: DrillRecord) -> bool:
     return True
 
 
-def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psutil.Process],
-            wait_finish: bool) -> None:
+def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psutil.Process], wait_finish: bool) -> None:
     """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
     recovered = False
     next_commits = next_metrics = 0.0

@@ -34,13 +34,17 @@ def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -
     if node is None:
         node = live[-1]
     elif node not in live:
-        raise StateError(f"node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})",
-                         field="--node")
+        raise StateError(
+            f"node {node!r} runs no process of run {run!r} (running on: {', '.join(live)})", field="--node"
+        )
     survivors = [n for n in live if n != node]
     minimum = int(spec["nodes"]["min"])
     if kind.node_leaves and len(survivors) < minimum:
-        raise UsageError(f"{kind.name} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
-                         f"fewer than its nodes.min ({minimum})", field="--node")
+        raise UsageError(
+            f"{kind.name} on {node!r} would leave {len(survivors)} node(s) running run {run!r}, "
+            f"fewer than its nodes.min ({minimum})",
+            field="--node",
+        )
     return Target(run, node, survivors, spec)
 
 
@@ -60,37 +64,22 @@ def run_drill(
     kind = kind_named(kind_name)
     target = select(state, kind, node, run)
     store = store_for(state)
-    drill_id = f"{kind.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
     drill = Drill(
-        state=state, store=store, target=target, commits=measure.Commits(store, target.run_id),
-        workers=[], victims=[], deadline=time.monotonic() + timeout, timeout=timeout, seconds=seconds,
+        state=state,
+        store=store,
+        target=target,
+        commits=measure.Commits(store, target.run_id),
+        workers=[],
+        victims=[],
+        deadline=time.monotonic() + timeout,
+        timeout=timeout,
+        seconds=seconds,
         progress=progress,
     )
-    # Everything slow to look up is looked up before the fault: kill-during-checkpoint must
-    # strike within the moment between a step's upload and its commit.
-    drill.commits.poll()
-    latest = runstore.latest_metrics(store, target.run_id)
-    drill.workers = measure.workers(proc.find(state.dir, run=target.run_id))
-    if target.node is not None:
-        drill.victims = proc.find(state.dir, node=target.node, run=target.run_id)
-    kind.prepare(drill)
-    last_committed = drill.commits.newest()
-
-    fault_time = time.time()
-    watched = kind.inject(drill)
-    where = f"node {target.node!r}" if target.node else "the store"
-    step_at_fault = latest["step"] if latest else None
-    progress(f"{kind.name}: fault on {where} of run {target.run_id!r} at step {step_at_fault}, "
-             f"last committed step {last_committed}")
-    record = DrillRecord(
-        drill_id=drill_id, drill=kind.name, run_id=target.run_id, cluster=state.name, node=target.node,
-        survivors=target.survivors, fault_time=fault_time, fault=drill.fault, step_at_fault=step_at_fault,
-        last_committed_step=last_committed, world_size_at_fault=latest["world_size"] if latest else None,
-        steps=int(target.spec["steps"]), timeout_s=timeout,
-    )
+    record = _strike(drill, kind)
     try:
         kind.settle(drill)
-        measure.observe(drill, kind, record, watched=watched, wait_finish=wait_finish)
+        measure.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
         if wait_finish and record.final_committed:
             # The last commit comes just before the processes exit: the drill ends with the run.
             proc.wait_gone(state.dir, run=target.run_id, timeout=measure.GONE_TIMEOUT_S)
@@ -102,3 +91,41 @@ def run_drill(
     record.finished_time = time.time()
     runstore.write_drill_record(store, record)
     return record
+
+
+def _strike(drill: Drill, kind: Kind) -> DrillRecord:
+    """Look up what the fault needs, inject it, and start the drill's record."""
+    target = drill.target
+    # Everything slow to look up is looked up before the fault: kill-during-checkpoint must
+    # strike within the moment between a step's upload and its commit.
+    drill.commits.poll()
+    latest = runstore.latest_metrics(drill.store, target.run_id)
+    drill.workers = measure.workers(proc.find(drill.state.dir, run=target.run_id))
+    if target.node is not None:
+        drill.victims = proc.find(drill.state.dir, node=target.node, run=target.run_id)
+    kind.prepare(drill)
+    last_committed = drill.commits.newest()
+
+    fault_time = time.time()
+    drill.watched = kind.inject(drill)
+    step_at_fault = latest["step"] if latest else None
+    where = f"node {target.node!r}" if target.node else "the store"
+    drill.progress(
+        f"{kind.name}: fault on {where} of run {target.run_id!r} at step {step_at_fault}, "
+        f"last committed step {last_committed}"
+    )
+    return DrillRecord(
+        drill_id=f"{kind.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(fault_time))}-{secrets.token_hex(3)}",
+        drill=kind.name,
+        run_id=target.run_id,
+        cluster=drill.state.name,
+        node=target.node,
+        survivors=target.survivors,
+        fault_time=fault_time,
+        fault=drill.fault,
+        step_at_fault=step_at_fault,
+        last_committed_step=last_committed,
+        world_size_at_fault=latest["world_size"] if latest else None,
+        steps=int(target.spec["steps"]),
+        timeout_s=drill.timeout,
+    )

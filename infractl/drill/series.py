@@ -65,14 +65,25 @@ def run_series(
     target = select(state, kind, node, run)
     budget = int(target.spec["max_restarts"])
     if repeat > budget:
-        raise UsageError(f"{repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
-                         f"(it is {budget}): every fault costs the surviving agents one restart", field="--repeat")
+        raise UsageError(
+            f"{repeat} drills need max_restarts >= {repeat} in run {target.run_id!r} "
+            f"(it is {budget}): every fault costs the surviving agents one restart",
+            field="--repeat",
+        )
     series = Series()
     for i in range(repeat):
         last = i == repeat - 1
         progress(f"drill {i + 1}/{repeat}")
-        record = run_drill(state, kind_name, node=target.node, run=target.run_id, seconds=seconds,
-                           timeout=timeout, wait_finish=last and wait_finish, progress=progress)
+        record = run_drill(
+            state,
+            kind_name,
+            node=target.node,
+            run=target.run_id,
+            seconds=seconds,
+            timeout=timeout,
+            wait_finish=last and wait_finish,
+            progress=progress,
+        )
         series.results.append(record)
         if record.outcome != "recovered":
             break
@@ -93,12 +104,16 @@ def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: 
     launcher.rejoin(state, record.node, run=record.run_id)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        grown = [r for r in runstore.read_metrics(store, record.run_id)
-                 if r["time"] > started and r["world_size"] == record.world_size_at_fault]
+        grown = [
+            r
+            for r in runstore.read_metrics(store, record.run_id)
+            if r["time"] > started and r["world_size"] == record.world_size_at_fault
+        ]
         if grown:
             record.rejoin_s = round(min(r["time"] for r in grown) - started, 3)
-            progress(f"node {record.node!r} rejoined: world size {record.world_size_at_fault} again "
-                     f"after {record.rejoin_s}s")
+            progress(
+                f"node {record.node!r} rejoined: world size {record.world_size_at_fault} again after {record.rejoin_s}s"
+            )
             return
         if not proc.find(state.dir, run=record.run_id):
             return

@@ -56,10 +56,17 @@ S3_DELETE_BATCH = 1000
 # A concurrent conditional write on the same key may get 409 ConditionalRequestConflict: retry it.
 _CONDITIONAL_CONFLICT_ATTEMPTS = 5
 # Error codes that mean "try again later", as 5xx statuses do: the store is unavailable for now.
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable",
-})
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -128,9 +135,7 @@ class S3Store(Store):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _make_client(
-        self, *, max_attempts: int, connect_timeout: float, read_timeout: float
-    ) -> Any:
+    def _make_client(self, *, max_attempts: int, connect_timeout: float, read_timeout: float) -> Any:
         import boto3
         from botocore.config import Config
 
@@ -195,7 +200,7 @@ class S3Store(Store):
         return full
 
     def _relative(self, full: str) -> str:
-        return full[len(self.prefix) + 1:] if self.prefix else full
+        return full[len(self.prefix) + 1 :] if self.prefix else full
 
     @contextlib.contextmanager
     def _io(self, action: str, key: str | None) -> Iterator[None]:
@@ -237,9 +242,7 @@ class S3Store(Store):
         # A managed transfer: multipart (parallel parts, each retried) above the threshold. S3
         # publishes an object only when its upload completes, so readers never see half of it.
         with self._io("write", key):
-            self.client.upload_file(
-                str(path), self.bucket, self._object_key(key), Config=self._transfer_config()
-            )
+            self.client.upload_file(str(path), self.bucket, self._object_key(key), Config=self._transfer_config())
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """Create-only write: ``If-None-Match: *``; 412 means the key already existed.
@@ -343,7 +346,7 @@ class S3Store(Store):
         keys = [full for full, _size in self._iter_objects(prefix)]
         deleted = 0
         for i in range(0, len(keys), self.delete_batch):
-            batch = keys[i:i + self.delete_batch]
+            batch = keys[i : i + self.delete_batch]
             with self._io("delete", prefix):
                 response = self.client.delete_objects(
                     Bucket=self.bucket,
@@ -494,8 +497,7 @@ def open_s3(uri: str, *, field: str, interactive: bool = False) -> S3Store:
     bucket = parsed.netloc
     if not _BUCKET_NAME.match(bucket) or ".." in bucket:
         raise ConfigError(
-            f"{uri!r} does not name a valid bucket (s3://BUCKET[/PREFIX]; 3-63 lowercase "
-            "letters, digits, '.' or '-')",
+            f"{uri!r} does not name a valid bucket (s3://BUCKET[/PREFIX]; 3-63 lowercase letters, digits, '.' or '-')",
             field=field,
         )
     options: dict[str, str] = {}
@@ -529,5 +531,4 @@ def open_s3(uri: str, *, field: str, interactive: bool = False) -> S3Store:
             "connect_timeout": S3_INTERACTIVE_CONNECT_TIMEOUT_S,
             "read_timeout": S3_INTERACTIVE_READ_TIMEOUT_S,
         }
-    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=options.get("region"), field=field,
-                   **patience)
+    return S3Store(bucket, parsed.path, endpoint_url=endpoint, region=options.get("region"), field=field, **patience)

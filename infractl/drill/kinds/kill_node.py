@@ -26,5 +26,7 @@ class KillNode(Kind):
 
     def settle(self, drill: Drill) -> None:
         if proc.wait_gone(drill.state.dir, node=drill.target.node, run=drill.run_id, timeout=measure.GONE_TIMEOUT_S):
-            raise StateError(f"node {drill.target.node!r}: processes of run {drill.run_id!r} survived SIGKILL "
-                             f"for {measure.GONE_TIMEOUT_S:g}s")
+            raise StateError(
+                f"node {drill.target.node!r}: processes of run {drill.run_id!r} survived SIGKILL "
+                f"for {measure.GONE_TIMEOUT_S:g}s"
+            )

@@ -20,8 +20,10 @@ __all__ = ["StoreOutage"]
 @register
 class StoreOutage(Kind):
     name = "store-outage"
-    help = ("Make the store refuse every call for --seconds (a file:// store's directory moves away; an S3 "
-            "endpoint on this machine is paused): training must go on and commit again once the store is back.")
+    help = (
+        "Make the store refuse every call for --seconds (a file:// store's directory moves away; an S3 "
+        "endpoint on this machine is paused): training must go on and commit again once the store is back."
+    )
     targets_node = False
 
     def __init__(self) -> None:
