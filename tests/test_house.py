@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 import pkgutil
 
-from conftest import REPO, Cli
 from infractl.drill import KINDS, kinds
+
+from conftest import REPO, Cli
 
 MAX_FUNCTION_LINES = 60
 
