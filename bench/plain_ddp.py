@@ -1,52 +1,87 @@
-"""The baseline for bench/trainer.py: the plainest torchrun DDP loop over the same model and data.
+"""The baseline for bench/trainer.py: a plain torchrun DDP loop doing exactly the trainer's math.
 
-No checkpoints, no metrics store, no resume logic: what a team writes on day one. Run under
-torchrun; rank 0 prints one JSON line with every step's time.
+The same model code and initialization, data order, AdamW with its warm-up and cosine schedule,
+gradient clipping and mixed precision as the infractl trainer; nothing else: no metrics, no
+watchdog, no preemption, no checkpoints, no loss read back. The benchmark's ratio is therefore
+infractl's own overhead. Run under torchrun; rank 0 prints one JSON line with the seconds per
+step between the two ``--window`` steps (the device synchronized at both).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-from infractl.config import DataSpec
+from infractl.config import RunSpec
 from infractl.dataset import open_dataset
+from trainer.data import ByteBatches
+from trainer.distributed import DistEnv, init_process_group
+from trainer.engine import GRAD_CLIP
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
+from trainer.optimizer import build_optimizer, build_scheduler
+from trainer.parallelize import compute_dtype, parallelize
+from trainer.state import seed_everything
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    for name in ("layers", "hidden", "heads", "seq-len", "batch-size", "steps"):
-        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--spec", required=True, help="The RunSpec JSON the trainer ran (ddp only).")
+    parser.add_argument(
+        "--window",
+        type=int,
+        nargs=2,
+        required=True,
+        metavar=("FROM", "TO"),
+        help="Synchronize after these two steps and report the seconds between them.",
+    )
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = DistributedDataParallel(GPT(GPTConfig(args.layers, args.hidden, args.heads, args.seq_len)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    corpus = torch.from_numpy(open_dataset(DataSpec()).tokens("train").copy()).long()
-    per_rank = args.batch_size // world
-    generator = torch.Generator().manual_seed(rank)
-    times = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        starts = torch.randint(0, len(corpus) - args.seq_len - 1, (per_rank,), generator=generator)
-        windows = torch.stack([corpus[s : s + args.seq_len + 1] for s in starts.tolist()])
-        logits = model(windows[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), windows[:, 1:].reshape(-1))
+    with open(args.spec) as f:
+        spec = RunSpec.model_validate_json(f.read())
+    env = DistEnv.from_environ()
+    device = init_process_group(env)
+    seed_everything(spec.seed)
+    model = GPT(GPTConfig.from_spec(spec.model))
+    seed_everything(spec.seed + env.rank)
+    model = parallelize(model, scheme="ddp", device=device, mixed_precision=spec.mixed_precision)
+    optimizer = build_optimizer(model, lr=spec.lr)
+    scheduler = build_scheduler(optimizer, total_steps=spec.steps)
+    data = ByteBatches(
+        open_dataset(spec.data).tokens("train"),
+        seq_len=spec.model.seq_len,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    autocast = (
+        contextlib.nullcontext()
+        if spec.mixed_precision == "fp32"
+        else torch.autocast(device.type, dtype=compute_dtype(spec.mixed_precision))
+    )
+    marks: dict[int, float] = {}
+    for step in range(1, spec.steps + 1):
+        inputs, targets = (t.to(device, non_blocking=True) for t in data.batch(step))
+        with autocast:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
-        times.append(time.perf_counter() - started)
-    if rank == 0:
-        print(json.dumps({"step_times": times, "world_size": world, "threads": os.environ.get("OMP_NUM_THREADS")}))
+        scheduler.step()
+        if step in args.window:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            marks[step] = time.time()
+    if env.rank == 0:
+        first, last = args.window
+        print(json.dumps({"step_s": (marks[last] - marks[first]) / (last - first), "world_size": env.world_size}))
     dist.destroy_process_group()
 
 

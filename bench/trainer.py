@@ -1,13 +1,16 @@
 """Trainer benchmark: ours against a plain baseline, side by side in one run, reported as ratios.
 
-(a) step time: the infractl trainer vs a plain torchrun DDP loop (bench/plain_ddp.py) on the same
-    model, global batch and world size (median over the steps after warm-up);
+(a) step time: the infractl trainer, at its default log_every and at log_every 1 (a read back
+    every step), vs a plain torchrun DDP loop doing the same math (bench/plain_ddp.py), over the
+    same steps after warm-up; each measured --repeats times, interleaved, medians compared. On
+    CUDA it also prints MFU;
 (b) training-blocking seconds per checkpoint: asynchronous save vs synchronous save (save + wait)
     with the trainer's Checkpointer on the same model and optimizer state;
 (c) upload throughput to an S3 API server (moto's, on loopback): the store's ``put_file`` vs a
     plain boto3 ``upload_file`` of the same bytes.
 
-    python bench/trainer.py [--quick] [--json results.json]
+    python bench/trainer.py [--quick] [--repeats 3] [--json results.json]
+    python bench/trainer.py --world 8 --model 12x768 --seq-len 1024 --bf16 --only-step-time   # GPUs
 
 Numbers depend on the machine; the ratios are what to compare. Not a test: it asserts nothing.
 """
@@ -29,85 +32,113 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the S3 server launcher the tests use
 
+import torch  # noqa: E402
+
 from infractl import runstore  # noqa: E402
 from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec  # noqa: E402
 from infractl.store import open_store  # noqa: E402
 
 from s3server import AWS_TEST_ENV, moto_server  # noqa: E402
 
-WORLD = 2
-WARMUP_STEPS = 5
 
-
-def _torchrun(args: list[str], *, cwd: Path) -> str:
+def _torchrun(args: list[str], *, cwd: Path, world: int) -> str:
     # Workers run as modules (-m bench.x) from a scratch cwd: run as scripts, bench/ would come
     # first on sys.path and this file would shadow the trainer package.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
     return done.stdout
 
 
-def step_time(tmp: Path, *, layers: int, hidden: int, steps: int) -> dict[str, Any]:
-    model = ModelSpec(layers=layers, hidden=hidden, heads=4, seq_len=128)
+def _ours(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int, tag: str) -> float:
+    """Seconds per step of the infractl trainer between the steps after the two window steps:
+    the window steps are log steps, where the trainer reads back from the device, so on a GPU
+    the next step starts once the device is done with them (the host clock is then the truth)."""
+    run_dir = tmp / tag
+    run_dir.mkdir()
+    (run_dir / "store").mkdir()
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    store_uri = (run_dir / "store").as_uri()
+    _torchrun(
+        ["-m", "trainer.train", "--spec", str(spec_path), "--store", store_uri, "--run-id", "bench",
+         "--workdir", str(run_dir / "work")],
+        cwd=run_dir,
+        world=world,
+    )  # fmt: skip
+    ended = {r["step"]: r["time"] for r in runstore.read_metrics(open_store(store_uri), "bench")}
+    first, last = window
+    return (ended[last + 1] - ended[first + 1]) / (last - first)
+
+
+def _plain(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int) -> float:
+    run_dir = tmp / "plain"
+    run_dir.mkdir(exist_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    out = _torchrun(
+        ["-m", "bench.plain_ddp", "--spec", str(spec_path), "--window", str(window[0]), str(window[1])],
+        cwd=run_dir,
+        world=world,
+    )
+    return float(json.loads(out.strip().splitlines()[-1])["step_s"])
+
+
+def step_time(
+    tmp: Path,
+    *,
+    model: ModelSpec,
+    batch_size: int,
+    steps: int,
+    world: int,
+    precision: str,
+    repeats: int,
+) -> dict[str, Any]:
+    """(a): seconds per step of the trainer at the default log_every and at log_every 1 (a
+    read back every step), and of the plain loop, on the same steps of the same run; each
+    measured ``repeats`` times, interleaved, and the medians compared."""
     spec = RunSpec(
         name="bench",
         model=model,
         data=DataSpec(max_bytes=1_000_000),
-        batch_size=16,
+        batch_size=batch_size,
         steps=steps,
         checkpoint=CheckpointSpec(every=steps),
+        mixed_precision=precision,
         nodes={"min": 1, "max": 1},
     )
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(spec.model_dump_json())
-    (tmp / "store").mkdir()
-    store_uri = (tmp / "store").as_uri()
-    _torchrun(
-        [
-            "-m",
-            "trainer.train",
-            "--spec",
-            str(spec_path),
-            "--store",
-            store_uri,
-            "--run-id",
-            "bench",
-            "--workdir",
-            str(tmp / "work"),
-        ],
-        cwd=tmp,
-    )
-    ours = [r["step_time_s"] for r in runstore.read_metrics(open_store(store_uri), "bench")][WARMUP_STEPS:]
-    plain_out = _torchrun(
-        [
-            "-m",
-            "bench.plain_ddp",
-            f"--layers={layers}",
-            f"--hidden={hidden}",
-            "--heads=4",
-            "--seq-len=128",
-            "--batch-size=16",
-            f"--steps={steps}",
-        ],
-        cwd=tmp,
-    )
-    plain = json.loads(plain_out.strip().splitlines()[-1])["step_times"][WARMUP_STEPS:]
-    ours_s, plain_s = statistics.median(ours), statistics.median(plain)
+    every_step = spec.model_copy(update={"log_every": 1})
+    # From the first log step after warm-up to the last log step before the final one.
+    window = (spec.log_every, steps - spec.log_every)
+    ours, ours_every_step, plain = [], [], []
+    for i in range(repeats):
+        plain.append(_plain(tmp, spec, window, world=world))
+        ours.append(_ours(tmp, spec, window, world=world, tag=f"ours-{i}"))
+        ours_every_step.append(_ours(tmp, every_step, window, world=world, tag=f"ours-every-step-{i}"))
+    ours_s, every_s, plain_s = (statistics.median(x) for x in (ours, ours_every_step, plain))
+    tokens = batch_size * model.seq_len
     return {
         "ours_step_s": ours_s,
+        "ours_every_step_s": every_s,
         "plain_step_s": plain_s,
         "ratio": ours_s / plain_s,
+        "ratio_every_step": every_s / plain_s,
+        "runs": {"ours": ours, "ours_every_step": ours_every_step, "plain": plain},
+        "log_every": spec.log_every,
+        "tokens_per_s": tokens / ours_s,
         "model": model.model_dump(),
-        "batch_size": 16,
-        "world_size": WORLD,
-        "steps_measured": len(ours),
+        "batch_size": batch_size,
+        "mixed_precision": precision,
+        "world_size": world,
+        "steps_measured": window[1] - window[0],
+        "repeats": repeats,
     }
 
 
-def checkpoint_blocking(tmp: Path, *, layers: int, hidden: int, saves: int) -> dict[str, Any]:
+def checkpoint_blocking(tmp: Path, *, layers: int, hidden: int, saves: int, world: int) -> dict[str, Any]:
+    (tmp / "ckpt-store").mkdir()  # a file:// store is a directory that must exist, as a bucket must
     out = _torchrun(
         [
             "-m",
@@ -121,6 +152,7 @@ def checkpoint_blocking(tmp: Path, *, layers: int, hidden: int, saves: int) -> d
             str(tmp / "ckpt-work"),
         ],
         cwd=tmp,
+        world=world,
     )
     result = json.loads(out.strip().splitlines()[-1])
     # The first async save has no earlier save to wait for; later ones may (at most one in flight).
@@ -165,37 +197,109 @@ def upload_throughput(tmp: Path, *, mib: int, repeats: int) -> dict[str, Any]:
     }
 
 
+# Peak dense bf16 tensor FLOP/s per device (the vendors' datasheets, without sparsity): MFU's
+# denominator. Matched against torch.cuda.get_device_name() by substring, first match wins.
+PEAK_BF16_FLOPS = [
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+]
+
+
+def model_flops_per_token(model: ModelSpec) -> float:
+    """Training FLOPs per token: 6 per parameter (forward and backward) plus the attention
+    scores and values, 12 x layers x hidden x seq_len (PaLM's accounting)."""
+    from trainer.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(GPTConfig.from_spec(model)).parameters())
+    return 6.0 * params + 12.0 * model.layers * model.hidden * model.seq_len
+
+
+def mfu(step: dict[str, Any]) -> dict[str, Any] | None:
+    """Model FLOPs utilization of the measured step time, on a known CUDA device (else None)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    if peak is None:
+        return {"device": name, "mfu": None}
+    achieved = model_flops_per_token(ModelSpec(**step["model"])) * step["tokens_per_s"] / step["world_size"]
+    return {"device": name, "peak_bf16_flops": peak, "achieved_flops_per_device": achieved, "mfu": achieved / peak}
+
+
+def _model(text: str) -> tuple[int, int]:
+    layers, _, hidden = text.partition("x")
+    return int(layers), int(hidden)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="Smaller model and fewer repeats (about a minute).")
+    parser.add_argument("--quick", action="store_true", help="Smaller model, fewer steps, one repeat (a smoke test).")
+    parser.add_argument("--world", type=int, default=2, help="Ranks (on a GPU machine: one per GPU).")
+    parser.add_argument("--model", type=_model, help="LAYERSxHIDDEN of the step-time model (default 4x256).")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16, help="Global batch.")
+    parser.add_argument("--bf16", action="store_true", help="Mixed precision bf16 (on GPUs).")
+    parser.add_argument("--repeats", type=int, help="Step-time measurements of each, interleaved (default 3).")
+    parser.add_argument("--only-step-time", action="store_true", help="Skip (b) and (c).")
     parser.add_argument("--json", type=Path, help="Also write the results to this file.")
     args = parser.parse_args()
-    size = {"layers": 2, "hidden": 128} if args.quick else {"layers": 4, "hidden": 256}
+    layers, hidden = args.model or ((2, 128) if args.quick else (4, 256))
+    model = ModelSpec(layers=layers, hidden=hidden, heads=4, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="infractl-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        results = {
-            "step_time": step_time(tmp, **size, steps=25 if args.quick else 60),
-            "checkpoint": checkpoint_blocking(
-                tmp, layers=size["layers"] * 2, hidden=size["hidden"] * 2, saves=3 if args.quick else 5
-            ),
-            "upload": upload_throughput(tmp, mib=32 if args.quick else 128, repeats=2 if args.quick else 3),
+        results: dict[str, Any] = {
+            "step_time": step_time(
+                tmp,
+                model=model,
+                batch_size=args.batch_size,
+                steps=30 if args.quick else 60,
+                world=args.world,
+                precision="bf16" if args.bf16 else "fp32",
+                repeats=args.repeats or (1 if args.quick else 3),
+            )
         }
-    st, ck, up = results["step_time"], results["checkpoint"], results["upload"]
-    print(
-        f"(a) step time, {WORLD} ranks, {st['model']}: infractl {st['ours_step_s'] * 1e3:.1f} ms vs plain DDP "
-        f"{st['plain_step_s'] * 1e3:.1f} ms -> ratio {st['ratio']:.2f} (lower is better; 1.00 = no overhead)"
-    )
-    print(
-        f"(b) training blocked per checkpoint ({ck['params']:,} params + AdamW state): async "
-        f"{ck['async_blocked_s'] * 1e3:.0f} ms vs sync {ck['sync_blocked_s'] * 1e3:.0f} ms -> sync/async "
-        f"{ck['ratio_sync_over_async']:.1f}x"
-    )
-    print(
-        f"(c) upload of {up['mib']} MiB to the S3 server: store.put_file {up['ours_mib_s']:.0f} MiB/s vs boto3 "
-        f"upload_file {up['plain_mib_s']:.0f} MiB/s -> ratio {up['ratio']:.2f}"
-    )
+        results["step_time"]["mfu"] = mfu(results["step_time"])
+        if not args.only_step_time:
+            results["checkpoint"] = checkpoint_blocking(
+                tmp, layers=layers * 2, hidden=hidden * 2, saves=3 if args.quick else 5, world=args.world
+            )
+            results["upload"] = upload_throughput(tmp, mib=32 if args.quick else 128, repeats=2 if args.quick else 3)
+    report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def report(results: dict[str, Any]) -> None:
+    st = results["step_time"]
+    print(
+        f"(a) step time, {st['world_size']} rank(s), {st['model']}, batch {st['batch_size']}, {st['mixed_precision']}, "
+        f"median of {st['repeats']}: infractl {st['ours_step_s'] * 1e3:.1f} ms (log_every {st['log_every']}), "
+        f"{st['ours_every_step_s'] * 1e3:.1f} ms (log_every 1) vs plain DDP {st['plain_step_s'] * 1e3:.1f} ms "
+        f"-> ratio {st['ratio']:.3f} (log_every 1: {st['ratio_every_step']:.3f}; 1.00 = no overhead); "
+        f"{st['tokens_per_s']:,.0f} tokens/s"
+    )
+    if st["mfu"] is not None:
+        m = st["mfu"]
+        print(f"    on {m['device']}: MFU {m['mfu']:.1%}" if m["mfu"] is not None else f"    on {m['device']}: MFU -")
+    if "checkpoint" in results:
+        ck = results["checkpoint"]
+        print(
+            f"(b) training blocked per checkpoint ({ck['params']:,} params + AdamW state): async "
+            f"{ck['async_blocked_s'] * 1e3:.0f} ms vs sync {ck['sync_blocked_s'] * 1e3:.0f} ms -> sync/async "
+            f"{ck['ratio_sync_over_async']:.1f}x"
+        )
+    if "upload" in results:
+        up = results["upload"]
+        print(
+            f"(c) upload of {up['mib']} MiB to the S3 server: store.put_file {up['ours_mib_s']:.0f} MiB/s vs boto3 "
+            f"upload_file {up['plain_mib_s']:.0f} MiB/s -> ratio {up['ratio']:.2f}"
+        )
 
 
 if __name__ == "__main__":

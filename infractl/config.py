@@ -193,6 +193,17 @@ class RunSpec(_Spec):
     seed: int = Field(0, ge=0, lt=2**63, description="Seed for weights, data order and every RNG.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation loss cadence.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence and retention.")
+    log_every: int = Field(
+        10,
+        ge=1,
+        le=10_000,
+        description=(
+            "Read the steps' losses, gradient norms and the preemption flag back from the devices every N steps "
+            "(and on checkpoint steps and the last step), in one small collective: the steps between keep the "
+            "device busy with no host synchronization. Every step still gets its metrics record. A preemption "
+            "notice is acted on at the next such step, so N x step time must stay well inside preemption.grace_s."
+        ),
+    )
     parallel: Literal["ddp", "zero1", "fsdp"] = Field(
         "ddp",
         description=(

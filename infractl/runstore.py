@@ -105,6 +105,7 @@ class StepRecord(TypedDict):
     # copy of a checkpoint step's record written before the save.
     checkpoint_blocking_s: float | None
     peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
+    grad_norm: NotRequired[float]  # the global gradient norm before clipping (since log_every)
     val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
     # The environment fingerprint, in the first record of every trainer process: the first
     # step after a (re)start. ``starts_a_process`` is how readers ask.

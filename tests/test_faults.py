@@ -211,7 +211,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     tmp_path: Path,
 ) -> None:
     # No scheduled save within the run: the only checkpoint is the emergency one.
-    spec = tiny_spec(steps=30, checkpoint=CheckpointSpec(every=1000, keep=2))
+    spec = tiny_spec(steps=30, checkpoint=CheckpointSpec(every=1000, keep=2), log_every=4)
     store = store_of(tmp_path)
     agents = start_torchrun(tmp_path, spec, torchrun_args=["--shutdown-timeout=30"])
     worker_pids(agents.procs[0], 2)
@@ -225,6 +225,8 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     # notice or both.
     assert preempted["signalled"] is True and preempted["ranks_signalled"] in (1, 2)
     assert reached <= step < spec.steps
+    # The ranks learn of the notice at the next log step: within log_every steps of it.
+    assert 0 <= step - preempted["noticed_at_step"] <= spec.log_every, preempted
     assert committed_steps(store, spec.name) == [step]
     manifest = verify_checkpoint(store, spec.name, step)
     assert manifest.extra["reason"] == "preemption"

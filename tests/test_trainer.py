@@ -50,6 +50,7 @@ RECORD_FIELDS = {
     "comm_s",
     "checkpoint_blocking_s",
     "peak_memory_bytes",
+    "grad_norm",
 }
 
 

@@ -1,13 +1,14 @@
 """The training engine: one ``Trainer`` per rank builds the model, data, optimizer and
 checkpointer from a ``RunSpec``, resumes from the newest committed checkpoint, and trains.
 
-Each step's loss all-reduce also carries a flag, summed over the ranks, so the ranks agree on
-it without a collective of their own: whether a rank got a preemption notice (then every rank
-saves this step, waits for the commit and exits; see ``Preempted``).
-
-Training does not wait long for a slow or unreachable store: a scheduled save whose previous
-save is still running after a short wait on any rank is skipped, which the ranks agree on in a
-one-number all-reduce on checkpoint steps (see ``trainer.saves``).
+The hot path does not synchronize with the device: steps are queued one after the other, and
+every ``log_every`` steps (and on checkpoint steps and the last step) one small all-reduce reads
+their losses back together with the flags the ranks must agree on (trainer/steplog.py): whether
+a rank got a preemption notice (then every rank saves that step, waits for the commit and
+exits; see ``Preempted``), and, on checkpoint steps, whether a rank's previous save is still
+running after a short wait (then the scheduled save is skipped: training does not wait long
+for a slow or unreachable store; see trainer/saves.py). A preemption notice is therefore acted
+on within ``log_every`` steps.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import datetime
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import RunSpec
@@ -36,7 +37,7 @@ from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
-from trainer.metrics import CommTimer, MetricsWriter, StepClock, peak_memory_bytes
+from trainer.metrics import CommTimer, MetricsWriter, StepClock
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype, parallelize
@@ -51,13 +52,14 @@ from trainer.state import (
     rng_key,
     seed_everything,
 )
+from trainer.steplog import PendingStep, StepLog
 from trainer.watchdog import StepWatchdog
 
-__all__ = ["Preempted", "Trainer", "config_hash"]
+__all__ = ["GRAD_CLIP", "Preempted", "Trainer", "config_hash"]
 
 log = get_logger(__name__)
 
-_GRAD_CLIP = 1.0
+GRAD_CLIP = 1.0
 
 
 def config_hash(spec: RunSpec) -> str:
@@ -71,16 +73,6 @@ def config_hash(spec: RunSpec) -> str:
         include={"model", "data", "batch_size", "lr", "seed", "parallel", "mixed_precision"},
     )
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class StepSplit:
-    """How a step's time split (the ``StepRecord`` fields of the same names)."""
-
-    data_s: float
-    forward_backward_s: float
-    optimizer_s: float
-    comm_s: float | None
 
 
 class Preempted(Exception):
@@ -135,11 +127,19 @@ class Trainer:
             every=spec.checkpoint.every,
             step_timeout_s=spec.watchdog.step_timeout_s,
             rank=env.rank,
-            device=device,
             state=lambda: self._state(None),
             extra=self._extra,
         )
         self.clock = StepClock(device)
+        self._bound_checked = False
+        self.steplog = StepLog(
+            self.clock,
+            device,
+            world_size=env.world_size,
+            attempt=env.attempt,
+            restart_count=env.restart_count,
+            tokens_per_step=spec.batch_size * spec.model.seq_len,
+        )
         # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
         self.comm: CommTimer | None = None
         if isinstance(self.model, DistributedDataParallel):
@@ -201,41 +201,29 @@ class Trainer:
         self.resume()
         self.preemption.install()  # from the main thread: torchrun's worker runs us there
         spec = self.spec
-        tokens_per_step = spec.batch_size * spec.model.seq_len
         first = True
         while self.progress.step < spec.steps:
             step = self.progress.step + 1
             final = step == spec.steps
+            preempted = 0
             # Under the watchdog (once started): the step and whatever else must not block,
-            # but never a wait for a commit, which depends on the store (see _finish).
+            # but never a wait for a commit, which depends on the store (see Checkpointer).
+            self.preemption.step = step
             with self.watchdog.step():
-                started = time.perf_counter()
-                loss, preempted, split = self._train_step(step)
-                elapsed = time.perf_counter() - started
+                self.steplog.add(self._train_step(step, first=first))
                 self.progress.step = step
-                self.progress.tokens_seen += tokens_per_step
-                record = StepRecord(
-                    step=step,
-                    loss=loss,
-                    step_time_s=round(elapsed, 6),
-                    tokens_per_s=round(tokens_per_step / elapsed, 1),
-                    world_size=self.env.world_size,
-                    attempt=self.env.attempt,
-                    restart_count=self.env.restart_count,
-                    time=time.time(),
-                    data_s=split.data_s,
-                    forward_backward_s=split.forward_backward_s,
-                    optimizer_s=split.optimizer_s,
-                    comm_s=split.comm_s,
-                    checkpoint_blocking_s=0.0,
-                    peak_memory_bytes=peak_memory_bytes(self.device),
-                )
-                if first:
-                    record["environment"] = dict(self.fingerprint)
+                self.progress.tokens_seen += spec.batch_size * spec.model.seq_len
                 if self.validation is not None and (step % spec.eval.every == 0 or final):
-                    record["val_loss"] = self._evaluate(self.validation)
-                if not final:
-                    self.saves.after_step(step, record, preempted=preempted > 0)
+                    self.steplog.last.val_loss = self._evaluate(self.validation)
+                if self._log_step(step, final):
+                    busy = 0.0 if final else float(self.saves.busy(step))
+                    records, (preempted, saving) = self.steplog.flush([float(self.preemption.signalled), busy])
+                    for earlier in records[:-1]:
+                        self.saves.record(earlier)
+                    record = records[-1]
+                    self._check_preemption_bound(records)
+                    if not final:
+                        self.saves.after_step(step, record, preempted=preempted > 0, ranks_saving=saving)
             if first:
                 self._warmed_up()
                 first = False
@@ -246,6 +234,30 @@ class Trainer:
         self.saves.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
+
+    def _check_preemption_bound(self, records: list[StepRecord]) -> None:
+        """Once, after the first steps: warn if ``log_every`` steps take long enough that a
+        preemption notice, acted on at the next log step, could miss its grace period."""
+        if self._bound_checked or len(records) < 2:
+            return
+        self._bound_checked = True
+        step_s = sorted(r["step_time_s"] for r in records)[len(records) // 2]
+        bound_s = self.spec.log_every * step_s
+        if bound_s > self.spec.preemption.grace_s / 2 and self.env.rank == 0:
+            log.warning(
+                "preemption_bound",
+                log_every=self.spec.log_every,
+                step_s=step_s,
+                notice_to_save_s=round(bound_s, 1),
+                grace_s=self.spec.preemption.grace_s,
+                advice="lower log_every or raise preemption.grace_s",
+            )
+
+    def _log_step(self, step: int, final: bool) -> bool:
+        """Whether ``step`` reads the pending steps back (see trainer/steplog.py): every
+        log_every steps, on checkpoint steps, at the last step."""
+        spec = self.spec
+        return final or step % spec.log_every == 0 or step % spec.checkpoint.every == 0
 
     def _warmed_up(self) -> None:
         """After the first step of this process (loading and the first step may be slow): from
@@ -270,13 +282,18 @@ class Trainer:
         signalled = self.preemption.signalled
         # Rank 0 speaks for the job; the others' lines are there for their own logs.
         report = log.warning if self.env.rank == 0 else log.info
-        report("preempted", step=step, signalled=signalled, ranks_signalled=ranks_signalled)
+        report(
+            "preempted",
+            step=step,
+            signalled=signalled,
+            noticed_at_step=self.preemption.noticed_at_step,
+            ranks_signalled=ranks_signalled,
+        )
         raise Preempted(step, signalled=signalled)
 
-    def _train_step(self, step: int) -> tuple[float, int, StepSplit]:
-        """One optimizer step; return the global batch's loss, how many ranks got a preemption
-        notice, and how the step's time split (the ``StepRecord`` fields ``data_s`` ..
-        ``comm_s``)."""
+    def _train_step(self, step: int, *, first: bool) -> PendingStep:
+        """One optimizer step, queued and not read back: its loss and gradient norm stay on the
+        device, its time marks are taken as it goes (see trainer/steplog.py)."""
         clock = self.clock
         if self.comm is not None:
             self.comm.reset()
@@ -290,25 +307,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is not annotated
         backward_done = clock.mark()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), _GRAD_CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.progress.scheduler.step()
         stepped = clock.mark()
-        # The recorded loss is the global batch's, not rank 0's share of it; the preemption
-        # flag rides along (see the module doc).
-        flag = torch.tensor([float(self.preemption.signalled)], device=self.device)
-        summed = torch.cat([loss.detach().float().reshape(1), flag])
-        dist.all_reduce(summed)
-        total, preempted = summed.tolist()
-        global_loss = total / self.env.world_size
-        # After .item(): on CUDA the marks are events, complete only once the stream synced.
-        split = StepSplit(
-            data_s=round(clock.seconds(start, fetched), 6),
-            forward_backward_s=round(clock.seconds(fetched, backward_done), 6),
-            optimizer_s=round(clock.seconds(backward_done, stepped), 6),
-            comm_s=round(self.comm.seconds(), 6) if self.comm is not None else None,
+        # fsdp's norm is a replicated DTensor: every rank holds the global value.
+        local_norm = norm.to_local() if isinstance(norm, DTensor) else norm
+        return PendingStep(
+            step=step,
+            loss=loss.detach(),
+            grad_norm=local_norm.detach(),
+            marks=(start, fetched, backward_done, stepped),
+            comm=self.comm.window() if self.comm is not None else None,
+            time=time.time(),
+            environment=dict(self.fingerprint) if first else None,
         )
-        return global_loss, round(preempted), split
 
     @torch.no_grad()
     def _evaluate(self, batches: ValidationBatches) -> float:

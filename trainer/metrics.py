@@ -42,6 +42,7 @@ log = get_logger(__name__)
 _SCALARS = {
     "loss": "loss",
     "val_loss": "val_loss",
+    "grad_norm": "grad_norm",
     "tokens_per_s": "tokens_per_s",
     "step_time_s": "time/step_s",
     "data_s": "time/data_s",
@@ -77,8 +78,8 @@ class StepClock:
 
     On CPU every op has finished when the host moves on, so the host clock is the truth and a
     mark costs one ``perf_counter``. On CUDA the host only queues work: marks are CUDA events,
-    read with ``seconds`` after the step's existing synchronization (the loss ``.item()``);
-    reading them earlier would block.
+    read with ``seconds`` once the device got past them (the log step's read back, see
+    trainer/steplog.py); reading them earlier would block.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -127,6 +128,11 @@ class CommTimer:
         with self._lock:
             self._first = self._last = None
 
+    def window(self) -> tuple[Mark, Mark] | None:
+        """The step's first launch and last completion, to read once the step is synchronized."""
+        with self._lock:
+            return None if self._first is None or self._last is None else (self._first, self._last)
+
     def launched(self) -> None:
         mark = self.clock.mark()
         with self._lock:
@@ -137,13 +143,6 @@ class CommTimer:
         mark = self.clock.mark()
         with self._lock:
             self._last = mark
-
-    def seconds(self) -> float:
-        """The step's all-reduce window; read it after the step has synchronized."""
-        with self._lock:
-            if self._first is None or self._last is None:
-                return 0.0
-            return max(self.clock.seconds(self._first, self._last), 0.0)
 
 
 # No annotations: DDP checks a hook's annotations against the real types, and with postponed

@@ -5,8 +5,9 @@ torchrun's agent, on SIGTERM, forwards it to its workers and SIGKILLs them after
 ``--shutdown-timeout`` (the launcher passes ``preemption.grace_s``). An agent restarting its
 workers (a peer failed, a node joined) SIGTERMs them too, with 30 s before SIGKILL: they then
 save the step they reached as well, which costs little and loses nothing. The handler only records
-the notice: the training loop tells every rank about it in the step's all-reduce (see
-``Trainer.train``), so all ranks save the same step together, without a collective of its own.
+the notice: the training loop tells every rank about it in the next log step's all-reduce (see
+``Trainer.train``; at most ``log_every`` steps later), so all ranks save the same step together,
+without a collective of their own.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ class PreemptionNotice:
 
     def __init__(self) -> None:
         self.signalled = False
+        #: The step the training loop is on (it sets this); the notice records it.
+        self.step = 0
+        self.noticed_at_step: int | None = None
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.signalled:
+            self.noticed_at_step = self.step
         self.signalled = True

@@ -1,5 +1,5 @@
-"""When and why the trainer saves: scheduled saves (skipped while the previous one still runs),
-the final save (retried until it commits), and the emergency save on a preemption notice.
+"""When and why the trainer saves: scheduled saves (skipped while a rank's previous save still
+runs), the final save (retried until it commits), and the emergency save on a preemption notice.
 
 Each save writes the step's metrics record first: once the step is committed a crash resumes
 after it, and records still buffered would never be written. The record's
@@ -12,9 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from infractl.log import get_logger
 from infractl.runstore import SaveReason, StepRecord
@@ -43,7 +40,6 @@ class Saves:
         every: int,
         step_timeout_s: float,
         rank: int,
-        device: torch.device,
         state: Callable[[], dict[str, Any]],
         extra: Callable[[SaveReason], dict[str, Any]],
     ) -> None:
@@ -52,17 +48,37 @@ class Saves:
         self.every = every
         self.wait_s = min(SAVE_WAIT_S, step_timeout_s / 4)
         self.rank = rank
-        self.device = device
         self._state = state
         self._extra = extra
 
-    def after_step(self, step: int, record: StepRecord, *, preempted: bool) -> None:
-        """Any step but the last: save it if it is due (a collective on due steps), else
-        record it, unless a preemption save of it follows (``preempted``) and records it."""
-        if step % self.every == 0 and not self._previous_save_running(step):
-            self._save(step, record, SaveReason.SCHEDULED)
-        elif not preempted and self.metrics is not None:
+    def busy(self, step: int) -> bool:
+        """On a step due for a save: wait a little for this rank's previous save; True if it is
+        still running (the ranks agree on it in the step's log collective, see after_step)."""
+        return step % self.every == 0 and self.checkpointer.settle(self.wait_s)
+
+    def record(self, record: StepRecord) -> None:
+        """A step's record with no save of its own."""
+        if self.metrics is not None:
             self.metrics.add(record)
+
+    def after_step(self, step: int, record: StepRecord, *, preempted: bool, ranks_saving: int) -> None:
+        """A log step but the last: save it if it is due and no rank's previous save is still
+        running (``ranks_saving``, summed over the ranks from ``busy``), else record it, unless
+        a preemption save of it follows (``preempted``) and records it."""
+        due = step % self.every == 0
+        if due and not ranks_saving:
+            self._save(step, record, SaveReason.SCHEDULED)
+            return
+        if due and self.rank == 0:
+            log.warning(
+                "checkpoint_skipped",
+                step=step,
+                reason="the previous save is still running",
+                ranks_saving=ranks_saving,
+                waited_s=self.wait_s,
+            )
+        if not preempted:
+            self.record(record)
 
     def final(self, step: int, record: StepRecord) -> None:
         """Save the last step and wait until it is committed: the state is still in memory,
@@ -94,22 +110,6 @@ class Saves:
         self.checkpointer.close()
         if self.metrics is not None:
             self.metrics.close()
-
-    def _previous_save_running(self, step: int) -> bool:
-        """Collective: wait a little for the previous save on every rank; True (logged) if it
-        is still running on any: the scheduled save of ``step`` is then skipped."""
-        running = torch.tensor([float(self.checkpointer.settle(self.wait_s))], device=self.device)
-        dist.all_reduce(running)
-        ranks = round(running.item())
-        if ranks and self.rank == 0:
-            log.warning(
-                "checkpoint_skipped",
-                step=step,
-                reason="the previous save is still running",
-                ranks_saving=ranks,
-                waited_s=self.wait_s,
-            )
-        return ranks > 0
 
     def _save(self, step: int, record: StepRecord, reason: SaveReason) -> None:
         """Start saving ``step`` and record it (see the module doc)."""

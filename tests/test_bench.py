@@ -1,0 +1,48 @@
+"""The benchmarks cannot rot: each runs here as a smoke test. It must finish and report every
+field; no timing is asserted (the figures are the README's, from the full runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("bench")]
+
+
+def _bench(script: str, *args: str, out: Path, timeout: float) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", *args, "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
+    results = _bench("trainer.py", "--quick", out=tmp_path / "trainer.json", timeout=900)
+    step = results["step_time"]
+    for field in ("ours_step_s", "ours_every_step_s", "plain_step_s", "ratio", "ratio_every_step", "tokens_per_s"):
+        assert step[field] > 0, step
+    assert step["log_every"] == 10 and step["steps_measured"] > 0
+    assert results["checkpoint"]["async_blocked_s"] > 0 and results["checkpoint"]["ratio_sync_over_async"] > 0
+    assert results["upload"]["ours_mib_s"] > 0 and results["upload"]["ratio"] > 0
+
+
+def test_recovery_benchmark_one_drill_of_each_kind(tmp_path: Path) -> None:
+    results = _bench("recovery.py", "--drills", "1", out=tmp_path / "recovery.json", timeout=1500)
+    assert results["drills"] == 1 and results["succeeded"] == 1, results
+    assert results["median_restart_s"] > 0 and results["median_detect_s"] is not None
+    assert results["other_kinds_error"] is None, results
+    kinds = {r["drill"]: r for r in results["other_kinds"]}
+    assert set(kinds) == {"kill-during-checkpoint", "hang-node", "preempt", "store-outage"}
+    assert all(r["outcome"] == "recovered" for r in kinds.values()), kinds
