@@ -9,7 +9,9 @@ Rank 0 prints one JSON line with the blocked seconds of every save, each way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +35,19 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
+    try:
+        results, params = _measure(args)
+    finally:
+        # As trainer/train.py: DDP's reducer must be freed before the group is destroyed, or the
+        # group's destructor can deadlock at exit joining gloo threads that wait for the GIL.
+        gc.collect()
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) == 0:  # set by torchrun
+        print(json.dumps({"blocked_s": results, "params": params, "world_size": int(os.environ["WORLD_SIZE"])}))
+
+
+def _measure(args: argparse.Namespace) -> tuple[dict[str, list[float]], int]:
+    """The saves, timed; the model and optimizer live only in this frame (see main)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DistributedDataParallel(GPT(GPTConfig(args.layers, args.hidden, 4, 64)))
@@ -70,10 +85,7 @@ def main() -> None:
                 train_step()
         checkpointer.close()
         results[mode] = blocked
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(json.dumps({"blocked_s": results, "params": params, "world_size": world}))
-    dist.destroy_process_group()
+    return results, sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

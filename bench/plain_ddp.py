@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from infractl.config import RunSpec
 from infractl.dataset import open_dataset
 from trainer.data import ByteBatches
-from trainer.distributed import DistEnv, init_process_group
+from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import GRAD_CLIP
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
@@ -45,6 +45,19 @@ def main() -> None:
         spec = RunSpec.model_validate_json(f.read())
     env = DistEnv.from_environ()
     device = init_process_group(env)
+    try:
+        step_s = _train(spec, env, device, window=args.window)
+    finally:
+        # As trainer/train.py: DDP's reducer must be freed before the group is destroyed, or the
+        # group's destructor can deadlock at exit joining gloo threads that wait for the GIL.
+        gc.collect()
+        destroy_process_group()
+    if env.rank == 0:
+        print(json.dumps({"step_s": step_s, "world_size": env.world_size}))
+
+
+def _train(spec: RunSpec, env: DistEnv, device: torch.device, *, window: tuple[int, int]) -> float:
+    """The loop; the model, optimizer and data live only in this frame (see main)."""
     seed_everything(spec.seed)
     model = GPT(GPTConfig.from_spec(spec.model))
     seed_everything(spec.seed + env.rank)
@@ -75,14 +88,12 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         scheduler.step()
-        if step in args.window:
+        if step in window:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             marks[step] = time.time()
-    if env.rank == 0:
-        first, last = args.window
-        print(json.dumps({"step_s": (marks[last] - marks[first]) / (last - first), "world_size": env.world_size}))
-    dist.destroy_process_group()
+    first, last = window
+    return (marks[last] - marks[first]) / (last - first)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Numbers depend on the machine; the ratios are what to compare. Not a test: it as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# One torchrun of the benchmark; a run that takes longer is stuck (the full step-time run takes ~30 s).
+_RUN_TIMEOUT_S = 600
 sys.path.insert(0, str(REPO / "tests"))  # the S3 server launcher the tests use
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from infractl import runstore  # noqa: E402
@@ -46,10 +50,19 @@ def _torchrun(args: list[str], *, cwd: Path, world: int) -> str:
     # first on sys.path and this file would shadow the trainer package.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
+    agent = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = agent.communicate(timeout=_RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # torchrun's workers outlive a killed agent (they run in their own sessions): kill the tree.
+        for p in [*psutil.Process(agent.pid).children(recursive=True), psutil.Process(agent.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        agent.communicate()
+        raise SystemExit(f"{' '.join(cmd)} did not finish within {_RUN_TIMEOUT_S}s") from None
+    if agent.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
+    return stdout
 
 
 def _ours(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int, tag: str) -> float:
