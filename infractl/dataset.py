@@ -89,13 +89,17 @@ def stdlib_files() -> Iterator[tuple[str, Path]]:
 
 def _documents(sources: Iterable[Path], include: str) -> Iterator[tuple[str, Path]]:
     for source in sources:
-        if source.is_file():
+        try:
+            kind = "file" if source.is_file() else "dir" if source.is_dir() else "other" if source.exists() else None
+        except OSError as exc:  # a name the OS refuses (too long, say)
+            raise ConfigError(f"cannot use {source}: {exc.strerror or exc}", field="SRC") from None
+        if kind == "file":
             yield source.name, source
-        elif source.is_dir():
+        elif kind == "dir":
             for path in _walk(source, include):
                 yield f"{source.name}/{path.relative_to(source).as_posix()}", path
         else:
-            what = "not a regular file or directory" if source.exists() else "no such file or directory"
+            what = "not a regular file or directory" if kind == "other" else "no such file or directory"
             raise ConfigError(f"{what}: {source}", field="SRC")
 
 

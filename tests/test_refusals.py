@@ -141,6 +141,9 @@ def test_command_line_errors_are_one_line_with_where_help_is(cli: Cli) -> None:
     assert "Invalid value for '--tail': Input should be less than or equal to 1000000000" in line
     line = _one_line(cli("drill", "store-outage", "--seconds", "inf", expect=2).stderr)
     assert "Invalid value for '--seconds'" in line
+    # Found by the property tests: a source name the OS refuses (too long) was a traceback.
+    line = _one_line(cli("data", "prepare", "a" * 3000, "--out", "ds", expect=2).stderr)
+    assert line.startswith("error: SRC: cannot use aaaa") and line.endswith(": File name too long")
 
 
 def test_json_refusals_print_one_error_object_on_stdout(cli: Cli) -> None:
