@@ -319,6 +319,7 @@ def test_s3_uri_is_canonical_and_keeps_endpoint_and_region() -> None:
         ("s3://bkt/p?region=a&region=b", "option 'region' given twice"),
         ("s3://bkt/p?endpoint_url=localhost:9000", "endpoint_url must look like http(s)://"),
         ("s3://bkt/a/../b", "must not contain '..'"),
+        ("s3://[", "is not a URI (Invalid IPv6 URL)"),  # found by the property tests
     ],
 )
 def test_bad_s3_uris_are_config_errors(uri: str, message: str) -> None:

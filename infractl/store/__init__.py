@@ -54,7 +54,10 @@ def open_store(uri: str, *, field: str = "store", interactive: bool = False) -> 
     seconds instead of being retried for a minute as the trainers' background saves are.
     Opening checks the URI's shape only; call ``check()`` to reach the store.
     """
-    parsed = urlparse(uri)
+    try:
+        parsed = urlparse(uri)
+    except ValueError as exc:  # an unbalanced "[" in the host part, say
+        raise ConfigError(f"{uri!r} is not a URI ({exc})", field=field) from None
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"file:// URIs must be absolute paths, got {uri!r}", field=field)

@@ -512,11 +512,11 @@ def open_s3(uri: str, *, field: str, interactive: bool = False) -> S3Store:
         options[key] = value
     endpoint = options.get("endpoint_url")
     if endpoint is not None:
-        ep = urlparse(endpoint)
         try:
+            ep = urlparse(endpoint)
             port_ok = ep.port is None or ep.port > 0
-        except ValueError:  # not a number, or out of range
-            port_ok = False
+        except ValueError:  # not a number or out of range; an unbalanced "[" in the host
+            ep, port_ok = urlparse(""), False
         if ep.scheme not in ("http", "https") or not ep.hostname or ep.username or ep.password or not port_ok:
             raise ConfigError(
                 f"endpoint_url must look like http(s)://HOST[:PORT], got {ep.scheme}://{ep.hostname or ''}",
