@@ -90,6 +90,9 @@ def check(args: list[str], outcome: Outcome, *, allowed: set[int], before: dict[
 
 # Options that take a value: the word after one is its value, even if it reads "--json".
 VALUE_OPTIONS = {
+    "--device",
+    "--gpus-per-node",
+    "--max-nodes",
     "--cluster",
     "-c",
     "--node",
@@ -304,6 +307,16 @@ COMMANDS: dict[tuple[str, ...], tuple[list[Any], dict[str, Any]]] = {
         },
     ),
     ("schema",): ([], {"--out": st.one_of(st.just("schemas-out"), arg_text)}),
+    ("plan",): (
+        ["RUN_FILE"],
+        {
+            "--device": st.one_of(st.sampled_from(["cpu", "h100-80gb", "b200"]), arg_text),
+            "--gpus-per-node": ints(),
+            "--max-nodes": ints(),
+            "--explain": FLAG,
+            "--json": FLAG,
+        },
+    ),
     **{("drill", kind): ([], drill_options(kind)) for kind in KINDS},
 }
 

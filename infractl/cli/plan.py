@@ -1,0 +1,123 @@
+"""``infractl plan``: the memory a run needs per device, and the fewest devices each way of
+training it fits on, before anyone rents hardware."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from infractl.cli._common import JsonOpt, output
+from infractl.config import RunSpec, load_run
+from infractl.errors import UsageError
+from infractl.planning import memory
+from infractl.planning.devices import CATALOG, Device, device
+from infractl.planning.plan import Plan, plan
+
+__all__ = ["register"]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def plan_command(
+    run_file: Annotated[Path, typer.Argument(help="run.yaml to size.", metavar="RUN.yaml")],
+    device_name: Annotated[
+        str, typer.Option("--device", help=f"Device to size for: cpu (this machine), {', '.join(CATALOG)}.")
+    ] = "cpu",
+    gpus_per_node: Annotated[
+        int,
+        typer.Option("--gpus-per-node", help="Devices (ranks) per node; on cpu they share its memory.", min=1, max=64),
+    ] = 1,
+    max_nodes: Annotated[int, typer.Option("--max-nodes", help="Most nodes to consider.", min=1, max=1024)] = 8,
+    explain: Annotated[bool, typer.Option("--explain", help="Print every number with its formula and inputs.")] = False,
+    json_mode: JsonOpt = False,
+) -> None:
+    """Size RUN.yaml: bytes per device by component for ddp, zero1, zero2 and fsdp (with and without
+    activation checkpointing, fp32 and bf16), the fewest devices and nodes each fits on, and the
+    way to train it. Exit 2 when it fits nowhere within --max-nodes."""
+    out = output(json_mode)
+    spec = load_run(run_file)
+    chosen = device(device_name)
+    if chosen.name == "cpu":
+        chosen = Device("cpu", chosen.memory_bytes // gpus_per_node, None, False)
+    result = plan(spec, chosen, devices_per_node=gpus_per_node, max_nodes=max_nodes)
+    if result.recommended is None:
+        closest = min((o for o in result.options if o.runnable), key=lambda o: o.shortfall)
+        raise UsageError(
+            f"run {spec.name!r} fits on no {chosen.name} within {max_nodes} node(s) of {gpus_per_node}: the closest, "
+            f"{closest.label} on {closest.tried} device(s) (the most that split batch_size {spec.batch_size}), "
+            f"needs {_size(closest.budget.total)} per device, "
+            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}",
+            field="--max-nodes",
+        )
+    parts: list[RenderableType] = [_table(result)]
+    if explain:
+        parts.append(_explain(result, spec))
+    out.result(result.to_dict(), Group(*parts, _advice(result)))
+
+
+def _table(result: Plan) -> Table:
+    table = Table(
+        title=f"{result.run}: {result.parameters:,} parameters; {result.device.name}, "
+        f"{_size(result.device.memory_bytes)} per device (--json or --explain: every component)"
+    )
+    for col in ("way to train", "runs", "fewest devices", "nodes", "per device", "of which activations"):
+        table.add_column(col, justify="left" if col == "way to train" else "right")
+    for o in result.options:
+        table.add_row(
+            o.label,
+            "yes" if o.runnable else "not yet",
+            str(o.devices) if o.devices else "-",
+            str(o.nodes) if o.nodes else "-",
+            _size(o.budget.total),
+            _size(o.budget.activations),
+        )
+    return table
+
+
+def _advice(result: Plan) -> Text:
+    rec = result.recommended
+    assert rec is not None
+    return Text(
+        f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): {_size(rec.budget.total)} per "
+        f"device of {_size(result.device.memory_bytes)}; asynchronous checkpoint staging needs "
+        f"{_size(result.staging_host_bytes(rec))} of host memory per node"
+    )
+
+
+def _explain(result: Plan, spec: RunSpec) -> Text:
+    """The recommended way's every number, with its formula and inputs."""
+    rec = result.recommended
+    assert rec is not None and rec.devices is not None
+    model, micro = spec.model, spec.batch_size // rec.devices
+    lines = [
+        f"{rec.label} on N = {rec.devices} device(s): micro batch b = {spec.batch_size}/{rec.devices} = {micro}, "
+        f"s = {model.seq_len}, h = {model.hidden}, a = {model.heads}, L = {model.layers}, V = {memory.VOCAB}",
+        f"parameters Ψ = V·h + s·h + L·(12h² + 13h) + 2h = {result.parameters:,}",
+    ]
+    scheme = next(s for s in memory.SCHEMES if s == rec.scheme)  # the recommended way is a data-parallel scheme
+    for term in memory.terms(
+        model,
+        scheme=scheme,
+        ranks=rec.devices,
+        micro_batch=micro,
+        precision=rec.precision,
+        checkpointing=rec.checkpointing,
+        cuda=result.device.cuda,
+    ):
+        lines.append(f"  {term.component:<13} {term.what}: {term.formula} = {_size(term.bytes)}")
+    lines.append(f"  total {_size(rec.budget.total)} per device")
+    return Text("\n".join(lines))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
