@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,18 @@ from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState, write_private
 from infractl.store import Store
 
-__all__ = ["Launch", "Plan", "Rejoined", "prepare", "launch", "finish", "rejoin", "torchrun_argv", "node_log"]
+__all__ = [
+    "Launch",
+    "Plan",
+    "Rejoined",
+    "prepare",
+    "launch",
+    "finish",
+    "rejoin",
+    "run_to_end",
+    "torchrun_argv",
+    "node_log",
+]
 
 # Rendezvous timing (seconds): how long survivors wait for more nodes once nodes.min joined, and
 # the keep-alive interval by which a dead node is noticed. Agents of one launch start within
@@ -142,6 +154,7 @@ def torchrun_argv(
     spec_path: Path,
     store_uri: str,
     workdir: Path,
+    trainer_args: Sequence[str] = (),
 ) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
@@ -166,6 +179,7 @@ def torchrun_argv(
         "--store", store_uri,
         "--run-id", spec.name,
         "--workdir", str(workdir),
+        *trainer_args,
     ]  # fmt: skip
 
 
@@ -209,8 +223,11 @@ def node_log(node: dict[str, Any], run_id: str) -> Path:
     return Path(node["workdir"]) / "logs" / f"{run_id}.log"
 
 
-def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat) -> Launch:
-    """Record the attempt in the store, then start one torchrun agent per node."""
+def launch(
+    state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat, trainer_args: Sequence[str] = ()
+) -> Launch:
+    """Record the attempt in the store, then start one torchrun agent per node. ``trainer_args``
+    go to every rank's ``trainer.train`` (``plan --measure`` asks it for a memory probe)."""
     ensure_rendezvous(state, plan.cluster)
     number = len(plan.record.attempts) + 1
     # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
@@ -238,6 +255,7 @@ def launch(state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFor
             nnodes=len(plan.nodes),
             rdzv_id=rdzv_id,
             log_format=log_format,
+            trainer_args=trainer_args,
         )
         for node in plan.nodes
     }
@@ -255,6 +273,34 @@ def finish(plan: Plan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
     return attempt
 
 
+def run_to_end(
+    state: ClusterState,
+    spec: RunSpec,
+    run_file: Path,
+    *,
+    command: str,
+    log_format: LogFormat,
+    trainer_args: Sequence[str] = (),
+    poll_s: float = 1.0,
+) -> Attempt:
+    """Start ``spec`` over (whatever the store holds for it is deleted), wait until every agent
+    has exited, and record how the attempt ended: the runs `plan --measure` and `bench` make
+    from a run.yaml, which nobody follows on a progress bar. Holds the cluster lock throughout,
+    in the name of ``command`` (what a refused `infractl` command is told is busy)."""
+    with state.lock(command):
+        plan = prepare(state, spec, run_file, new=True)
+        if plan.replaces:
+            plan.store.delete_prefix(runstore.run_prefix(spec.name))
+        started = launch(state, spec, plan, log_format=log_format, trainer_args=trainer_args)
+        exit_codes: dict[str, int] = {}
+        while len(exit_codes) < len(started.agents):
+            time.sleep(poll_s)
+            for name, agent in started.agents.items():
+                if name not in exit_codes and (rc := agent.poll()) is not None:
+                    exit_codes[name] = rc
+        return finish(plan, spec, exit_codes)
+
+
 def _start_agent(
     state: ClusterState,
     spec: RunSpec,
@@ -267,6 +313,7 @@ def _start_agent(
     rdzv_id: str,
     log_format: LogFormat,
     note: str = "",
+    trainer_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     workdir = Path(node["workdir"])
     spec_path = workdir / "runs" / spec.name / "spec.json"
@@ -284,6 +331,7 @@ def _start_agent(
             spec_path=spec_path,
             store_uri=store.uri,
             workdir=workdir,
+            trainer_args=trainer_args,
         ),
         env=_node_env(state, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"]),
         cwd=workdir,
