@@ -45,7 +45,9 @@ from infractl.store import open_store  # noqa: E402
 from s3server import AWS_TEST_ENV, moto_server  # noqa: E402
 
 
-def _torchrun(args: list[str], *, cwd: Path, world: int) -> str:
+def torchrun(args: list[str], *, cwd: Path, world: int) -> str:
+    """Run one standalone torchrun of WORLD ranks from CWD; its stdout. Exits the benchmark when it
+    fails or hangs (bench/planner_vs_peers.py runs its probes through it too)."""
     # Workers run as modules (-m bench.x) from a scratch cwd: run as scripts, bench/ would come
     # first on sys.path and this file would shadow the trainer package.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -75,7 +77,7 @@ def _ours(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int, tag:
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     store_uri = (run_dir / "store").as_uri()
-    _torchrun(
+    torchrun(
         ["-m", "trainer.train", "--spec", str(spec_path), "--store", store_uri, "--run-id", "bench",
          "--workdir", str(run_dir / "work")],
         cwd=run_dir,
@@ -91,7 +93,7 @@ def _plain(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int) -> 
     run_dir.mkdir(exist_ok=True)
     spec_path = run_dir / "spec.json"
     spec_path.write_text(spec.model_dump_json())
-    out = _torchrun(
+    out = torchrun(
         ["-m", "bench.plain_ddp", "--spec", str(spec_path), "--window", str(window[0]), str(window[1])],
         cwd=run_dir,
         world=world,
@@ -152,7 +154,7 @@ def step_time(
 
 def checkpoint_blocking(tmp: Path, *, layers: int, hidden: int, saves: int, world: int) -> dict[str, Any]:
     (tmp / "ckpt-store").mkdir()  # a file:// store is a directory that must exist, as a bucket must
-    out = _torchrun(
+    out = torchrun(
         [
             "-m",
             "bench.checkpoint_worker",

@@ -24,9 +24,13 @@ __all__ = [
     "NodeRange",
     "WatchdogSpec",
     "PreemptionSpec",
+    "ProfileSpec",
+    "MAX_PROFILE_STEPS",
+    "parse_step_window",
     "load_cluster",
     "load_run",
     "load_run_json",
+    "derive_run",
     "per_rank_batch",
     "default_cluster",
     "NAME_PATTERN",
@@ -179,6 +183,60 @@ class PreemptionSpec(_Spec):
     )
 
 
+#: Most steps one profile window may hold: a trace of every op with its input shapes grows by
+#: megabytes per step on every rank, and a few steps show a steady state as well as many.
+MAX_PROFILE_STEPS = 50
+_WINDOW = re.compile(r"^([0-9]{1,10}):([0-9]{1,10})$")
+
+
+def parse_step_window(text: str) -> tuple[int, int]:
+    """``"A:B"`` as (A, B): steps A to B of the run, both included (``"5:5"`` is one step).
+    ``ValueError`` with a message to show after the field's name when it is anything else."""
+    match = _WINDOW.fullmatch(text)
+    if match is None:
+        raise ValueError(f"must be FIRST:LAST, the first and last step to profile (both included), not {text!r}")
+    first, last = int(match.group(1)), int(match.group(2))
+    if first < 1:
+        raise ValueError(f"{text}: steps count from 1")
+    if last < first:
+        raise ValueError(f"{text}: the last step ({last}) comes before the first ({first})")
+    if last - first + 1 > MAX_PROFILE_STEPS:
+        raise ValueError(
+            f"{text} is {last - first + 1} steps; a window holds at most {MAX_PROFILE_STEPS} (traces grow fast)"
+        )
+    return first, last
+
+
+class ProfileSpec(_Spec):
+    """torch.profiler traces of a few steps on every rank, uploaded to the store (trainer/profiling.py)."""
+
+    steps: str | None = Field(
+        None,
+        json_schema_extra={"pattern": _WINDOW.pattern},
+        description=(
+            f"FIRST:LAST, quoted: trace steps FIRST to LAST, both included (at most {MAX_PROFILE_STEPS}), on "
+            "every rank, into runs/<run>/profiles/FIRST-LAST/rank-<r>.pt.trace.json.gz. Unset: no trace."
+        ),
+    )
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _window(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            # YAML 1.1 reads an unquoted 3:5 as the base-60 number 185: nothing to recover it from.
+            raise ValueError(
+                f'must be FIRST:LAST in quotes, e.g. "3:5" (YAML read a number, {value}: unquoted, 3:5 is 185)'
+            )
+        if isinstance(value, str):
+            parse_step_window(value)
+        return value
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """(first, last) step to profile, both included; None when profiling is off."""
+        return None if self.steps is None else parse_step_window(self.steps)
+
+
 class RunSpec(_Spec):
     """run.yaml: what to train and how."""
 
@@ -240,6 +298,7 @@ class RunSpec(_Spec):
     )
     watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec, description="Hang detection.")
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec, description="Grace period after SIGTERM.")
+    profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler traces of chosen steps.")
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> RunSpec:
@@ -248,6 +307,13 @@ class RunSpec(_Spec):
                 "cpu_offload",
                 f"needs parallel: fsdp (parallel is {self.parallel}); only FSDP shards can live on the CPU",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _profile_within_steps(self) -> RunSpec:
+        window = self.profile.window
+        if window is not None and window[1] > self.steps:
+            raise _field_error("profile.steps", f"{self.profile.steps} ends after the run's last step ({self.steps})")
         return self
 
     @field_validator("lr", mode="before")
@@ -412,6 +478,14 @@ def load_run(path: Path) -> RunSpec:
 def load_run_json(path: Path) -> RunSpec:
     """A resolved run spec as the launcher hands it to the trainers (``RunSpec.model_dump_json()``)."""
     return _validate(RunSpec, _read_text(path, "run"), path)
+
+
+def derive_run(source: RunSpec, run_file: Path, *, suffix: str, **changes: Any) -> RunSpec:
+    """A run made from ``source`` for a measurement (``plan --measure``, ``bench``): named
+    ``<source name><suffix>`` (the name shortened to fit), with ``changes`` to its top-level
+    fields, and validated like run.yaml (a change that breaks it names ``run_file`` and the field)."""
+    name = source.name[: 40 - len(suffix)].rstrip("-") + suffix
+    return _validate(RunSpec, source.model_dump(mode="json") | {"name": name, **changes}, run_file)
 
 
 def default_cluster() -> ClusterSpec:

@@ -8,7 +8,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -282,11 +282,13 @@ def run_to_end(
     log_format: LogFormat,
     trainer_args: Sequence[str] = (),
     poll_s: float = 1.0,
+    watch: Callable[[Launch], None] | None = None,
 ) -> Attempt:
     """Start ``spec`` over (whatever the store holds for it is deleted), wait until every agent
     has exited, and record how the attempt ended: the runs `plan --measure` and `bench` make
     from a run.yaml, which nobody follows on a progress bar. Holds the cluster lock throughout,
-    in the name of ``command`` (what a refused `infractl` command is told is busy)."""
+    in the name of ``command`` (what a refused `infractl` command is told is busy). ``watch``
+    is called with the launch at every poll while the agents run (`bench` samples their CPU)."""
     with state.lock(command):
         plan = prepare(state, spec, run_file, new=True)
         if plan.replaces:
@@ -295,6 +297,8 @@ def run_to_end(
         exit_codes: dict[str, int] = {}
         while len(exit_codes) < len(started.agents):
             time.sleep(poll_s)
+            if watch is not None:
+                watch(started)
             for name, agent in started.agents.items():
                 if name not in exit_codes and (rc := agent.poll()) is not None:
                     exit_codes[name] = rc

@@ -15,6 +15,20 @@ Layout (``<store>/runs/<run-id>/``)::
                                       environment fingerprint, save timings)
     ckpt/step-<N>/COMMITTED           written last and create-only
     drills/<drill-id>.json            DrillRecord: one fault drill and its measured recovery
+    profiles/request.json             ProfileRequest: `infractl profile` asks every rank to trace steps
+    profiles/<first>-<last>/rank-<r>.pt.trace.json.gz
+                                      rank r's torch.profiler trace of those steps (gzipped Chrome
+                                      trace JSON; each folder is a run for TensorBoard's profiler plugin)
+
+Besides the runs (``<store>/``)::
+
+    plan/<run-id>/measured.json       `infractl plan --measure`: the prediction beside what a probe
+                                      run of the run.yaml measured (infractl/planning/measure.py)
+    bench/<bench-id>/baseline.json    `infractl bench`: the scaling baseline (infractl/planning/bench.py)
+    bench/<bench-id>/*.png            its plots: throughput and efficiency, the step-time split
+
+A probe run (``runs/<run-id>/memory/rank-<r>.json``, each rank's measured memory) is deleted once
+`plan --measure` has read it.
 
 A checkpoint exists only once COMMITTED exists. Records are JSON; readers accept fields they do not
 know (a newer writer) and supply defaults for fields a record lacks (an older writer).
@@ -33,7 +47,7 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict, TypeVar
 
 from infractl.errors import InfractlError, StoreError
-from infractl.store import Store, StoreKeyError
+from infractl.store import ObjectInfo, Store, StoreKeyError
 
 __all__ = [
     "SaveReason",
@@ -46,6 +60,9 @@ __all__ = [
     "Manifest",
     "CheckpointError",
     "run_prefix",
+    "plan_measured_key",
+    "bench_prefix",
+    "memory_report_key",
     "checkpoint_prefix",
     "file_sha256",
     "commit_checkpoint",
@@ -65,10 +82,17 @@ __all__ = [
     "drill_key",
     "write_drill_record",
     "read_drill_records",
+    "ProfileRequest",
+    "profile_prefix",
+    "profile_trace_key",
+    "profile_traces",
+    "read_profile_request",
+    "write_profile_request",
 ]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _METRICS_CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")
+_PROFILE_TRACE = re.compile(r"/profiles/(\d+)-(\d+)/rank-(\d+)\.pt\.trace\.json\.gz$")
 
 
 class CheckpointError(InfractlError):
@@ -444,6 +468,21 @@ def latest_metrics(store: Store, run_id: str) -> StepRecord | None:
     return record
 
 
+def plan_measured_key(run_id: str) -> str:
+    """Where `plan --measure` keeps its comparison for run ``run_id`` (the handover bundle reads it)."""
+    return f"plan/{run_id}/measured.json"
+
+
+def bench_prefix(bench_id: str) -> str:
+    """The folder of one `infractl bench`: baseline.json and its plots."""
+    return f"bench/{bench_id}"
+
+
+def memory_report_key(run_id: str, rank: int) -> str:
+    """Where rank ``rank`` of a ``plan --measure`` run reports the memory it took."""
+    return f"{run_prefix(run_id)}/memory/rank-{rank}.json"
+
+
 def drill_key(run_id: str, drill_id: str) -> str:
     return f"{run_prefix(run_id)}/drills/{drill_id}.json"
 
@@ -459,3 +498,60 @@ def read_drill_records(store: Store, run_id: str) -> list[DrillRecord]:
         if obj.key.endswith(".json"):
             records.append(DrillRecord.from_dict(_parse_json(store, obj.key, store.get_bytes(obj.key))))
     return sorted(records, key=lambda r: r.fault_time)
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """``profiles/request.json``: trace steps ``first`` to ``last`` (both included) on every rank of
+    a running run. One at a time: a new request replaces the previous one."""
+
+    first: int
+    last: int
+    requested: float  # time.time() of the request: the same window asked twice is two requests
+
+    @property
+    def steps(self) -> str:
+        return f"{self.first}:{self.last}"
+
+
+def profile_prefix(run_id: str, first: int, last: int) -> str:
+    """Where every rank's trace of steps ``first`` to ``last`` goes."""
+    return f"{run_prefix(run_id)}/profiles/{first}-{last}"
+
+
+def profile_trace_key(run_id: str, first: int, last: int, rank: int) -> str:
+    # <worker>.pt.trace.json.gz is the name TensorBoard's profiler plugin looks for.
+    return f"{profile_prefix(run_id, first, last)}/rank-{rank}.pt.trace.json.gz"
+
+
+def profile_traces(store: Store, run_id: str) -> dict[tuple[int, int], dict[int, ObjectInfo]]:
+    """(first, last) -> rank -> its trace of those steps: every trace of the run in the store."""
+    traces: dict[tuple[int, int], dict[int, ObjectInfo]] = {}
+    for obj in store.list(f"{run_prefix(run_id)}/profiles/"):
+        match = _PROFILE_TRACE.search(obj.key)
+        if match:
+            first, last, rank = (int(g) for g in match.groups())
+            traces.setdefault((first, last), {})[rank] = obj
+    return traces
+
+
+def _profile_request_key(run_id: str) -> str:
+    return f"{run_prefix(run_id)}/profiles/request.json"
+
+
+def write_profile_request(store: Store, run_id: str, request: ProfileRequest) -> None:
+    store.put_bytes(_profile_request_key(run_id), json.dumps(asdict(request)).encode())
+
+
+def read_profile_request(store: Store, run_id: str) -> ProfileRequest | None:
+    """The run's profile request, or None if it has none."""
+    key = _profile_request_key(run_id)
+    try:
+        data = store.get_bytes(key)
+    except StoreKeyError:
+        return None
+    raw = _parse_json(store, key, data)
+    try:
+        return ProfileRequest(first=int(raw["first"]), last=int(raw["last"]), requested=float(raw["requested"]))
+    except (TypeError, KeyError, ValueError) as exc:
+        raise StoreError(store.uri, f"{key} is not a profile request ({type(exc).__name__}: {exc})") from None

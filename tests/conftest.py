@@ -83,6 +83,19 @@ def cli(tmp_path: Path) -> Cli:
             proc.kill(proc.find(cluster_dir))
 
 
+@contextlib.contextmanager
+def module_cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Cli]:
+    """For a module-scoped fixture: `infractl up` the default 2-node local cluster in a fresh
+    directory, hand it to the module's tests, and tear it down (no process may remain)."""
+    cli = Cli(tmp_path_factory.mktemp(name))
+    cli("up")
+    try:
+        yield cli
+    finally:
+        cli("teardown", "--yes")
+        assert proc.find(cli.home / "local") == []
+
+
 @dataclass(frozen=True)
 class Outcome:
     code: int

@@ -46,3 +46,14 @@ def test_recovery_benchmark_one_drill_of_each_kind(tmp_path: Path) -> None:
     kinds = {r["drill"]: r for r in results["other_kinds"]}
     assert set(kinds) == {"kill-during-checkpoint", "hang-node", "preempt", "store-outage"}
     assert all(r["outcome"] == "recovered" for r in kinds.values()), kinds
+
+
+def test_planner_against_its_peers_reports_every_configuration(tmp_path: Path) -> None:
+    results = _bench("planner_vs_peers.py", "--steps", "1", out=tmp_path / "peers.json", timeout=600)
+    assert [r["run"] for r in results] == sorted(p.stem for p in (REPO / "examples" / "memory").glob("*.yaml"))
+    for r in results:
+        assert r["ranks"] == 2
+        for field in ("ours_peak", "ours_model_states", "deepspeed", "accelerate", "measured_peak"):
+            assert isinstance(r[field], int) and r[field] > 0, (field, r)
+        # The same tensors, measured exactly (AdamW's step counters are the few bytes apart).
+        assert r["measured_model_states"] == pytest.approx(r["ours_model_states"], rel=1e-3), r

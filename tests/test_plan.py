@@ -1,17 +1,22 @@
-"""`infractl plan`: the memory model against the real model, the search, and its refusals."""
+"""`infractl plan`: the memory model against the real model, the search, and its refusals; and
+`plan --measure` on one real 2-node local cluster (module-scoped): for four configurations the
+prediction must match what the ranks measured."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from infractl.config import ModelSpec
+from infractl.config import ModelSpec, load_run
 from infractl.planning import memory
+from infractl.store import FileStore
 from trainer.model import GPT, GPTConfig
 
-from conftest import REPO, Cli, write
+from conftest import REPO, Cli, module_cluster, write
 
 BIG = "name: big\nmodel: {layers: 96, hidden: 16384, heads: 128, seq_len: 2048}\nbatch_size: 64\n"
 
@@ -76,8 +81,47 @@ def test_a_run_that_fits_nowhere_names_the_smallest_shortfall(cli: Cli) -> None:
         (["--device", "tpu-v9"], "--device: unknown device 'tpu-v9' (one of: cpu, a100-40gb"),
         (["--max-nodes", "0"], "Invalid value for '--max-nodes'"),
         (["--gpus-per-node", "-1"], "Invalid value for '--gpus-per-node'"),
+        (["--steps", "3"], "--steps: only with --measure"),
+        (["--measure", "--device", "h200"], "--device: --measure measures the cluster's own devices"),
+        (["--measure", "--steps", "0"], "Invalid value for '--steps'"),
     ],
 )
 def test_bad_plan_arguments_are_one_line(cli: Cli, args: list[str], message: str) -> None:
     result = cli("plan", str(REPO / "examples" / "quickstart.yaml"), *args, expect=2)
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# Sizes where the model's tensors outweigh the runtime's 30 MiB, so every component counts.
+MEASURED = sorted((REPO / "examples" / "memory").glob("*.yaml"))
+TOLERANCE = {"parameters": 0.10, "gradients": 0.10, "optimizer": 0.10, "activations": 0.20, "peak": 0.25}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    with module_cluster(tmp_path_factory, "plan") as cli:
+        yield cli
+
+
+def test_four_configurations_cover_every_scheme_precision_and_checkpointing() -> None:
+    specs = [load_run(p) for p in MEASURED]
+    assert len(specs) == 4 and [s.name for s in specs] == [p.stem for p in MEASURED]
+    assert {s.parallel for s in specs} == {"ddp", "zero1", "fsdp"}
+    assert {s.mixed_precision for s in specs} == {"fp32", "bf16"}
+    assert {s.activation_checkpointing for s in specs} == {True, False}
+    assert {(s.nodes.min, s.nodes.max) for s in specs} == {(2, 2)}
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("plan-measure")
+@pytest.mark.parametrize("run", MEASURED, ids=[p.stem for p in MEASURED])
+def test_plan_matches_what_two_ranks_measure(cluster: Cli, run: Path) -> None:
+    name = run.stem  # each file's run name
+    result = json.loads(cluster("plan", str(run), "--measure", "--json").stdout)
+    assert result["world_size"] == 2 and result["device"] == "cpu" and len(result["reports"]) == 2
+    for component, tolerance in TOLERANCE.items():
+        predicted, measured = result["predicted"][component], result["measured"][component]
+        assert abs(measured - predicted) <= tolerance * predicted, (component, predicted, measured, result)
+        assert result["error"][component] == pytest.approx((measured - predicted) / predicted, abs=1e-4)
+    store = FileStore(cluster.home / "local" / "store")
+    assert json.loads(store.get_bytes(f"plan/{name}/measured.json")) == result
+    assert store.list(f"runs/{name}-memory/") == []  # the probe run is gone

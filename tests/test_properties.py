@@ -108,6 +108,8 @@ VALUE_OPTIONS = {
     "--repeat",
     "--seconds",
     "--log-format",
+    "--nodes",
+    "--steps",
 }
 
 
@@ -314,6 +316,25 @@ COMMANDS: dict[tuple[str, ...], tuple[list[Any], dict[str, Any]]] = {
             "--gpus-per-node": ints(),
             "--max-nodes": ints(),
             "--explain": FLAG,
+            "--json": FLAG,
+        },
+    ),
+    ("bench",): (
+        ["RUN_FILE"],
+        {
+            "--nodes": st.one_of(st.sampled_from(["1", "1,2", "2,1", "1,3", "0", "1,1", "1,,2", "x"]), arg_text),
+            "--cluster": None,
+            "--steps": ints(),
+            "--strong": FLAG,
+            "--json": FLAG,
+        },
+    ),
+    ("profile",): (
+        [names],
+        {
+            "--steps": st.one_of(st.sampled_from(["3:5", "5:3", "0:1", "1:100", "7", "40:45"]), arg_text),
+            "--cluster": None,
+            "--timeout": floats(),
             "--json": FLAG,
         },
     ),

@@ -9,6 +9,9 @@ exits; see ``Preempted``), and, on checkpoint steps, whether a rank's previous s
 running after a short wait (then the scheduled save is skipped: training does not wait long
 for a slow or unreachable store; see trainer/saves.py). A preemption notice is therefore acted
 on within ``log_every`` steps.
+
+Profiling (run.yaml's ``profile.steps``, ``infractl profile``) costs the loop one integer
+compare per step outside the steps it traces; trainer/profiling.py does the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype, parallelize
 from trainer.preemption import PreemptionNotice
+from trainer.profiling import StepProfiler
 from trainer.saves import Saves
 from trainer.state import (
     ModelState,
@@ -130,6 +134,9 @@ class Trainer:
             state=lambda: self._state(None),
             extra=self._extra,
         )
+        self.profiler = StepProfiler(
+            store, run_id, rank=env.rank, device=device, workdir=workdir, window=spec.profile.window
+        )
         self.clock = StepClock(device)
         self._bound_checked = False
         self.steplog = StepLog(
@@ -200,12 +207,15 @@ class Trainer:
         """
         self.resume()
         self.preemption.install()  # from the main thread: torchrun's worker runs us there
+        self.profiler.start(first_step=self.progress.step + 1)
         spec = self.spec
         first = True
         while self.progress.step < spec.steps:
             step = self.progress.step + 1
             final = step == spec.steps
             preempted = 0
+            if step >= self.profiler.due:  # all that profiling costs a step outside its windows
+                self.profiler.at(step)
             # Under the watchdog (once started): the step and whatever else must not block,
             # but never a wait for a commit, which depends on the store (see Checkpointer).
             self.preemption.step = step
@@ -228,10 +238,12 @@ class Trainer:
                 self._warmed_up()
                 first = False
             if final:
+                self.profiler.finish()  # the trace ends before the final checkpoint's wait for its commit
                 self.saves.final(step, record)
             elif preempted:
                 self._stop_preempted(step, record, ranks_signalled=preempted)
         self.saves.close()
+        self.profiler.close()
         log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
 

@@ -29,6 +29,7 @@ from infractl.config import RunSpec, load_run_json, per_rank_batch
 from infractl.errors import UsageError
 from infractl.log import get_logger, setup
 from infractl.store import Store, open_store
+from trainer import memprobe
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import Preempted, Trainer
 from trainer.errors import RunRefused
@@ -54,7 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--store", required=True, help="Store URI for checkpoints and metrics (file:///...).")
     parser.add_argument("--run-id", type=_run_id, required=True, help="Run id: the store prefix runs/<run-id>/.")
     parser.add_argument("--workdir", type=Path, required=True, help="This node's scratch directory.")
+    parser.add_argument(
+        "--measure-memory",
+        type=_steps,
+        metavar="STEPS",
+        help="Instead of training: run STEPS steps and report the memory each component took (plan --measure).",
+    )
     return parser
+
+
+def _steps(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive step count: {value!r}")
+    return int(value)
 
 
 @record
@@ -86,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir=args.workdir,
             env=env,
             device=device,
+            measure_steps=args.measure_memory,
         )
     except BaseException as exc:
         # Drop the frames' locals so the trainer can be freed before the group (see _train).
@@ -110,20 +124,19 @@ def _train(
     workdir: Path,
     env: DistEnv,
     device: torch.device,
+    measure_steps: int | None = None,
 ) -> None:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
     # group; if the reducer outlives destroy_process_group, the group's destructor runs
     # from it with the GIL held and joins gloo threads that may be waiting for the GIL:
     # a deadlock at exit. Freed first, the group is destroyed by destroy_process_group,
     # which releases the GIL.
-    Trainer(
-        spec,
-        store=store,
-        run_id=run_id,
-        workdir=workdir,
-        env=env,
-        device=device,
-    ).train()
+    if measure_steps is None:
+        Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
+        return
+    baseline = memprobe.start()
+    trainer = Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device)
+    memprobe.measure(trainer, steps=measure_steps, store=store, run_id=run_id, baseline_rss=baseline)
 
 
 def _crash() -> NoReturn:

@@ -11,12 +11,16 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl.cli._common import JsonOpt, output
+from infractl import runstore
+from infractl.cli._common import ClusterOpt, JsonOpt, LogFormatOpt, output
 from infractl.config import RunSpec, load_run
 from infractl.errors import UsageError
-from infractl.planning import memory
+from infractl.log import LogFormat
+from infractl.output import Output
+from infractl.planning import measure, memory
 from infractl.planning.devices import CATALOG, Device, device
 from infractl.planning.plan import Plan, plan
+from infractl.state import resolve_cluster
 
 __all__ = ["register"]
 
@@ -31,22 +35,44 @@ def _size(n: int) -> str:
 def plan_command(
     run_file: Annotated[Path, typer.Argument(help="run.yaml to size.", metavar="RUN.yaml")],
     device_name: Annotated[
-        str, typer.Option("--device", help=f"Device to size for: cpu (this machine), {', '.join(CATALOG)}.")
-    ] = "cpu",
+        str | None,
+        typer.Option("--device", help=f"Device to size for: cpu (this machine), {', '.join(CATALOG)}. [default: cpu]"),
+    ] = None,
     gpus_per_node: Annotated[
         int,
         typer.Option("--gpus-per-node", help="Devices (ranks) per node; on cpu they share its memory.", min=1, max=64),
     ] = 1,
     max_nodes: Annotated[int, typer.Option("--max-nodes", help="Most nodes to consider.", min=1, max=1024)] = 8,
     explain: Annotated[bool, typer.Option("--explain", help="Print every number with its formula and inputs.")] = False,
+    measure_run: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Run a few real steps on the cluster and print the memory each component took beside the prediction.",
+        ),
+    ] = False,
+    steps: Annotated[
+        int | None, typer.Option("--steps", help="Steps the --measure run takes [default: 3].", min=1, max=100)
+    ] = None,
+    cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
+    log_format: LogFormatOpt = "console",
 ) -> None:
     """Size RUN.yaml: bytes per device by component for ddp, zero1, zero2 and fsdp (with and without
     activation checkpointing, fp32 and bf16), the fewest devices and nodes each fits on, and the
-    way to train it. Exit 2 when it fits nowhere within --max-nodes."""
+    way to train it. Exit 2 when it fits nowhere within --max-nodes. With --measure, check the
+    prediction against a short real run of RUN.yaml on the cluster."""
     out = output(json_mode)
     spec = load_run(run_file)
-    chosen = device(device_name)
+    if measure_run:
+        if device_name is not None:
+            raise UsageError("--measure measures the cluster's own devices; leave --device out", field="--device")
+        _measure(spec, run_file, steps=steps or 3, cluster_opt=cluster_opt, log_format=log_format, out=out)
+        return
+    for given, name in ((steps, "--steps"), (cluster_opt, "--cluster")):
+        if given is not None:
+            raise UsageError("only with --measure (planning alone starts nothing)", field=name)
+    chosen = device(device_name or "cpu")
     if chosen.name == "cpu":
         chosen = Device("cpu", chosen.memory_bytes // gpus_per_node, None, False)
     result = plan(spec, chosen, devices_per_node=gpus_per_node, max_nodes=max_nodes)
@@ -63,6 +89,36 @@ def plan_command(
     if explain:
         parts.append(_explain(result, spec))
     out.result(result.to_dict(), Group(*parts, _advice(result)))
+
+
+def _measure(
+    spec: RunSpec, run_file: Path, *, steps: int, cluster_opt: str | None, log_format: LogFormat, out: Output
+) -> None:
+    state, _ = resolve_cluster(cluster_opt)
+    out.info(f"measuring run {spec.name!r} on cluster {state.name!r}: {steps} step(s) on every node")
+    result = measure.measure(state, spec, run_file, steps=steps, log_format=log_format)
+    table = Table(
+        title=f"{spec.name}: {spec.parallel}, {spec.mixed_precision}"
+        f"{', activation checkpointing' if spec.activation_checkpointing else ''}; "
+        f"{result.world_size} rank(s) on {result.device}, per device (the largest of any rank)"
+    )
+    for col in ("component", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col == "component" else "right")
+    for component in measure.COMPONENTS:
+        table.add_row(
+            component,
+            _size(result.predicted[component]),
+            _size(result.measured[component]),
+            f"{result.error(component):+.1%}",
+        )
+    peak = (
+        "peak: torch.cuda.max_memory_allocated; predicted: the total less the fragmentation margin and the CUDA reserve"
+        if result.device == "cuda"
+        else "peak: growth of the ranks' resident memory; predicted: the total less the fragmentation margin"
+    )
+    out.result(
+        result.to_dict(), Group(table, Text(f"{peak}; kept in the store as {runstore.plan_measured_key(spec.name)}"))
+    )
 
 
 def _table(result: Plan) -> Table:

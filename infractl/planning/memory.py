@@ -20,20 +20,25 @@ data-parallel ranks:
 Activations per layer are the tensors autograd saves for the backward pass, counted from the
 block's operations (flash attention on CPU and GPU: no s×s score matrix is kept):
 
-    fp32:  17·b·s·h values of 4 bytes  (input, norm output, q/k/v, attention output and its copy,
-           second input, norm output, MLP up (4h) and its GELU (4h))
-    bf16:  38·b·s·h bytes              (norms and the residual stream stay fp32; linear and
-                                        attention outputs are bf16)
+    fp32:  16·b·s·h values of 4 bytes  (the block's input and the residual after attention, both
+           norms' outputs, q/k/v (3h), the attention output, the MLP's up projection (4h) and
+           its GELU (4h))
+    bf16:  2·r + 28 bytes per b·s·h     (the two residual-stream tensors take r = 4 bytes, or 2
+                                        under fsdp, which gathers its weights in bf16; the
+                                        norms' outputs, q/k/v, attention and MLP outputs are bf16)
 
-plus b·a·s·4 bytes of attention log-sum-exp. Activation checkpointing keeps only each block's
-input (b·s·h·4) and recomputes one block at a time in the backward pass. The head keeps the
-embedding sum and the final norm's input and output, the logits and their log-softmax
-(2·b·s·h + 2·b·s·V values of 4 bytes), and the backward pass holds the logits' gradient.
+plus each norm's mean and reciprocal deviation (4·b·s values) and the attention's log-sum-exp
+(b·a·s values), 4 bytes each. Activation checkpointing keeps only each block's input (b·s·h·r)
+and recomputes one block at a time in the backward pass (its saves but its input, once more).
+The head keeps the final norm's input and output and the log-softmax (b·s·V values of 4 bytes),
+and the backward pass holds the logits' gradient. Under bf16, autocast keeps a bf16 copy of
+every matrix a linear layer uses (12h² per block and the tied V·h embedding) until the backward
+pass.
 
 A fragmentation margin (10% of what is allocated and freed during a step: activations and
-temporaries) and the runtime's reserve (the CUDA context and NCCL buffers on a GPU) complete
-the budget. Asynchronous checkpoint staging costs host memory: each rank's share of the
-weights and optimizer state, once more.
+temporaries) and the runtime's reserve (the CUDA context and NCCL buffers on a GPU; libtorch's
+thread pools and workspaces on the CPU) complete the budget. Asynchronous checkpoint staging
+costs host memory: each rank's share of the weights and optimizer state, once more.
 """
 
 from __future__ import annotations
@@ -64,11 +69,17 @@ RUNNABLE: tuple[Scheme, ...] = ("ddp", "zero1", "fsdp")
 
 _FP32 = 4
 _BF16 = 2
-#: Saved activation bytes per b·s·h per layer (see the module docstring).
-_ACTIVATION_BYTES = {"fp32": 17 * _FP32, "bf16": 38}
+#: Bytes per b·s·h a block saves besides its two residual-stream tensors (see the module docstring).
+_BLOCK_BYTES = {"fp32": 14 * _FP32, "bf16": 28}
+#: Bytes per b·s·h of the final norm's output: fp32, or the bf16 copy autocast hands the head.
+_HEAD_NORM_BYTES = {"fp32": _FP32, "bf16": _BF16}
 _FRAGMENTATION = 0.10
 #: What the runtime takes on a GPU before any tensor: the CUDA context and NCCL's buffers.
 CUDA_RESERVE_BYTES = 1 << 30
+#: What libtorch takes on the CPU beyond the tensors once a step has run (thread pools, kernel
+#: workspaces): 31 MiB of anonymous memory measured by `infractl plan --measure` for a 1-layer,
+#: 64-wide model whose tensors take 2 MiB.
+CPU_RESERVE_BYTES = 32 << 20
 
 
 def block_parameters(hidden: int) -> int:
@@ -124,29 +135,93 @@ class Term:
     bytes: int
 
 
-def _activation_terms(model: ModelSpec, *, micro_batch: int, precision: str, checkpointing: bool) -> list[Term]:
+def _activation_terms(
+    model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, checkpointing: bool
+) -> list[Term]:
     b, s, h, a, L = micro_batch, model.seq_len, model.hidden, model.heads, model.layers
-    per = _ACTIVATION_BYTES[precision]
-    per_layer = per * b * s * h + _FP32 * b * a * s
-    layer_formula = f"{per}·b·s·h + 4·b·a·s = {per}·{b}·{s}·{h} + 4·{b}·{a}·{s}"
+    # fsdp gathers its weights in bf16, so the embeddings' output and the residual stream are bf16.
+    r = _BF16 if precision == "bf16" and scheme == "fsdp" else _FP32
+    per = 2 * r + _BLOCK_BYTES[precision]
+    per_layer = per * b * s * h + _FP32 * (4 * b * s + b * a * s)
+    layer_formula = f"{per}·b·s·h + 4·(4·b·s + b·a·s) = {per}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
+    norm = r + _HEAD_NORM_BYTES[precision]
     head = Term(
         "activations",
-        "head (embedding sum, final norm, logits, log-softmax)",
-        f"4·(2·b·s·h + 2·b·s·V) = 4·(2·{b}·{s}·{h} + 2·{b}·{s}·{VOCAB})",
-        _FP32 * (2 * b * s * h + 2 * b * s * VOCAB),
+        "head (final norm's input and output, its statistics, log-softmax)",
+        f"{norm}·b·s·h + 4·(2·b·s + b·s·V) = {norm}·{b}·{s}·{h} + 4·(2·{b}·{s} + {b}·{s}·{VOCAB})",
+        norm * b * s * h + _FP32 * (2 * b * s + b * s * VOCAB),
     )
     if checkpointing:
         return [
             Term(
                 "activations",
                 "block inputs kept by activation checkpointing",
-                f"L·4·b·s·h = {L}·4·{b}·{s}·{h}",
-                L * _FP32 * b * s * h,
+                f"L·{r}·b·s·h = {L}·{r}·{b}·{s}·{h}",
+                L * r * b * s * h,
             ),
-            Term("activations", "one block recomputed in the backward pass", layer_formula, per_layer),
+            Term(
+                "activations",
+                "one block recomputed in the backward pass (its input is kept already)",
+                f"{layer_formula} − {r}·b·s·h",
+                per_layer - r * b * s * h,
+            ),
             head,
         ]
     return [Term("activations", f"saved by {L} blocks ({precision})", f"L·({layer_formula})", L * per_layer), head]
+
+
+def _model_state_terms(model: ModelSpec, *, scheme: Scheme, ranks: int) -> list[Term]:
+    psi = parameters(model)
+    sharded = {
+        "ddp": (),
+        "zero1": ("optimizer",),
+        "zero2": ("optimizer", "gradients"),
+        "fsdp": ("optimizer", "gradients", "parameters"),
+    }[scheme]
+    found = []
+    for component, what, per in (
+        ("parameters", "fp32 weights", 4),
+        ("gradients", "fp32 gradients", 4),
+        ("optimizer", "AdamW m and v, fp32", 8),
+    ):
+        if component in sharded:
+            found.append(Term(component, what, f"{per}Ψ/N = {per}·{psi:,}/{ranks}", per * psi // ranks))
+        else:
+            found.append(Term(component, what, f"{per}Ψ = {per}·{psi:,}", per * psi))
+    return found
+
+
+def _buffer_terms(model: ModelSpec, *, scheme: Scheme, ranks: int, precision: str) -> list[Term]:
+    """Temporary buffers of the scheme, and autocast's weight copies."""
+    psi = parameters(model)
+    if scheme in ("ddp", "zero1"):
+        found = [Term("temporary", "DDP gradient buckets", f"4Ψ = 4·{psi:,}", _FP32 * psi)]
+    elif scheme == "zero2":
+        found = [Term("temporary", "gradient reduce buckets", f"4Ψ/N = 4·{psi:,}/{ranks}", _FP32 * psi // ranks)]
+    else:
+        gathered = _BF16 if precision == "bf16" else _FP32
+        root = (VOCAB + model.seq_len + 2) * model.hidden
+        block = block_parameters(model.hidden)
+        found = [
+            Term(
+                "temporary",
+                "gathered root and two gathered blocks (one prefetched)",
+                f"{gathered}·((V + s + 2)·h + 2·(12h² + 13h)) = {gathered}·({root:,} + 2·{block:,})",
+                gathered * (root + 2 * block),
+            ),
+            Term("temporary", "one block's unsharded gradients", f"4·(12h² + 13h) = 4·{block:,}", _FP32 * block),
+        ]
+    if precision == "bf16" and scheme != "fsdp":
+        copies = model.layers * 12 * model.hidden**2 + VOCAB * model.hidden
+        found.append(
+            Term(
+                "temporary",
+                "autocast's bf16 copies of the matrices, kept for the backward pass",
+                f"2·(L·12h² + V·h) = 2·{copies:,}",
+                _BF16 * copies,
+            )
+        )
+    return found
 
 
 def terms(
@@ -161,51 +236,12 @@ def terms(
 ) -> list[Term]:
     """Every number of the budget for ``scheme`` over ``ranks`` data-parallel ranks, with its
     formula (see the module docstring)."""
-    psi = parameters(model)
     n = max(ranks, 1)
-    sharded = {
-        "ddp": (),
-        "zero1": ("optimizer",),
-        "zero2": ("optimizer", "gradients"),
-        "fsdp": ("optimizer", "gradients", "parameters"),
-    }[scheme]
-    found = []
-    for component, what, per in (
-        ("parameters", "fp32 weights", 4),
-        ("gradients", "fp32 gradients", 4),
-        ("optimizer", "AdamW m and v, fp32", 8),
-    ):
-        if component in sharded:
-            found.append(Term(component, what, f"{per}Ψ/N = {per}·{psi:,}/{n}", per * psi // n))
-        else:
-            found.append(Term(component, what, f"{per}Ψ = {per}·{psi:,}", per * psi))
-    if scheme in ("ddp", "zero1"):
-        found.append(Term("temporary", "DDP gradient buckets", f"4Ψ = 4·{psi:,}", _FP32 * psi))
-    elif scheme == "zero2":
-        found.append(Term("temporary", "gradient reduce buckets", f"4Ψ/N = 4·{psi:,}/{n}", _FP32 * psi // n))
-    else:
-        gathered = _BF16 if precision == "bf16" else _FP32
-        root = (VOCAB + model.seq_len + 2) * model.hidden
-        block = block_parameters(model.hidden)
-        found.append(
-            Term(
-                "temporary",
-                "gathered root and two gathered blocks (one prefetched)",
-                f"{gathered}·((V + s + 2)·h + 2·(12h² + 13h)) = {gathered}·({root:,} + 2·{block:,})",
-                gathered * (root + 2 * block),
-            )
-        )
-        found.append(
-            Term("temporary", "one block's unsharded gradients", f"4·(12h² + 13h) = 4·{block:,}", _FP32 * block)
-        )
-    if precision == "bf16" and scheme != "fsdp":
-        linear = model.layers * block_parameters(model.hidden)
-        found.append(
-            Term(
-                "temporary", "autocast's bf16 copies of the weights", f"2·L·(12h² + 13h) = 2·{linear:,}", _BF16 * linear
-            )
-        )
-    found += _activation_terms(model, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing)
+    found = _model_state_terms(model, scheme=scheme, ranks=n)
+    found += _buffer_terms(model, scheme=scheme, ranks=n, precision=precision)
+    found += _activation_terms(
+        model, scheme=scheme, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing
+    )
     b, s = micro_batch, model.seq_len
     found.append(Term("temporary", "the logits' gradient", f"4·b·s·V = 4·{b}·{s}·{VOCAB}", _FP32 * b * s * VOCAB))
     dynamic = sum(t.bytes for t in found if t.component in ("activations", "temporary"))
@@ -219,6 +255,8 @@ def terms(
     )
     if cuda:
         found.append(Term("reserve", "CUDA context and NCCL buffers", "1 GiB", CUDA_RESERVE_BYTES))
+    else:
+        found.append(Term("reserve", "libtorch's CPU runtime (thread pools, workspaces)", "32 MiB", CPU_RESERVE_BYTES))
     return found
 
 

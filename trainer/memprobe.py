@@ -1,0 +1,235 @@
+"""The memory probe behind ``infractl plan --measure``: a few real training steps on every rank,
+and the bytes each component of the budget actually took (infractl/planning/memory.py predicts
+the same components).
+
+- parameters, gradients, optimizer state: the exact bytes of this rank's tensors (the local
+  shards under fsdp, this rank's partition of AdamW's state under zero1);
+- activations: the tensors autograd saves for the backward pass, counted once per storage by a
+  ``saved_tensors_hooks`` pack hook during the forward. Saved weights are not activations:
+  parameters themselves are skipped, and autocast's bf16 copies of them (and views of those)
+  are reported apart as ``autocast_copies``. Under activation checkpointing a block's saves
+  happen again during the backward pass, out of the hook's sight: after the steps, one block's
+  forward is run once more with checkpointing off to count them (less its kept input);
+- peak: on CUDA ``torch.cuda.max_memory_allocated`` (and a memory snapshot for
+  pytorch.org/memory_viz goes to the store); on the CPU the growth of the process's anonymous
+  resident memory from before the model was built to its peak. glibc's malloc would keep freed
+  tensors' memory in its arenas once its mmap threshold adapts upwards (22% to 115% more
+  resident memory for the runs in examples/memory/); the probe fixes the threshold
+  (``mallopt``), so every tensor above 64 KiB is mapped and unmapped, and the resident peak
+  follows the tensors' peak as ``max_memory_allocated`` does on CUDA.
+
+Every rank writes its report to ``runs/<run>/memory/rank-<r>.json``; nothing is checkpointed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._composable.checkpoint_activation import checkpoint
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from infractl import runstore
+from infractl.log import get_logger
+from infractl.store import Store, StoreError
+from trainer.engine import Trainer
+from trainer.model import GPT
+
+__all__ = ["start", "measure"]
+
+log = get_logger(__name__)
+
+# Autograd nodes that pass a weight through unchanged in value: a saved tensor reached from a
+# parameter through these alone is a copy or a view of the weight, not an activation.
+_WEIGHT_PATH = ("TBackward", "ToCopyBackward", "TransposeBackward", "ViewBackward", "AliasBackward", "PermuteBackward")
+
+
+#: glibc's mallopt parameter for the mmap threshold; setting it turns its adaptation off.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 64 << 10
+
+
+def start() -> int:
+    """Before the model is built: fix glibc's mmap threshold (see the module docstring) and
+    return the resident bytes the peak is measured from."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if not libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES):
+        log.warning("mallopt_refused", effect="resident memory may include freed tensors")
+    return resident_bytes()
+
+
+def resident_bytes() -> int:
+    """This process's anonymous resident memory now: heap and anonymous maps, what tensors live
+    in. Not the whole resident set: libtorch's code pages, paged in as kernels are first used,
+    would count a hundred MiB that no allocation made."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no RssAnon in /proc/self/status")
+
+
+class _PeakSampler:
+    """The highest ``resident_bytes`` seen, sampled every millisecond by a daemon thread (the
+    kernel keeps the peak of the whole resident set only)."""
+
+    def __init__(self) -> None:
+        self.peak = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memprobe", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __enter__(self) -> _PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (its shard, under fsdp)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def _from_weight(t: torch.Tensor) -> bool:
+    if t.is_leaf:
+        return t.requires_grad
+    node = t.grad_fn
+    for _ in range(4):
+        if node is None or not type(node).__name__.startswith(_WEIGHT_PATH):
+            return False
+        parents = [n for n, _ in node.next_functions if n is not None]
+        if len(parents) != 1:
+            return False
+        node = parents[0]
+        if type(node).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+class _SavedTensors:
+    """Bytes of the distinct storages autograd saves while it is active, by kind."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.activations: dict[int, int] = {}
+        self.copies: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.params:
+            kind = self.copies if _from_weight(t) else self.activations
+            kind.setdefault(key, storage.nbytes())
+        return t
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        self.activations.clear()
+        self.copies.clear()
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield
+
+
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    # zero1's ZeroRedundancyOptimizer keeps this rank's partition in an inner AdamW.
+    inner = getattr(optimizer, "optim", optimizer)
+    return sum(
+        _tensor_bytes(v) for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    )
+
+
+def _recomputed_block_bytes(trainer: Trainer, saved: _SavedTensors) -> int:
+    """Under activation checkpointing: what one block saves when the backward pass recomputes
+    it, less its input (kept anyway). One block's forward with checkpointing off, on a fresh
+    input of the step's shape; under fsdp every rank runs it (it gathers the block's weights)."""
+    model = trainer.model.module if isinstance(trainer.model, DistributedDataParallel) else trainer.model
+    assert isinstance(model, GPT)
+    block = model.blocks[0]
+    spec = trainer.spec
+    micro = spec.batch_size // trainer.env.world_size
+    # Not a leaf: a leaf that requires grad is a weight to the pack hook.
+    leaf = torch.zeros(micro, spec.model.seq_len, spec.model.hidden, device=trainer.device, requires_grad=True)
+    x = leaf.clone()
+    state = checkpoint.state(block)
+    state.enable_hook = False
+    try:
+        with saved.watching(), trainer._autocast():
+            block(x)
+    finally:
+        state.enable_hook = True
+    input_bytes = x.untyped_storage().nbytes()
+    return sum(saved.activations.values()) - input_bytes
+
+
+def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline_rss: int) -> dict[str, Any]:
+    """Train ``steps`` steps (no checkpoint, no resume), then write and return this rank's report.
+    ``baseline_rss``: resident bytes before the model was built (CPU peak = growth from it)."""
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    saved = _SavedTensors(trainer.model)
+    activations = copies = 0
+    with _PeakSampler() as sampler:
+        for step in range(1, steps + 1):
+            with saved.watching():
+                trainer._train_step(step, first=step == 1)
+            activations = max(activations, sum(saved.activations.values()))
+            copies = max(copies, sum(saved.copies.values()))
+    peak = torch.cuda.max_memory_allocated(trainer.device) if cuda else sampler.peak - baseline_rss
+    if trainer.spec.activation_checkpointing:
+        activations += _recomputed_block_bytes(trainer, saved)
+    report: dict[str, Any] = {
+        "rank": trainer.env.rank,
+        "world_size": trainer.env.world_size,
+        "device": trainer.device.type,
+        "steps": steps,
+        "parameters": sum(_tensor_bytes(p) for p in trainer.model.parameters()),
+        "gradients": sum(_tensor_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
+        "optimizer": _optimizer_bytes(trainer.optimizer),
+        "activations": activations,
+        "autocast_copies": copies,
+        "peak": peak,
+        "peak_source": "torch.cuda.max_memory_allocated" if cuda else "resident memory growth",
+    }
+    if cuda:
+        report["snapshot"] = _upload_snapshot(store, run_id, trainer.env.rank)
+    store.put_bytes(runstore.memory_report_key(run_id, trainer.env.rank), json.dumps(report, indent=1).encode())
+    trainer.saves.close()
+    log.info("memory_measured", **{k: v for k, v in report.items() if isinstance(v, int)})
+    return report
+
+
+def _upload_snapshot(store: Store, run_id: str, rank: int) -> str | None:
+    """The CUDA caching allocator's snapshot (every allocation with its stack), for
+    pytorch.org/memory_viz; None when the store refuses it (the report still goes)."""
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    key = runstore.memory_report_key(run_id, rank).replace(".json", ".snapshot.pickle")
+    try:
+        store.put_bytes(key, pickle.dumps(snapshot))
+    except StoreError as exc:
+        log.warning("memory_snapshot_not_saved", error=str(exc))
+        return None
+    return key
