@@ -165,7 +165,10 @@ def _wait(
             step = newest["step"] if newest else 0
             if newest is not None:
                 progress.update(
-                    step, loss=newest["loss"], tokens_per_s=newest["tokens_per_s"], world_size=newest["world_size"]
+                    min(step, window[1]),  # the run goes on past the window while the traces upload
+                    loss=newest["loss"],
+                    tokens_per_s=newest["tokens_per_s"],
+                    world_size=newest["world_size"],
                 )
             if newest is not None and step >= window[1] and set(range(newest["world_size"])) <= set(traces):
                 return traces
