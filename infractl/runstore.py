@@ -255,6 +255,15 @@ class DrillRecord:
         return _from_dict(cls, raw)
 
 
+def _read_json(store: Store, key: str) -> Any | None:
+    """The object's JSON, or None when there is no such object (see ``_parse_json``)."""
+    try:
+        data = store.get_bytes(key)
+    except StoreKeyError:
+        return None
+    return _parse_json(store, key, data)
+
+
 def _parse_json(store: Store, key: str, data: bytes) -> Any:
     """An object's JSON, or ``StoreError`` naming the object when it is not JSON (a truncated
     or hand-edited record must be one clear line, not a traceback)."""
@@ -436,11 +445,9 @@ def read_metrics(store: Store, run_id: str) -> list[StepRecord]:
 
 def read_run_record(store: Store, run_id: str) -> RunRecord | None:
     key = f"{run_prefix(run_id)}/run.json"
-    try:
-        data = store.get_bytes(key)
-    except StoreKeyError:
+    raw = _read_json(store, key)
+    if raw is None:
         return None
-    raw = _parse_json(store, key, data)
     try:
         return RunRecord.from_dict(raw)
     except (TypeError, AttributeError) as exc:
@@ -546,11 +553,9 @@ def write_profile_request(store: Store, run_id: str, request: ProfileRequest) ->
 def read_profile_request(store: Store, run_id: str) -> ProfileRequest | None:
     """The run's profile request, or None if it has none."""
     key = _profile_request_key(run_id)
-    try:
-        data = store.get_bytes(key)
-    except StoreKeyError:
+    raw = _read_json(store, key)
+    if raw is None:
         return None
-    raw = _parse_json(store, key, data)
     try:
         return ProfileRequest(first=int(raw["first"]), last=int(raw["last"]), requested=float(raw["requested"]))
     except (TypeError, KeyError, ValueError) as exc:

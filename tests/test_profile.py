@@ -248,7 +248,9 @@ def test_profile_traces_the_requested_steps_on_every_rank_of_a_running_run(runni
     refused = cli("profile", "prof", "--steps", "1:1", expect=2).stderr
     earliest = int(re.search(r"start at step (\d+) or later", refused).group(1))  # type: ignore[union-attr]
     lead = int(re.search(r"reaches every rank (\d+) steps later", refused).group(1))  # type: ignore[union-attr]
-    first = earliest + lead // 2  # and half a lead more for the time this command takes to start
+    # And one lead more: the next command takes a while to start, and steps run faster when the
+    # machine is less loaded than the newest record's step time says.
+    first = earliest + lead
     result = json.loads(cli("profile", "prof", "--steps", f"{first}:{first + 2}", "--json", "--timeout", "120").stdout)
     (window,) = result["windows"]
     assert window["steps"] == f"{first}:{first + 2}"

@@ -25,7 +25,7 @@ from infractl.errors import InfractlError, StateError, UsageError
 from infractl.output import Output
 from infractl.runstore import ProfileRequest, StepRecord
 from infractl.state import ClusterState, resolve_cluster
-from infractl.store import FileStore, ObjectInfo, S3Store, Store
+from infractl.store import ObjectInfo, Store
 
 __all__ = ["PICKUP_S", "register"]
 
@@ -186,18 +186,9 @@ def _wait(
             time.sleep(_WAIT_POLL_S)
 
 
-def _location(store: Store, key: str) -> str:
-    """Where a key is, as a path or URL the user can copy."""
-    if isinstance(store, FileStore):
-        return str(store.root / key)
-    if isinstance(store, S3Store):
-        return f"s3://{store.bucket}/{store.prefix + '/' if store.prefix else ''}{key}"
-    return f"{key} in the store {store.uri}"
-
-
 def _show(out: Output, store: Store, run: str, traces: dict[tuple[int, int], dict[int, ObjectInfo]]) -> None:
     """The traces with their locations, and how to open them."""
-    folder = _location(store, f"{runstore.run_prefix(run)}/profiles")
+    folder = store.location(f"{runstore.run_prefix(run)}/profiles")
     result: dict[str, Any] = {
         "run_id": run,
         "profiles": folder,
@@ -205,7 +196,7 @@ def _show(out: Output, store: Store, run: str, traces: dict[tuple[int, int], dic
             {
                 "steps": f"{first}:{last}",
                 "traces": [
-                    {"rank": rank, "location": _location(store, info.key), "bytes": info.size}
+                    {"rank": rank, "location": store.location(info.key), "bytes": info.size}
                     for rank, info in sorted(by_rank.items())
                 ],
             }
@@ -222,8 +213,9 @@ def _show(out: Output, store: Store, run: str, traces: dict[tuple[int, int], dic
     for window in result["windows"]:
         lines.append(f"steps {window['steps']} ({len(window['traces'])} rank(s)):")
         lines += [f"  {t['location']}  ({t['bytes']:,} bytes)" for t in window["traces"]]
-    local = folder if isinstance(store, FileStore) else "./profiles"
-    copy = "" if isinstance(store, FileStore) else f"copy {folder} to ./profiles (e.g. `aws s3 cp --recursive`), then "
+    on_disk = store.local_path(f"{runstore.run_prefix(run)}/profiles") is not None
+    local = folder if on_disk else "./profiles"
+    copy = "" if on_disk else f"copy {folder} to ./profiles (e.g. `aws s3 cp --recursive`), then "
     lines += [
         "Perfetto: open https://ui.perfetto.dev and load one rank's .pt.trace.json.gz (gzip is read as is);",
         f"TensorBoard: {copy}`pip install torch-tb-profiler` and `tensorboard --logdir {local}`",

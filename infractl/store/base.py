@@ -41,6 +41,15 @@ class Store(ABC):
     #: The config field the store came from, named in error messages (set by ``open_store``).
     field: str = "store"
 
+    def location(self, key: str) -> str:
+        """Where ``key`` is, as a path or URL a user can copy into another tool."""
+        path = self.local_path(key)
+        return str(path) if path is not None else f"{self.uri}/{key}"
+
+    def local_path(self, key: str) -> Path | None:
+        """``key``'s file on this machine, for a backend that keeps objects as files; else None."""
+        return None
+
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None: ...
 

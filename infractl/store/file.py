@@ -29,6 +29,9 @@ class FileStore(Store):
     def __repr__(self) -> str:
         return f"FileStore({self.uri!r})"
 
+    def local_path(self, key: str) -> Path:
+        return self.root / key
+
     @contextlib.contextmanager
     def _io(self, action: str, key: str | None) -> Iterator[None]:
         """Turn the OS's errors into the store's (one line naming the store, the key and why)."""

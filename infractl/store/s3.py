@@ -124,6 +124,10 @@ class S3Store(Store):
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r})"
 
+    def location(self, key: str) -> str:
+        # The object's s3:// URL (what `aws s3 cp` takes); the endpoint is in ``uri``.
+        return f"s3://{self.bucket}/{self.prefix + '/' if self.prefix else ''}{key}"
+
     def __getstate__(self) -> dict[str, Any]:
         # boto3 clients do not pickle (and must not cross a fork): rebuild them lazily.
         state = self.__dict__.copy()
