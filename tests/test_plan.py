@@ -125,3 +125,12 @@ def test_plan_matches_what_two_ranks_measure(cluster: Cli, run: Path) -> None:
     store = FileStore(cluster.home / "local" / "store")
     assert json.loads(store.get_bytes(f"plan/{name}/measured.json")) == result
     assert store.list(f"runs/{name}-memory/") == []  # the probe run is gone
+
+
+def test_a_run_only_tensor_parallelism_fits_says_so(cli: Cli) -> None:
+    # Batch 1 cannot be split over data-parallel ranks: only splitting each layer helps.
+    run = write(cli.cwd / "wide.yaml", "name: wide\nmodel: {layers: 4, hidden: 16384, heads: 128, seq_len: 2048}\n"
+                                       "batch_size: 1\n")  # fmt: skip
+    line = cli("plan", str(run), "--device", "l40s", "--gpus-per-node", "8", "--max-nodes", "1", expect=2).stderr
+    assert "fits on no l40s within 1 node(s) of 8" in line
+    assert line.strip().endswith("tensor parallel (tp=8) would fit on 8 device(s), not yet run by the trainer")

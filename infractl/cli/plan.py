@@ -82,7 +82,7 @@ def plan_command(
             f"run {spec.name!r} fits on no {chosen.name} within {max_nodes} node(s) of {gpus_per_node}: the closest, "
             f"{closest.label} on {closest.tried} device(s) (the most that split batch_size {spec.batch_size}), "
             f"needs {_size(closest.budget.total)} per device, "
-            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}",
+            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}{_model_parallel_hint(result)}",
             field="--max-nodes",
         )
     parts: list[RenderableType] = [_table(result)]
@@ -119,6 +119,16 @@ def _measure(
     out.result(
         result.to_dict(), Group(table, Text(f"{peak}; kept in the store as {runstore.plan_measured_key(spec.name)}"))
     )
+
+
+def _model_parallel_hint(result: Plan) -> str:
+    """When only tensor or pipeline parallelism fits: which, on how many devices (not yet run)."""
+    fits = [o for o in result.options if not o.runnable and o.devices is not None and o.scheme[:3] in ("tp=", "pp=")]
+    if not fits:
+        return ""
+    best = min(fits, key=lambda o: (o.devices or 0, o.scheme))
+    kind = "tensor" if best.scheme.startswith("tp") else "pipeline"
+    return f"; {kind} parallel ({best.scheme}) would fit on {best.devices} device(s), not yet run by the trainer"
 
 
 def _table(result: Plan) -> Table:
