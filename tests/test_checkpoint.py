@@ -284,7 +284,9 @@ def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(t
 def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     # Big enough (20 MB of model and optimizer state) that writing and uploading take a while.
     spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
-    job = run(tmp_path, spec)
+    # Each upload holds 1 s more, so the background part outlasts staging even on a loaded machine
+    # (staging 20 MB took up to 0.19 s under a busy CI run; the upload alone about as long).
+    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "1.0"})
     (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 
