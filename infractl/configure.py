@@ -16,13 +16,26 @@ from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.infra import Node
 
-__all__ = ["ConfigureResult", "configure", "playbook_dir"]
+__all__ = ["ConfigureResult", "configure", "network_env", "playbook_dir"]
 
 _PLAYBOOK = "site.yml"
 # Runs kept under <state_dir>/ansible/artifacts/ for `infractl logs` and post-mortems.
 _KEEP_ARTIFACTS = 10
 # A whole configure run (collective included) that takes longer than this is stuck.
 _RUN_TIMEOUT_S = 600
+
+
+def network_env(node: dict[str, Any]) -> dict[str, str]:
+    """The collective-communication variables the network role wrote for ``node`` (its
+    ``env/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before Ansible ran."""
+    path = Path(node["workdir"]) / "env" / "network.env"
+    found: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and not key.lstrip().startswith("#"):
+                found[key.strip()] = value.strip()
+    return found
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 from infractl import proc, runs, runstore
 from infractl.cluster import ensure_rendezvous, store_for
 from infractl.config import RunSpec
+from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
@@ -186,13 +187,7 @@ def torchrun_argv(
 def _node_env(
     state: ClusterState, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat, image: str | None
 ) -> dict[str, str]:
-    env = dict(os.environ)
-    network_env = Path(node["workdir"]) / "env" / "network.env"
-    if network_env.is_file():
-        for line in network_env.read_text().splitlines():
-            key, sep, value = line.partition("=")
-            if sep and not key.lstrip().startswith("#"):
-                env[key.strip()] = value.strip()
+    env = dict(os.environ) | network_env(node)
     env.setdefault("OMP_NUM_THREADS", "1")
     if image:
         env["INFRACTL_RUNTIME_IMAGE"] = image  # recorded in every checkpoint's environment fingerprint

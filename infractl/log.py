@@ -33,7 +33,9 @@ def setup(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line: ranks on a node share its log file, and print() writes the line and
+        # its newline apart on an unbuffered stderr (PYTHONUNBUFFERED), interleaving two ranks' lines.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
 

@@ -40,6 +40,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,7 @@ __all__ = [
     "memory_report_key",
     "checkpoint_prefix",
     "file_sha256",
+    "fetch_checkpoint_file",
     "commit_checkpoint",
     "step_objects",
     "read_manifest",
@@ -312,6 +314,21 @@ def run_prefix(run_id: str) -> str:
 
 def checkpoint_prefix(run_id: str, step: int) -> str:
     return f"{run_prefix(run_id)}/ckpt/step-{step:08d}"
+
+
+def fetch_checkpoint_file(store: Store, run_id: str, step: int, entry: ManifestEntry, dest: Path, *, tag: str) -> None:
+    """One file of a committed step into ``dest``, checked against its manifest entry: skipped
+    when ``dest`` already holds it (another rank on this node fetched it), downloaded to a
+    ``tag``-named part file and renamed, never left half-written or unchecked."""
+    if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
+        return
+    tmp = dest.with_name(f".{dest.name}.{tag}.part")
+    store.get_file(f"{checkpoint_prefix(run_id, step)}/{entry.key}", tmp)
+    digest = file_sha256(tmp)
+    if digest != entry.sha256:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"step {step}: {entry.key}: sha256 is {digest}, the manifest says {entry.sha256}")
+    os.replace(tmp, dest)
 
 
 def file_sha256(path: Path) -> str:

@@ -143,6 +143,14 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+def one_line(stderr: str) -> str:
+    """The one error line a refused or failed command printed (and nothing else on stderr)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
 def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float) -> int:
     """Poll until the run has a committed checkpoint at ``at_least`` or later; return its step."""
     deadline = time.monotonic() + timeout

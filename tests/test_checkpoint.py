@@ -217,11 +217,12 @@ class Job:
     def text(self) -> str:
         return self.log_path.read_text()
 
-    def events(self, name: str) -> list[dict[str, Any]]:
+    def events(self, name: str, *, rank: int = 0) -> list[dict[str, Any]]:
+        """Rank ``rank``'s ``name`` events (rank 0, which speaks for the job, by default)."""
         found = []
         for line in self.text().splitlines():
             with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
-                if line.startswith("{") and (event := json.loads(line))["event"] == name:
+                if line.startswith("{") and (event := json.loads(line))["event"] == name and event["rank"] == rank:
                     found.append(event)
         return found
 
@@ -318,7 +319,7 @@ def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     order = [
         (e["event"], e["step"])
         for e in (json.loads(line) for line in job.text().splitlines() if line.startswith("{"))
-        if e["event"] in ("checkpoint_started", "checkpoint_committed", "finished")
+        if e["event"] in ("checkpoint_started", "checkpoint_committed", "finished") and e["rank"] == 0
     ]
     # Never two in flight: each save starts only once the previous one committed, and the
     # last one committed before the trainer finished (and exited 0).

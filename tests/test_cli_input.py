@@ -12,7 +12,8 @@ from conftest import REPO, Cli, write
 
 def test_help_lists_every_command_with_one_line_help(cli: Cli) -> None:
     result = cli("--help")
-    for command in "up train status logs metrics teardown plan bench profile schema data drill".split():
+    commands = "up train status logs metrics teardown plan bench profile export sample bundle schema data drill"
+    for command in commands.split():
         assert f" {command} " in result.stdout, result.stdout
 
 

@@ -79,6 +79,11 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     assert [r["step"] for r in records] == list(range(1, 241))
     log = (cluster_dir / "nodes" / "node-0" / "logs" / "e2e.log").read_text()
     assert "resumed" in log and f"step={committed}" in log
+    # Each node's log tells its own story (trainer/train.py's module doc), whichever rank it ran.
+    for node in ("node-0", "node-1"):
+        killed, finished = (cluster_dir / "nodes" / node / "logs" / "e2e.log").read_text().split("attempt 2 of run")
+        assert_in_order(killed, ("rank_joined",), ("starting", "step=0"), ("checkpoint_committed", "step=10"))
+        assert_in_order(finished, ("rank_joined",), ("resumed",), ("stopped", "reason=finished", "step=240"))
 
     shown = json.loads(cli("metrics", "e2e", "--json").stdout)
     assert len(shown) == 240 and shown[-1]["step"] == 240
@@ -131,3 +136,10 @@ def test_train_checkpoints_into_s3_and_purge_removes_the_run(cli: Cli, s3_store_
     assert done["runs_purged"] == ["e2e"]
     assert store.list("runs/") == []
     assert not (cli.home / "s3c").exists()
+
+
+def assert_in_order(log: str, *lines: tuple[str, ...]) -> None:
+    """``log`` has a line holding each tuple's strings, those lines in the order given."""
+    rows = log.splitlines()
+    found = [next((i for i, row in enumerate(rows) if all(part in row for part in line)), -1) for line in lines]
+    assert -1 not in found and found == sorted(found), (lines, found, log[-4000:])

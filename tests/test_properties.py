@@ -110,6 +110,14 @@ VALUE_OPTIONS = {
     "--log-format",
     "--nodes",
     "--steps",
+    "--step",
+    "--format",
+    "--prompt",
+    "-p",
+    "--tokens",
+    "--temperature",
+    "-t",
+    "--seed",
 }
 
 
@@ -335,6 +343,38 @@ COMMANDS: dict[tuple[str, ...], tuple[list[Any], dict[str, Any]]] = {
             "--steps": st.one_of(st.sampled_from(["3:5", "5:3", "0:1", "1:100", "7", "40:45"]), arg_text),
             "--cluster": None,
             "--timeout": floats(),
+            "--json": FLAG,
+        },
+    ),
+    ("export",): (
+        [names],
+        {
+            "--out": st.one_of(st.sampled_from(["model.safetensors", "corpus.txt", "nowhere/m.pt"]), arg_text),
+            "--step": ints(),
+            "--format": st.one_of(st.sampled_from(["safetensors", "torch"]), arg_text),
+            "--force": FLAG,
+            "--cluster": None,
+            "--json": FLAG,
+        },
+    ),
+    ("sample",): (
+        [names],
+        {
+            "--prompt": arg_text,
+            "--tokens": ints(),
+            "--temperature": floats(),
+            "--seed": ints(),
+            "--step": ints(),
+            "--cluster": None,
+            "--json": FLAG,
+        },
+    ),
+    ("bundle",): (
+        [],
+        {
+            "--run": names,
+            "--out": st.one_of(st.just("handover-out"), arg_text),
+            "--cluster": None,
             "--json": FLAG,
         },
     ),

@@ -13,15 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Cli, run_cli, write
-
-
-def _one_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error: "), stderr
-    return lines[0]
-
+from conftest import Cli, one_line, run_cli, write
 
 # --- the four inputs of the bug report ----------------------------------------------------------
 
@@ -29,20 +21,20 @@ def _one_line(stderr: str) -> str:
 def test_store_uri_with_markup_like_text_is_one_line_and_creates_nothing(cli: Cli) -> None:
     # The message holds `s3://BUCKET[/PREFIX]`: printed as markup, `[/PREFIX]` crashed the printer.
     cluster = write(cli.cwd / "cluster.yaml", "name: c1\nstore: 's3://'\n")
-    line = _one_line(cli("up", "-c", str(cluster), expect=2).stderr)
+    line = one_line(cli("up", "-c", str(cluster), expect=2).stderr)
     assert "cluster.store: 's3://' does not name a valid bucket (s3://BUCKET[/PREFIX];" in line
     assert not cli.home.exists()
 
 
-def test_deeply_nested_run_yaml_is_refused_in_one_line(cli: Cli) -> None:
+def test_deeply_nested_run_yaml_is_refused_inone_line(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", "name: r\nmodel: " + "[" * 5000 + "]" * 5000 + "\n")
-    line = _one_line(cli("train", str(run), expect=2).stderr)
+    line = one_line(cli("train", str(run), expect=2).stderr)
     assert "run.yaml: line 2: not valid YAML" in line
 
 
 def test_nesting_beyond_the_limit_is_refused_with_the_limit(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", "name: r\nmodel: " + "[" * 40 + "]" * 40 + "\n")
-    line = _one_line(cli("train", str(run), expect=2).stderr)
+    line = one_line(cli("train", str(run), expect=2).stderr)
     assert "run.yaml: line 2: nested deeper than 32 levels" in line
 
 
@@ -51,13 +43,13 @@ def test_huge_run_yaml_is_refused_by_its_size_before_parsing(cli: Cli) -> None:
     with run.open("w") as f:
         f.write("name: r\n#")
         f.write("x" * 50_000_000)
-    line = _one_line(cli("train", str(run), expect=2).stderr)
+    line = one_line(cli("train", str(run), expect=2).stderr)
     assert "run.yaml: 50,000,009 bytes; a config file may have at most 1,048,576 (1 MiB)" in line
 
 
 def test_refused_up_leaves_no_state_directory_or_lock(cli: Cli) -> None:
     cluster = write(cli.cwd / "cluster.yaml", "name: c2\nstore: ftp://somewhere/x\n")
-    line = _one_line(cli("up", "-c", str(cluster), expect=2).stderr)
+    line = one_line(cli("up", "-c", str(cluster), expect=2).stderr)
     assert "cluster.store: unsupported store URI 'ftp://somewhere/x'" in line
     assert not cli.home.exists()
 
@@ -65,7 +57,7 @@ def test_refused_up_leaves_no_state_directory_or_lock(cli: Cli) -> None:
 def test_store_that_cannot_be_created_is_refused_before_anything_changes(cli: Cli) -> None:
     blocker = write(cli.cwd / "a-file", "not a directory\n")
     cluster = write(cli.cwd / "cluster.yaml", f"name: c3\nstore: {(blocker / 'store').as_uri()}\n")
-    line = _one_line(cli("up", "-c", str(cluster), expect=2).stderr)
+    line = one_line(cli("up", "-c", str(cluster), expect=2).stderr)
     assert f"cluster.store: cannot create {(blocker / 'store').as_uri()}: {blocker} is not a directory" in line
     assert not cli.home.exists()
 
@@ -95,19 +87,19 @@ def test_alias_expansion_bomb_is_refused(cli: Cli) -> None:
     for prev, name in zip("abcde", "bcdef", strict=True):
         lines.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
     run = write(cli.cwd / "run.yaml", "\n".join(lines) + "\n")
-    line = _one_line(cli("train", str(run), expect=2).stderr)
+    line = one_line(cli("train", str(run), expect=2).stderr)
     assert "run.yaml: expands to more than 100,000 values (aliases included)" in line
 
 
 def test_control_characters_and_non_utf8_are_refused_visibly(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", 'name: r\ndata: {source: prepared, path: "/tmp/a\\x1b[31mb"}\n')
-    line = _one_line(cli("train", str(run), expect=2).stderr)
+    line = one_line(cli("train", str(run), expect=2).stderr)
     assert "run.yaml: data.path: must not contain control characters" in line
     assert "\x1b" not in line
 
     raw = cli.cwd / "latin1.yaml"
     raw.write_bytes(b"name: r\nseed: 1 # caf\xe9\n")
-    line = _one_line(cli("train", str(raw), expect=2).stderr)
+    line = one_line(cli("train", str(raw), expect=2).stderr)
     assert "latin1.yaml: not UTF-8 text (invalid byte at offset 21)" in line
 
 
@@ -118,31 +110,31 @@ def test_numbers_out_of_any_useful_range_are_refused_before_launch(cli: Cli) -> 
         ("lr", ".inf", "lr: Input should be a finite number"),
     ):
         run = write(cli.cwd / "run.yaml", f"name: r\n{field}: {value}\n")
-        assert message in _one_line(cli("train", str(run), expect=2).stderr)
+        assert message in one_line(cli("train", str(run), expect=2).stderr)
 
 
 def test_printed_values_are_never_markup(cli: Cli) -> None:
-    line = _one_line(cli("train", "[bold]run[/bold]:smile:.yaml", expect=2).stderr)
+    line = one_line(cli("train", "[bold]run[/bold]:smile:.yaml", expect=2).stderr)
     assert line == "error: run file not found: [bold]run[/bold]:smile:.yaml"
 
 
 def test_run_names_on_the_command_line_cannot_reach_outside_the_store(cli: Cli) -> None:
-    line = _one_line(cli("metrics", "../../etc", expect=2).stderr)
+    line = one_line(cli("metrics", "../../etc", expect=2).stderr)
     assert "Invalid value for 'RUN': expected a name" in line
 
 
 def test_command_line_errors_are_one_line_with_where_help_is(cli: Cli) -> None:
-    line = _one_line(cli("logs", "--tail", "many", expect=2).stderr)
+    line = one_line(cli("logs", "--tail", "many", expect=2).stderr)
     assert line.startswith("error: Invalid value for '--tail'") and line.endswith("(see `infractl logs --help`)")
-    line = _one_line(cli("status", "--frobnicate", expect=2).stderr)
+    line = one_line(cli("status", "--frobnicate", expect=2).stderr)
     assert line == "error: No such option: --frobnicate (see `infractl status --help`)"
     # Found by the property tests: a huge --tail overflowed the line buffer (a traceback).
-    line = _one_line(cli("logs", "--tail", "1" + "0" * 30, expect=2).stderr)
+    line = one_line(cli("logs", "--tail", "1" + "0" * 30, expect=2).stderr)
     assert "Invalid value for '--tail': Input should be less than or equal to 1000000000" in line
-    line = _one_line(cli("drill", "store-outage", "--seconds", "inf", expect=2).stderr)
+    line = one_line(cli("drill", "store-outage", "--seconds", "inf", expect=2).stderr)
     assert "Invalid value for '--seconds'" in line
     # Found by the property tests: a source name the OS refuses (too long) was a traceback.
-    line = _one_line(cli("data", "prepare", "a" * 3000, "--out", "ds", expect=2).stderr)
+    line = one_line(cli("data", "prepare", "a" * 3000, "--out", "ds", expect=2).stderr)
     assert line.startswith("error: SRC: cannot use aaaa") and line.endswith(": File name too long")
 
 
@@ -157,7 +149,7 @@ def test_json_refusals_print_one_error_object_on_stdout(cli: Cli) -> None:
             "file": str(run),
         }
     }
-    _one_line(result.stderr)
+    one_line(result.stderr)
 
     result = cli("status", "--json", "--frobnicate", expect=2)
     assert json.loads(result.stdout)["error"]["field"] == "--frobnicate"
@@ -183,7 +175,7 @@ def test_status_with_nothing_up_lists_known_clusters(cli: Cli) -> None:
 
 def test_status_of_a_named_cluster_that_is_not_up_is_refused(cli: Cli) -> None:
     cluster = write(cli.cwd / "cluster.yaml", "name: c5\n")
-    line = _one_line(cli("status", "-c", str(cluster), expect=2).stderr)
+    line = one_line(cli("status", "-c", str(cluster), expect=2).stderr)
     assert "cluster 'c5' is not up" in line
     assert not Path(cli.home / "c5").exists()
 

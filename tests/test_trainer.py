@@ -86,8 +86,10 @@ class Run:
     def ok(self) -> bool:
         return all(rc == 0 for rc in self.returncodes)
 
-    def event(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == name]
+    def event(self, name: str, *, rank: int | None = 0) -> list[dict[str, Any]]:
+        """The ``name`` events of ``rank`` (rank 0, which speaks for the job, by default; None:
+        every rank's)."""
+        return [e for e in self.events if e["event"] == name and rank in (None, e.get("rank"))]
 
 
 def free_port() -> int:
@@ -209,6 +211,15 @@ def store_of(where: Path | str) -> Store:
 
 def losses(store: Store, run_id: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(store, run_id)}
+
+
+#: The events of a rank's lifecycle (trainer/train.py's module doc), as its node's log shows them.
+LIFECYCLE = ("rank_joined", "starting", "resumed", "checkpoint_staged", "checkpoint_committed", "stopped")
+
+
+def lifecycle(run: Run, *, rank: int) -> list[tuple[str, int | None]]:
+    """``rank``'s lifecycle events in the order it logged them, each with its step."""
+    return [(e["event"], e.get("step")) for e in run.events if e.get("rank") == rank and e["event"] in LIFECYCLE]
 
 
 def ok(run: Run) -> Run:
@@ -345,6 +356,14 @@ def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: P
     assert [e["step"] for e in run.event("finished")] == [12]
     assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # staging cleaned up
 
+    # Rank 1's log tells its own story, in order; the job-wide lines are rank 0's alone.
+    saves = [(event, step) for step in (5, 10, 12) for event in ("checkpoint_staged", "checkpoint_committed")]
+    assert lifecycle(run, rank=1) == [("rank_joined", None), ("starting", 0), *saves, ("stopped", 12)]
+    [joined] = run.event("rank_joined", rank=1)
+    assert (joined["local_rank"], joined["world_size"], joined["attempt"], joined["restart_count"]) == (1, 2, 1, 0)
+    assert [e["reason"] for e in run.event("stopped", rank=None)] == ["finished", "finished"]
+    assert not run.event("environment", rank=1) and not run.event("finished", rank=1)
+
 
 def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Path) -> None:
     store = store_of(tmp_path)
@@ -354,7 +373,13 @@ def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Pa
     run = ok(torchrun(tmp_path, tiny_spec(steps=12), attempt=2))
 
     assert [e["step"] for e in run.event("resumed")] == [7]
-    assert not run.event("starting")
+    assert not run.event("starting", rank=None)
+    # Every rank says where it resumed from.
+    assert sorted((e["rank"], e["step"], e["saved_reason"]) for e in run.event("resumed", rank=None)) == [
+        (0, 7, "final"),
+        (1, 7, "final"),
+    ]
+    assert lifecycle(run, rank=1)[:2] == [("rank_joined", None), ("resumed", 7)]
     records = read_metrics(store, "tiny")
     assert [r["step"] for r in records if r["attempt"] == 2] == list(range(8, 13))
     assert [r["step"] for r in records] == list(range(1, 13))

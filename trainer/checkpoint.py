@@ -69,6 +69,7 @@ from infractl.runstore import (
     checkpoint_prefix,
     commit_checkpoint,
     committed_steps,
+    fetch_checkpoint_file,
     file_sha256,
     prune_checkpoints,
     verify_checkpoint,
@@ -178,6 +179,8 @@ class Checkpointer:
             log.info("checkpoint_started", step=step, waited_s=round(waited, 3))
         staged = self._stage(step, state)
         blocking = time.monotonic() - called
+        # Every rank: from here training goes on while the copy is written, uploaded, committed.
+        log.info("checkpoint_staged", step=step, reason=extra.get("reason"), blocking_s=round(blocking, 3))
         in_flight = _InFlight(step=step, timings={"called": called, "waited_s": waited, "blocking_s": blocking})
         # The thread carries this thread's log context (the rank) into its log lines.
         context = contextvars.copy_context()
@@ -300,6 +303,9 @@ class Checkpointer:
                         outcome = (None, f"rank 0: commit: {_describe(exc)}")
             outcome = self._on_rank0(lambda: outcome, group=self._group)
             in_flight.committed, in_flight.error = outcome
+            if self.rank != 0 and in_flight.committed is not None:
+                # Rank 0 logged it with the details when it committed; the others learn it now.
+                log.info("checkpoint_committed", step=step, rewritten=not in_flight.committed)
             if in_flight.error is None:
                 self._repair.discard(step)
         except BaseException as exc:  # a collective failed: a rank died or timed out
@@ -402,10 +408,11 @@ class Checkpointer:
     def _fetch(self, manifest: Manifest) -> str | None:
         """Download the step's files into the restore dir; return what went wrong, if anything."""
         restore = self._restore_dir(manifest.step)
-        prefix = checkpoint_prefix(self.run_id, manifest.step)
         try:
             for entry in manifest.files:
-                self._download(f"{prefix}/{entry.key}", restore / entry.key, entry)
+                fetch_checkpoint_file(
+                    self.store, self.run_id, manifest.step, entry, restore / entry.key, tag=f"rank-{self.rank}"
+                )
         except (CheckpointError, StoreError, OSError) as exc:
             return f"{type(exc).__name__}: {exc}"
         return None
@@ -417,17 +424,6 @@ class Checkpointer:
         dist.barrier()
         shutil.rmtree(restore, ignore_errors=True)
         _remove_empty(restore.parent)
-
-    def _download(self, key: str, dest: Path, entry: ManifestEntry) -> None:
-        if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
-            return  # another rank on this node already fetched it
-        tmp = dest.with_name(f".{dest.name}.rank-{self.rank}.part")
-        self.store.get_file(key, tmp)
-        digest = file_sha256(tmp)
-        if digest != entry.sha256:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"{key}: sha256 is {digest}, the manifest says {entry.sha256}")
-        os.replace(tmp, dest)
 
     def _on_rank0(self, compute: Callable[[], _T], *, group: dist.ProcessGroup | None = None) -> _T:
         """``compute()`` run on rank 0 only, its result given to every rank: one decision.

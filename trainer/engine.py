@@ -109,7 +109,7 @@ class Trainer:
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.config_hash = config_hash(spec)
         self.fingerprint = environment_fingerprint(world_size=env.world_size)
-        log.info("environment", **self.fingerprint)
+        (log.info if env.rank == 0 else log.debug)("environment", **self.fingerprint)  # job-wide: train.py's doc
         self.dataset_version, self.data, self.validation = _build_data(spec, env)
         self.model = _build_model(spec, env, device)
         self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel == "zero1")
@@ -167,6 +167,7 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest committed checkpoint, if any; return the last step already done."""
         manifest = self.checkpointer.load(self._state)
+        # Every rank says where it starts from; what holds for the whole job, rank 0 says.
         if manifest is None:
             log.info("starting", step=0, world_size=self.env.world_size, attempt=self.env.attempt)
             return 0
@@ -175,16 +176,17 @@ class Trainer:
             step=self.progress.step,
             world_size=self.env.world_size,
             saved_world_size=manifest.world_size,
+            saved_reason=manifest.extra.get("reason"),
             attempt=self.env.attempt,
             restart_count=self.env.restart_count,
         )
-        if manifest.world_size != self.env.world_size:
+        if manifest.world_size != self.env.world_size and self.env.rank == 0:
             log.info(
                 "rng_not_restored",
                 reason="world size changed",
                 saved_world_size=manifest.world_size,
             )
-        if manifest.extra.get("config_hash") != self.config_hash:
+        if manifest.extra.get("config_hash") != self.config_hash and self.env.rank == 0:
             log.warning("config_changed", saved=manifest.extra.get("config_hash"), now=self.config_hash)
         changed = version_mismatch(
             self.checkpointer.run_id,
@@ -244,7 +246,8 @@ class Trainer:
                 self._stop_preempted(step, record, ranks_signalled=preempted)
         self.saves.close()
         self.profiler.close()
-        log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
+        if self.env.rank == 0:  # every rank's own last line is trainer/train.py's ``stopped``
+            log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
 
     def _check_preemption_bound(self, records: list[StepRecord]) -> None:
@@ -286,7 +289,8 @@ class Trainer:
         timeout_s = self.spec.watchdog.step_timeout_s
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s / 2))
         self.watchdog.start()
-        log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
+        if self.env.rank == 0:
+            log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
 
     def _stop_preempted(self, step: int, record: StepRecord, *, ranks_signalled: int) -> None:
         """A rank got a preemption notice: commit ``step`` and stop (``Preempted``)."""

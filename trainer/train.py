@@ -7,6 +7,23 @@ rank got SIGTERM (preemption) and the emergency checkpoint committed; ``PEER_PRE
 (75) when another rank was preempted and this one saved with it: its agent restarts it to
 continue without the preempted node; 2 for a bad spec or bad arguments (one line on stderr,
 nothing written); anything else is a crash.
+
+What each rank logs (every line carries ``rank=``): the runbooks send people to the failed
+node's log, so each rank tells its own story there, and only what the whole job shares is left
+to rank 0, so the other nodes' logs stay short.
+
+- Every rank, at info, its lifecycle: ``rank_joined`` (rank, local rank, world size, attempt,
+  restart count, node); ``resumed`` (step, the saved world size and the reason that step was
+  saved) or ``starting`` (step 0); per save ``checkpoint_staged`` (training goes on) and
+  ``checkpoint_committed`` (step); last ``stopped`` with ``reason=`` ``finished`` (step),
+  ``preempted`` or ``peer_preempted`` (the committed step), ``refused`` or ``crashed`` (``error=``
+  the exception, at error level). Also per rank: ``preempted``, ``watchdog_stopped``, profiling's
+  ``profile_*``. A rank killed outright (the watchdog's SIGKILL, a dead node) writes no
+  ``stopped`` line: its log ends there, and the agent's lines follow.
+- Rank 0 only, the job-wide events and anything per step: ``environment``, ``config_changed``,
+  ``rng_not_restored``, ``watchdog_started``, ``checkpoint_started``, ``checkpoint_skipped``,
+  ``checkpoint_failed``, ``checkpoint_invalid``, ``checkpoints_cleaned``, ``preemption_bound``,
+  the metrics writer's lines and ``finished``. No rank logs every step.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from infractl.config import RunSpec, load_run_json, per_rank_batch
 from infractl.errors import UsageError
 from infractl.log import get_logger, setup
+from infractl.proc import NODE_ENV
 from infractl.store import Store, open_store
 from trainer import memprobe
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
@@ -74,8 +92,8 @@ def _steps(value: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     env = DistEnv.from_environ()
-    # Rank 0 speaks for the job; the others report only what goes wrong.
-    setup(level=logging.INFO if env.rank == 0 else logging.WARNING)
+    # Every rank logs at info; which events each rank logs is decided per event (module doc).
+    setup(level=logging.INFO)
     structlog.contextvars.bind_contextvars(rank=env.rank)
     try:
         spec = load_run_json(args.spec)
@@ -88,11 +106,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         # Every rank says it: torchrun stops the others as soon as the first one exits.
         log.error(exc.message)
+        log.info("stopped", reason="refused")
         return REFUSED_EXIT
 
     device = init_process_group(env)
+    log.info(
+        "rank_joined",
+        local_rank=env.local_rank,
+        world_size=env.world_size,
+        attempt=env.attempt,
+        restart_count=env.restart_count,
+        node=os.environ.get(NODE_ENV),
+        device=str(device),
+    )
     try:
-        _train(
+        step = _train(
             spec,
             store=store,
             run_id=args.run_id,
@@ -104,16 +132,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         # Drop the frames' locals so the trainer can be freed before the group (see _train).
         traceback.clear_frames(exc.__traceback__)
-        if isinstance(exc, Preempted):
-            return 0 if exc.signalled else PEER_PREEMPTED_EXIT
-        if isinstance(exc, RunRefused):
-            log.error(str(exc))  # e.g. a corpus too short for one sample
-            return REFUSED_EXIT
-        raise
+        code = _stopped_by(exc)
+        if code is None:
+            raise
+        return code
+    else:
+        log.info("stopped", reason="finished", step=step)
+        return 0
     finally:
         gc.collect()
         destroy_process_group()
-    return 0
+
+
+def _stopped_by(exc: BaseException) -> int | None:
+    """Log why training ended with ``exc``; return the exit code, or None for a crash (re-raise)."""
+    if isinstance(exc, Preempted):
+        log.info("stopped", reason="preempted" if exc.signalled else "peer_preempted", step=exc.step)
+        return 0 if exc.signalled else PEER_PREEMPTED_EXIT
+    if isinstance(exc, RunRefused):
+        log.error(str(exc))  # e.g. a corpus too short for one sample
+        log.info("stopped", reason="refused")
+        return REFUSED_EXIT
+    # The traceback follows on stderr (torchrun's error file too); this line is the one to grep.
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    log.error("stopped", reason="crashed", error=f"{type(exc).__name__}: {first_line}")
+    return None
 
 
 def _train(
@@ -125,18 +168,18 @@ def _train(
     env: DistEnv,
     device: torch.device,
     measure_steps: int | None = None,
-) -> None:
+) -> int:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
     # group; if the reducer outlives destroy_process_group, the group's destructor runs
     # from it with the GIL held and joins gloo threads that may be waiting for the GIL:
     # a deadlock at exit. Freed first, the group is destroyed by destroy_process_group,
-    # which releases the GIL.
+    # which releases the GIL. Returns the last step trained.
     if measure_steps is None:
-        Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
-        return
+        return Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
     baseline = memprobe.start()
     trainer = Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device)
     memprobe.measure(trainer, steps=measure_steps, store=store, run_id=run_id, baseline_rss=baseline)
+    return measure_steps
 
 
 def _crash() -> NoReturn:

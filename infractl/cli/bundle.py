@@ -1,0 +1,41 @@
+"""``infractl bundle``: the handover of a cluster (see infractl/handover/bundle.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, output
+from infractl.handover import bundle
+from infractl.state import resolve_cluster
+
+__all__ = ["register"]
+
+
+def bundle_command(
+    cluster_opt: ClusterOpt = None,
+    run: RunOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Directory to write (replaced whole). Default: handover/<cluster>/."),
+    ] = None,
+    json_mode: JsonOpt = False,
+) -> None:
+    """Write the cluster's handover: topology, configs, baseline metrics and plots, the reference of
+    every field and option, and one index.html that links them. Written whole or not at all;
+    regenerating from the same cluster and store gives the same bytes."""
+    result = output(json_mode)
+    state, _ = resolve_cluster(cluster_opt)
+    made = bundle.assemble(state, run=run)
+    where = out if out is not None else Path("handover") / state.name
+    bundle.write(made, where)
+    result.success(
+        f"handover of cluster {state.name!r} written to {where}/ ({len(made.files)} files); open {where}/index.html"
+    )
+    result.result({"cluster": made.cluster, "runs": made.runs, "out": str(where), "files": sorted(made.files)})
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bundle")(bundle_command)

@@ -1,0 +1,1 @@
+"""What the team takes away: the bundle, access, runbooks, the exported model."""

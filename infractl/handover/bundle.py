@@ -1,0 +1,165 @@
+"""``infractl bundle``: the handover, generated from the live cluster, its runs, drills and
+benchmarks, into ``handover/<cluster>/`` (or ``--out``).
+
+The bundle is assembled in memory as {relative path: bytes}, written to a temporary directory
+beside the destination and renamed into place: a failure half-way leaves the previous bundle as
+it was. It is deterministic: nothing in it depends on when it was made (only the recorded run
+times), so regenerating from unchanged inputs gives the same bytes.
+
+    index.html              one static page that shows and links everything (opens from disk)
+    topology.md, .svg       nodes, ranks, addresses, rendezvous, store, bottleneck, how to grow
+    reference.md            every config field and CLI option, failure signatures
+    configs/                cluster.yaml, run.yaml of each run, Terraform variables and outputs,
+                            the Ansible inventory, the runtime pin, the newest environment
+                            fingerprint; README.md: where fixes are made and in which order
+    baseline/               per run: <run>.json, <run>-loss.png and <run>-memory.json (`plan
+                            --measure`, when run); bench.json and its plots
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infractl import runs, runstore
+from infractl.cluster import store_for
+from infractl.errors import UsageError
+from infractl.handover import baseline, page, topology
+from infractl.handover.reference import render_reference
+from infractl.runstore import RunRecord
+from infractl.state import ClusterState
+from infractl.store import Store
+
+__all__ = ["Bundle", "assemble", "write"]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    cluster: str
+    runs: list[str]
+    files: dict[str, bytes]  # relative path -> content
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _yaml(value: Any) -> bytes:
+    return yaml.safe_dump(value, sort_keys=False, default_flow_style=False).encode()
+
+
+def assemble(state: ClusterState, *, run: str | None) -> Bundle:
+    """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``."""
+    cluster = state.read()
+    store = store_for(state)
+    records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
+    if run is not None:
+        records = [r for r in records if r.run_id == run]
+        if not records:
+            raise UsageError(f"no run {run!r} of cluster {state.name!r} in its store", field="--run")
+    bench = baseline.newest_bench(store, state.name)
+    files: dict[str, bytes] = {
+        "topology.md": topology.topology_markdown(cluster, bench[0] if bench else None).encode(),
+        "topology.svg": topology.topology_svg(cluster).encode(),
+        "reference.md": render_reference().encode(),
+    }
+    files |= _configs(state, cluster, store, records)
+    files |= _baselines(store, records, bench)
+    files["index.html"] = page.render(cluster["name"], [r.run_id for r in records], sorted(files)).encode()
+    return Bundle(state.name, [r.run_id for r in records], files)
+
+
+def _configs(state: ClusterState, cluster: dict[str, Any], store: Store, records: list[RunRecord]) -> dict[str, bytes]:
+    files = {
+        "configs/README.md": _CONFIGS_README.format(cluster=cluster["name"]).encode(),
+        "configs/cluster.yaml": _yaml(cluster["spec"]),
+        "configs/runtime.json": _json(cluster["spec"]["runtime"]),
+    }
+    terraform = state.dir / "terraform"
+    if (terraform / "main.tf.json").is_file():
+        files["configs/terraform/main.tf.json"] = (terraform / "main.tf.json").read_bytes()
+    if (terraform / "terraform.tfstate").is_file():
+        outputs = json.loads((terraform / "terraform.tfstate").read_text()).get("outputs", {})
+        files["configs/terraform/outputs.json"] = _json({k: v.get("value") for k, v in outputs.items()})
+    inventory = state.dir / "ansible" / "inventory" / "hosts.json"
+    if inventory.is_file():
+        files["configs/ansible/hosts.json"] = inventory.read_bytes()
+    for record in records:
+        if record.spec is not None:
+            files[f"configs/runs/{record.run_id}.yaml"] = _yaml(record.spec)
+        step = runstore.latest_committed_step(store, record.run_id)
+        manifest = runstore.read_manifest(store, record.run_id, step) if step is not None else None
+        if manifest is not None and "environment" in manifest.extra:
+            files[f"configs/runs/{record.run_id}.environment.json"] = _json(
+                {"step": step, "environment": manifest.extra["environment"]}
+            )
+    return files
+
+
+def _baselines(
+    store: Store, records: list[RunRecord], bench: tuple[dict[str, Any], dict[str, bytes]] | None
+) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    for record in records:
+        files[f"baseline/{record.run_id}.json"] = _json(baseline.run_baseline(store, record))
+        if store.exists(runstore.plan_measured_key(record.run_id)):
+            files[f"baseline/{record.run_id}-memory.json"] = store.get_bytes(runstore.plan_measured_key(record.run_id))
+        plot = baseline.loss_plot(store, record.run_id)
+        if plot is not None:
+            files[f"baseline/{record.run_id}-loss.png"] = plot
+    if bench is not None:
+        figures, plots = bench
+        files["baseline/bench.json"] = _json(figures)
+        files |= {f"baseline/bench-{name}": data for name, data in sorted(plots.items())}
+    return files
+
+
+def write(bundle: Bundle, out: Path) -> None:
+    """Write ``bundle`` to ``out`` all at once: a temporary directory beside it, renamed into
+    place; the previous bundle is replaced only once the new one is whole."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for relative, content in sorted(bundle.files.items()):
+            path = staging / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(content)
+        staging.chmod(0o755)
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)  # left by a write that died between its renames
+        if out.exists():
+            os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+_CONFIGS_README = """\
+# Configuration of cluster `{cluster}`
+
+Everything this cluster and its runs are is in these files. Fixes are made here, in the configs,
+never in infractl's code: a change that needs code is a bug to report.
+
+Change the environment in this order:
+
+1. Edit the config: `cluster.yaml` (nodes, processes per node, runtime pin, store) or the run's
+   `runs/<run>.yaml` (model, batch, scheme, checkpoint cadence, elastic range).
+2. `infractl up -c cluster.yaml`: Terraform converges the nodes, Ansible reconfigures them.
+3. The health gate runs as part of `up` (a cross-node all-reduce); nothing trains on a node that
+   fails it.
+4. Resume: `infractl train runs/<run>.yaml` continues from the last committed checkpoint.
+
+`terraform/` holds the resolved Terraform variables (`main.tf.json`) and outputs, `ansible/` the
+inventory Ansible ran with, `runtime.json` the runtime pin, and `runs/<run>.environment.json` the
+environment fingerprint (versions, image, host) recorded in the run's newest committed checkpoint.
+"""

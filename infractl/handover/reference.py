@@ -1,0 +1,366 @@
+"""reference.md of the handover bundle, generated: every cluster.yaml and run.yaml field from the
+JSON Schemas (``infractl schema``), every command and option from the Typer app, and the failure
+signatures (what infractl prints or logs → the likely cause → the runbook to follow).
+
+Deterministic: the same code gives the same bytes (no time, no machine, no dict order from a
+set), so a regenerated bundle is byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from typer.core import TyperArgument, TyperGroup, TyperOption
+
+from infractl.config import ClusterSpec, RunSpec
+
+__all__ = ["FAILURE_SIGNATURES", "RUNBOOKS", "FailureSignature", "render_reference"]
+
+#: The bundle's runbooks (runbooks/<name>), in the order the bundle lists them.
+RUNBOOKS = (
+    "node-failure",
+    "connection-loss",
+    "store-outage",
+    "out-of-memory",
+    "hung-job",
+    "preemption",
+    "full-restart",
+    "rollback",
+    "teardown",
+)
+
+JsonSchema = dict[str, Any]
+#: Typer's click command and context: the typer pinned in constraints.txt vendors click, whose
+#: classes have no public import path; what is used of them is the standard click API.
+ClickCommand = Any
+ClickContext = Any
+
+
+@dataclass(frozen=True)
+class FailureSignature:
+    """One row of the failure table. ``symptom`` quotes what infractl really prints or logs
+    (keep it in step with the code: tests/test_reference.py greps for each quoted event)."""
+
+    symptom: str
+    where: str
+    cause: str
+    runbook: str
+
+
+#: Hand-kept for now: symptom → likely cause → runbook. Node-log events are the trainers' (who
+#: logs which: trainer/train.py's module doc); CLI lines are what the commands print.
+FAILURE_SIGNATURES: tuple[FailureSignature, ...] = (
+    FailureSignature(
+        "`run 'RUN' stopped at committed step N of M (agent exit codes {...}); see infractl logs ...`",
+        "`infractl train` (exit 1)",
+        "a node's agent gave up: the node died, or its workers failed more than `max_restarts` times",
+        "node-failure",
+    ),
+    FailureSignature(
+        "a node's log ends after its last `checkpoint_committed` with no `stopped` line",
+        "`infractl logs --node NODE`",
+        "the rank was killed outright: its node died or was killed (or the kernel's OOM killer, or the "
+        "watchdog's SIGKILL of a hung rank)",
+        "node-failure",
+    ),
+    FailureSignature(
+        "`rank_joined` with a `world_size` below `nodes.max` × processes per node",
+        "node logs",
+        "the run goes on degraded, without a node that failed; `infractl rejoin NODE` brings it back",
+        "node-failure",
+    ),
+    FailureSignature(
+        "`node 'NODE' has already rejoined attempt N of run 'RUN' K time(s) (max_restarts: K)`",
+        "`infractl rejoin` (exit 1)",
+        "the node keeps failing: rejoining again would loop",
+        "full-restart",
+    ),
+    FailureSignature(
+        "`stopped reason=crashed` with `Timed out waiting ...ms` in its `error`",
+        "node logs of the ranks that waited",
+        "a peer rank stopped making progress; collectives time out at half `watchdog.step_timeout_s`",
+        "hung-job",
+    ),
+    FailureSignature(
+        "`stopped reason=crashed` with a connection error (`Connection closed by peer`, "
+        "`Connection reset by peer`) while every node's processes still run",
+        "node logs, `infractl status`",
+        "the network between nodes dropped the collectives' connections",
+        "connection-loss",
+    ),
+    FailureSignature(
+        "`stopped reason=crashed error=OutOfMemoryError: ...` (CUDA) or `error=RuntimeError: ... "
+        "DefaultCPUAllocator: can't allocate memory ...` (CPU)",
+        "node logs",
+        "a rank ran out of device memory (`infractl plan RUN.yaml` sizes it; `--measure` checks it)",
+        "out-of-memory",
+    ),
+    FailureSignature(
+        "`store URI: ...` (e.g. `its directory does not exist (removed or unmounted?)`); the store "
+        "`UNREACHABLE` in `infractl status`",
+        "any command that reads the store; `infractl status`",
+        "the object store is down, unmounted or refusing the credentials",
+        "store-outage",
+    ),
+    FailureSignature(
+        "`cannot follow the run's progress: store ...; training goes on`",
+        "`infractl train` (foreground)",
+        "the store stopped answering; the trainers keep training and retry",
+        "store-outage",
+    ),
+    FailureSignature(
+        "`checkpoint_failed` or `checkpoint_skipped` (`the previous save is still running`); `metrics_write_failed`",
+        "rank 0's node log",
+        "saves cannot reach the store, or it is too slow for `checkpoint.every`",
+        "store-outage",
+    ),
+    FailureSignature(
+        "`preempted`, then `stopped reason=preempted` (the signalled node) or `reason=peer_preempted`",
+        "node logs",
+        "a node got SIGTERM (spot reclaim, maintenance): the step was saved and committed before it left",
+        "preemption",
+    ),
+    FailureSignature(
+        "`preemption_bound` (`lower log_every or raise preemption.grace_s`)",
+        "rank 0's node log",
+        "a preemption notice may not be acted on within the grace period",
+        "preemption",
+    ),
+    FailureSignature(
+        "`checkpoint_invalid` (`sha256 is ..., the manifest says ...`), then `resumed` at an earlier step",
+        "rank 0's node log",
+        "a committed checkpoint's files changed in the store; the one before it was loaded",
+        "rollback",
+    ),
+    FailureSignature(
+        "`CheckpointError: run 'RUN': no committed checkpoint verifies (tried steps [...])`",
+        "node logs (`stopped reason=crashed`)",
+        "every committed checkpoint fails verification",
+        "rollback",
+    ),
+    FailureSignature(
+        "`config_changed` (`saved=... now=...`) at `resumed`",
+        "rank 0's node log",
+        "run.yaml fields that shape the weights changed since the checkpoint was saved",
+        "rollback",
+    ),
+    FailureSignature(
+        "`processes of cluster 'NAME' survived SIGKILL: [...]` or "
+        "`terraform destroy left node directories behind in ...`",
+        "`infractl teardown` (exit 1)",
+        "teardown could not prove the cluster is gone",
+        "teardown",
+    ),
+)
+
+
+def render_reference() -> str:
+    """reference.md as Markdown text: the config fields, the CLI, the failure signatures."""
+    parts = [
+        "# infractl reference\n",
+        "Generated by infractl from its JSON Schemas and its command-line app: regenerate it, do not edit it.\n",
+        _config_section("cluster.yaml", ClusterSpec.model_json_schema()),
+        _config_section("run.yaml", RunSpec.model_json_schema()),
+        _cli_section(),
+        _failure_section(),
+    ]
+    return "\n".join(parts)
+
+
+# -- config files --------------------------------------------------------------------------
+
+
+def _config_section(file: str, schema: JsonSchema) -> str:
+    lines = [
+        f"## {file}\n",
+        _cell(schema.get("description", "")) + "\n",
+        "| field | type | default | constraints | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [_row(*cells) for cells in _field_rows(schema, schema.get("$defs", {}), prefix="")]
+    return "\n".join(lines) + "\n"
+
+
+def _field_rows(schema: JsonSchema, defs: dict[str, JsonSchema], *, prefix: str) -> Iterator[tuple[str, ...]]:
+    """One row per field, depth first; a nested section's row comes before its fields."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        path = f"{prefix}{name}"
+        section = _resolve(prop, defs)
+        if section is not prop and "properties" in section:
+            meaning = _joined(prop.get("description", ""), section.get("description", ""))
+            yield f"`{path}`", "section", "", "", _cell(meaning)
+            yield from _field_rows(section, defs, prefix=f"{path}.")
+            continue
+        default = _literal(prop["default"]) if "default" in prop else ("required" if name in required else "")
+        yield f"`{path}`", _type(prop), default, _constraints(prop), _cell(prop.get("description", ""))
+
+
+def _joined(short: str, long: str) -> str:
+    """A section's own description and its model's, once when one repeats the other."""
+    if short.rstrip(".") in long:
+        return long
+    return f"{short} {long}".strip()
+
+
+def _resolve(prop: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
+    """The schema ``prop`` refers to (``$ref`` into ``$defs``, bare or in a one-item ``allOf``)."""
+    ref = prop.get("$ref") or next((p["$ref"] for p in prop.get("allOf", ()) if "$ref" in p), None)
+    if ref is None:
+        return prop
+    return defs[str(ref).removeprefix("#/$defs/")]
+
+
+def _variants(prop: JsonSchema) -> list[JsonSchema]:
+    """The non-null alternatives of ``prop`` (``anyOf: [X, null]`` is an optional X)."""
+    return [v for v in prop.get("anyOf", [prop]) if v.get("type") != "null"]
+
+
+def _type(prop: JsonSchema) -> str:
+    types = [str(v.get("type", "any")) for v in _variants(prop)]
+    nullable = any(v.get("type") == "null" for v in prop.get("anyOf", ()))
+    return " or ".join(types) + (" or null" if nullable else "")
+
+
+def _constraints(prop: JsonSchema) -> str:
+    """Ranges, lengths, patterns and allowed values, as a reader of the YAML needs them."""
+    found: list[str] = []
+    for variant in [prop, *prop.get("anyOf", ())]:
+        low, high = variant.get("minimum"), variant.get("maximum")
+        if low is not None and high is not None:
+            found.append(f"{_number(low)}..{_number(high)}")
+        else:
+            found += [f"at least {_number(low)}"] if low is not None else []
+            found += [f"at most {_number(high)}"] if high is not None else []
+        found += [f"above {_number(variant['exclusiveMinimum'])}"] if "exclusiveMinimum" in variant else []
+        found += [f"below {_number(variant['exclusiveMaximum'])}"] if "exclusiveMaximum" in variant else []
+        found += [f"at least {variant['minLength']} characters"] if "minLength" in variant else []
+        found += [f"at most {variant['maxLength']} characters"] if "maxLength" in variant else []
+        found += [f"pattern `{variant['pattern']}`"] if "pattern" in variant else []
+        if "enum" in variant:
+            found.append("one of " + ", ".join(f"`{_literal_text(v)}`" for v in variant["enum"]))
+        if "const" in variant:
+            found.append(f"only `{_literal_text(variant['const'])}`")
+    return _cell("; ".join(found))
+
+
+def _number(value: float) -> str:
+    return json.dumps(value)
+
+
+def _literal_text(value: object) -> str:
+    """A value as it is written in YAML (strings bare); None as ``unset``."""
+    if value is None:
+        return "unset"
+    if isinstance(value, str):
+        return value or '""'
+    return json.dumps(value)
+
+
+def _literal(value: object) -> str:
+    return "unset" if value is None else _cell(f"`{_literal_text(value)}`")
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _cli_section() -> str:
+    # Imported here: the CLI imports the handover package (`infractl bundle`), not the reverse.
+    import typer.main
+
+    from infractl.cli import app
+
+    root = typer.main.get_command(app)
+    context = root.context_class(root, info_name="infractl")
+    lines = ["## Commands\n", "Global options (before the command):\n", *_param_table(root, context), ""]
+    for path, command, ctx in _commands(root, context, ("infractl",)):
+        lines += [f"### `{' '.join(path)}`\n", _cell(command.help or "") + "\n"]
+        if command.params:
+            lines += [*_param_table(command, ctx), ""]
+    return "\n".join(lines)
+
+
+def _commands(
+    group: ClickCommand, context: ClickContext, path: tuple[str, ...]
+) -> Iterator[tuple[tuple[str, ...], ClickCommand, ClickContext]]:
+    """Every visible command under ``group`` in registration order (``--help``'s), groups
+    before their subcommands."""
+    for name, command in group.commands.items():
+        if command.hidden:
+            continue
+        ctx = command.context_class(command, info_name=name, parent=context)
+        yield (*path, name), command, ctx
+        if isinstance(command, TyperGroup):
+            yield from _commands(command, ctx, (*path, name))
+
+
+def _param_table(command: ClickCommand, context: ClickContext) -> list[str]:
+    rows = [
+        _param_row(param, context)
+        for param in command.params
+        if isinstance(param, (TyperOption, TyperArgument)) and not param.hidden
+    ]
+    return ["| argument or option | type | default | help |", "|---|---|---|---|", *rows]
+
+
+def _param_row(param: TyperOption | TyperArgument, context: ClickContext) -> str:
+    if isinstance(param, TyperArgument):
+        names = f"`{param.metavar or (param.name or '').upper()}`"
+    else:
+        names = " / ".join(", ".join(f"`{o}`" for o in opts) for opts in (param.opts, param.secondary_opts) if opts)
+    flag = isinstance(param, TyperOption) and param.is_flag
+    kind = param.display_type(context).strip("<>")  # what --help shows: str, path, int range, a|b
+    if flag:
+        kind = "flag"
+    elif isinstance(param, TyperOption) and param.metavar:
+        kind = param.metavar
+    if param.min is not None or param.max is not None:
+        kind += f", {_bound(param.min)}..{_bound(param.max)}"
+    if param.required:
+        default = "required"
+    elif flag and param.secondary_opts:
+        default = f"`{param.opts[0] if param.default else param.secondary_opts[0]}`"
+    elif flag:
+        default = "on" if param.default else "off"
+    else:
+        default = "" if param.default is None else _literal(str(param.default))
+    return _row(names, _cell(kind), default, _cell(param.help or ""))
+
+
+def _bound(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+# -- failures ------------------------------------------------------------------------------
+
+
+def _failure_section() -> str:
+    lines = [
+        "## Failure signatures\n",
+        "What infractl prints or logs when something goes wrong, the likely cause, and the runbook to "
+        "follow (`runbooks/`). Node logs: `infractl logs --node NODE`; each rank's lifecycle events "
+        "(`rank_joined`, `resumed` or `starting`, `checkpoint_staged`, `checkpoint_committed`, `stopped`) "
+        "are in its own node's log.\n",
+        "| symptom | where | likely cause | runbook |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(_cell(f.symptom), _cell(f.where), _cell(f.cause), f"`{f.runbook}`") for f in FAILURE_SIGNATURES]
+    return "\n".join(lines) + "\n"
+
+
+# -- Markdown ------------------------------------------------------------------------------
+
+
+def _cell(text: str) -> str:
+    """``text`` on one line, safe inside a table cell: ``|`` escaped (GitHub's tables want it
+    inside code spans too), and outside code spans ``<`` escaped, so ``<name>`` is not taken
+    for an HTML tag."""
+    spans = " ".join(text.replace("\b", "").split()).replace("|", "\\|").split("`")
+    return "`".join(span if i % 2 else span.replace("<", "\\<") for i, span in enumerate(spans))
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(cells) + " |"

@@ -1,0 +1,120 @@
+"""infractl/handover/reference.py: reference.md covers every config field and every command (unit)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import typer.main
+from pydantic import BaseModel
+from typer.core import TyperGroup
+
+from infractl.cli import app
+from infractl.config import ClusterSpec, RunSpec
+from infractl.handover.reference import FAILURE_SIGNATURES, RUNBOOKS, render_reference
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    return render_reference()
+
+
+def section(text: str, heading: str) -> str:
+    """The lines of ``text`` from ``heading`` to the next heading of its level."""
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}\n")
+    end = text.find(f"\n{level} ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+def row(text: str, first_cell: str) -> list[str]:
+    """The cells of the table row whose first cell is ``first_cell``."""
+    [line] = [line for line in text.splitlines() if line.startswith(f"| {first_cell} |")]
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every field of ``model`` that is not itself a section, by dotted path, with its default."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from leaves(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.get_default(call_default_factory=True)
+
+
+def shown(default: Any) -> str:
+    """A default as reference.md writes it: YAML's spelling in a code span; None as unset."""
+    if default is None:
+        return "unset"
+    if isinstance(default, str):
+        return f"`{default}`"
+    return f"`{json.dumps(default)}`"
+
+
+@pytest.mark.parametrize(("heading", "model"), [("## cluster.yaml", ClusterSpec), ("## run.yaml", RunSpec)])
+def test_every_config_field_appears_with_its_default(reference: str, heading: str, model: type[BaseModel]) -> None:
+    table = section(reference, heading)
+    paths = list(leaves(model))
+    assert paths
+    for path, default in paths:
+        cells = row(table, f"`{path}`")
+        expected = "required" if model is RunSpec and path == "name" else shown(default)
+        assert cells[2] == expected, (path, cells)
+        assert cells[4], f"{path} has no meaning"
+
+
+def test_constraints_come_from_the_schema(reference: str) -> None:
+    run = section(reference, "## run.yaml")
+    assert row(run, "`log_every`")[1:4] == ["integer", "`10`", "1..10000"]
+    assert row(run, "`parallel`")[3] == "one of `ddp`, `zero1`, `fsdp`"
+    assert row(run, "`data.val_fraction`")[3] == "at least 0; below 1"
+    assert "pattern `^([0-9]{1,10}):([0-9]{1,10})$`" in row(run, "`profile.steps`")[3]
+    assert row(run, "`model`")[1] == "section"
+    assert row(section(reference, "## cluster.yaml"), "`provider`")[3] == "only `local`"
+
+
+def commands(group: TyperGroup, path: tuple[str, ...] = ("infractl",)) -> Iterator[tuple[str, Any]]:
+    for name, command in group.commands.items():
+        yield " ".join((*path, name)), command
+        if isinstance(command, TyperGroup):
+            yield from commands(command, (*path, name))
+
+
+def test_every_command_and_option_appears(reference: str) -> None:
+    root = typer.main.get_command(app)
+    assert isinstance(root, TyperGroup)
+    found = list(commands(root))
+    assert "infractl data prepare" in dict(found) and "infractl drill kill-node" in dict(found)
+    for name, command in found:
+        text = section(reference, f"### `{name}`")
+        for param in command.params:
+            if param.opts[0].startswith("-"):
+                for opt in (*param.opts, *param.secondary_opts):
+                    assert f"`{opt}`" in text, (name, opt)
+            else:
+                assert f"| `{param.metavar or param.name.upper()}` |" in text, (name, param.name)
+    assert row(section(reference, "### `infractl bench`"), "`--steps`")[1:3] == ["int range, 10..1000000", "`50`"]
+    assert row(section(reference, "### `infractl train`"), "`--log-format`")[1:3] == ["console\\|json", "`console`"]
+    assert row(section(reference, "## Commands"), "`--debug`")[1:3] == ["flag", "off"]
+
+
+def test_rendering_twice_gives_the_same_bytes(reference: str) -> None:
+    assert render_reference() == reference
+
+
+def test_failure_signatures_quote_real_events_and_name_every_runbook(reference: str) -> None:
+    assert {f.runbook for f in FAILURE_SIGNATURES} == set(RUNBOOKS)
+    source = "\n".join(p.read_text() for folder in ("infractl", "trainer") for p in (REPO / folder).rglob("*.py"))
+    # Every snake_case event a symptom quotes is one the code logs.
+    events = {e for f in FAILURE_SIGNATURES for e in re.findall(r"`([a-z]+(?:_[a-z]+)+)`", f.symptom)}
+    assert "checkpoint_invalid" in events
+    for event in events:
+        assert f'"{event}"' in source, event
+    table = section(reference, "## Failure signatures")
+    assert table.count("\n| ") == len(FAILURE_SIGNATURES) + 1
