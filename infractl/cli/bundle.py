@@ -28,8 +28,8 @@ def bundle_command(
     regenerating from the same cluster and store gives the same bytes."""
     result = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    made = bundle.assemble(state, run=run)
     where = out if out is not None else Path("handover") / state.name
+    made = bundle.assemble(state, run=run, out=where)
     bundle.write(made, where)
     result.success(
         f"handover of cluster {state.name!r} written to {where}/ ({len(made.files)} files); open {where}/index.html"

@@ -12,6 +12,7 @@ times), so regenerating from unchanged inputs gives the same bytes.
     configs/                cluster.yaml, run.yaml of each run, Terraform variables and outputs,
                             the Ansible inventory, the runtime pin, the newest environment
                             fingerprint; README.md: where fixes are made and in which order
+    runbooks/               one per failure (reference.RUNBOOKS), commands for this cluster and its runs
     baseline/               per run: <run>.json, <run>-loss.png and <run>-memory.json (`plan
                             --measure`, when run); bench.json and its plots
 """
@@ -31,7 +32,7 @@ import yaml
 from infractl import runs, runstore
 from infractl.cluster import store_for
 from infractl.errors import UsageError
-from infractl.handover import baseline, page, topology
+from infractl.handover import baseline, page, runbooks, topology
 from infractl.handover.reference import render_reference
 from infractl.runstore import RunRecord
 from infractl.state import ClusterState
@@ -55,8 +56,9 @@ def _yaml(value: Any) -> bytes:
     return yaml.safe_dump(value, sort_keys=False, default_flow_style=False).encode()
 
 
-def assemble(state: ClusterState, *, run: str | None) -> Bundle:
-    """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``."""
+def assemble(state: ClusterState, *, run: str | None, out: Path) -> Bundle:
+    """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``; ``out`` is
+    where it will be written (the runbooks' commands cd there to find ``configs/``)."""
     cluster = state.read()
     store = store_for(state)
     records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
@@ -72,6 +74,7 @@ def assemble(state: ClusterState, *, run: str | None) -> Bundle:
     }
     files |= _configs(state, cluster, store, records)
     files |= _baselines(store, records, bench)
+    files |= runbooks.render_runbooks(cluster, records, bundle_dir=out)
     files["index.html"] = page.render(cluster["name"], [r.run_id for r in records], sorted(files)).encode()
     return Bundle(state.name, [r.run_id for r in records], files)
 

@@ -1,0 +1,196 @@
+"""The bundle's runbooks are executable: on a real 2-node local cluster, inject a fault into a
+detached run, generate the bundle, run the ``bash`` blocks of the fault's runbook in order as
+written, and the run completes from its last committed checkpoint (never step 0). Also: every
+runbook renders for any cluster, with nothing left unfilled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infractl import proc, runstore
+from infractl.drill import measure
+from infractl.handover.reference import RUNBOOKS
+from infractl.handover.runbooks import render_runbooks
+from infractl.runstore import RunRecord
+from infractl.store import FileStore
+
+from conftest import Cli, module_cluster, wait_for_commit, write
+
+# nodes.min 2: without node-1 the survivor waits in the rendezvous and the run stalls, so it
+# completes only if the runbook's commands bring node-1 back (or launch the run again).
+RUN = """\
+name: {name}
+model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
+data: {{max_bytes: 200000}}
+batch_size: 8
+steps: {steps}
+checkpoint: {{every: 20, keep: 2}}
+nodes: {{min: 2, max: 2}}
+max_restarts: 3
+watchdog: {{step_timeout_s: 8}}
+"""
+
+BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```$", re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    with module_cluster(tmp_path_factory, "runbooks") as cli:
+        yield cli
+
+
+def bash_blocks(markdown: str) -> list[str]:
+    return BASH_BLOCK.findall(markdown)
+
+
+def run_blocks(cli: Cli, runbook: Path) -> str:
+    """Every ``bash`` block of ``runbook`` in order, as a reader would paste it: ``bash -euo
+    pipefail``, from another directory, with no INFRACTL_HOME of its own; all must succeed."""
+    env = {k: v for k, v in cli.env().items() if k != "INFRACTL_HOME"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `infractl`, as installed
+    blocks = bash_blocks(runbook.read_text())
+    assert blocks, runbook
+    transcript = []
+    for block in blocks:
+        assert block.startswith('export INFRACTL_HOME="'), block
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block], cwd="/", env=env, capture_output=True, text=True, timeout=900
+        )
+        transcript.append(f"$ {block}\n{done.stdout}{done.stderr}")
+        assert done.returncode == 0, "\n".join(transcript)
+    return "\n".join(transcript)
+
+
+def start(cli: Cli, name: str, *, steps: int) -> FileStore:
+    """Start run ``name`` detached on the cluster; return its store once step 20 committed."""
+    cli("train", str(write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps))), "--detach")
+    store = FileStore(cli.home / "local" / "store")
+    wait_for_commit(store, name, at_least=20, timeout=180)
+    return store
+
+
+def assert_completed_from(store: FileStore, name: str, *, steps: int, fault_time: float, committed: int) -> None:
+    """The run completed on 2 ranks, and every restart after the fault resumed from ``committed``."""
+    wait_for_commit(store, name, at_least=steps, timeout=300)
+    after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
+    restarts = [r for r in after if runstore.starts_a_process(r)]
+    assert restarts, after[:3]
+    first = min(restarts, key=lambda r: r["time"])
+    assert committed >= 20 and first["step"] - 1 == committed, (first, committed)
+    assert after[-1]["step"] == steps and after[-1]["world_size"] == 2
+    record = runstore.read_run_record(store, name)
+    assert record is not None and all(a.resume_from in (0, committed) for a in record.attempts)
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
+    steps = 1000
+    store = start(cluster, "lost", steps=steps)
+    node_dir = cluster.home / "local"
+    fault_time = time.time()
+    proc.kill(proc.find(node_dir, node="node-1"))
+    assert proc.wait_gone(node_dir, node="node-1", timeout=30) == []
+    cluster("bundle", "--run", "lost")
+    # The survivor waits in the rendezvous for nodes.min: nothing commits until node-1 is back.
+    committed = runstore.latest_committed_step(store, "lost")
+    assert committed is not None and committed >= 20
+    transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "node-failure.md")
+    assert "run lost is running" in transcript and "infractl rejoin" in transcript
+    assert "run lost recovered: " in transcript
+    assert_completed_from(store, "lost", steps=steps, fault_time=fault_time, committed=committed)
+    assert proc.wait_gone(node_dir, run="lost", timeout=60) == []
+    status = json.loads(cluster("status", "--json").stdout)
+    assert [r["state"] for r in status["runs"] if r["run"] == "lost"] == ["completed"]
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster: Cli) -> None:
+    steps = 2000  # still training when the store is back and the runbook verifies
+    store = start(cluster, "outage", steps=steps)
+    cluster("bundle", "--run", "outage")  # before the outage: the bundle is made from the store
+    drill = subprocess.Popen(
+        [sys.executable, "-m", "infractl", "drill", "store-outage", "--seconds", "20", "--run", "outage", "--no-wait"],
+        cwd=cluster.cwd,
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while (cluster.home / "local" / "store").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not (cluster.home / "local" / "store").exists(), "the drill did not take the store down"
+        fault_time = time.time()
+        transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "store-outage.md")
+    finally:
+        drill_output, _ = drill.communicate(timeout=600)
+    assert drill.returncode == 0, drill_output
+    assert "UNREACHABLE" in transcript and "the store answers again" in transcript, transcript
+    assert "no node of run outage is missing" in transcript and "run outage recovered: " in transcript
+    wait_for_commit(store, "outage", at_least=steps, timeout=300)
+    after = [r for r in runstore.read_metrics(store, "outage") if r["time"] > fault_time]
+    assert after and not any(runstore.starts_a_process(r) for r in after)  # training went on, no restart
+    assert after[-1]["step"] == steps and after[-1]["world_size"] == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
+    steps = 1000
+    store = start(cluster, "stuck", steps=steps)
+    node_dir = cluster.home / "local"
+    fault_time = time.time()
+    proc.kill(measure.workers(proc.find(node_dir, node="node-1")), signal.SIGSTOP)
+    cluster("bundle", "--run", "stuck")  # no step completes past a stopped rank: nothing commits until the restart
+    committed = runstore.latest_committed_step(store, "stuck")
+    assert committed is not None
+    transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "hung-job.md")
+    assert "run stuck recovered: " in transcript, transcript
+    assert_completed_from(store, "stuck", steps=steps, fault_time=fault_time, committed=committed)
+
+
+def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFRACTL_HOME", str(tmp_path / "state"))
+    cluster = {
+        "name": "lab",
+        "store": f"file://{tmp_path}/store",
+        "nodes": [{"name": "node-0"}, {"name": "node-1"}],
+        "spec": {"processes_per_node": 2},
+    }
+    records = [
+        RunRecord("beta", "lab", spec={"name": "beta", "steps": 40, "nodes": {"min": 1, "max": 2}}),
+        RunRecord("alpha", "lab", spec={"name": "alpha", "steps": 30}),
+    ]
+    files = render_runbooks(cluster, records, bundle_dir=tmp_path / "handover")
+    assert sorted(files) == sorted(f"runbooks/{name}.md" for name in RUNBOOKS)
+    assert render_runbooks(cluster, records, bundle_dir=tmp_path / "handover") == files  # deterministic
+    for name, content in files.items():
+        text = content.decode()
+        assert not re.search(r"\$(cluster|home|bundle|store|run|config|world|ckpt|commits|recover|verify)\b", text)
+        for block in bash_blocks(text):
+            assert block.startswith(f'export INFRACTL_HOME="{tmp_path / "state"}"\n'), (name, block)
+            assert subprocess.run(["bash", "-n", "-c", block], capture_output=True).returncode == 0, (name, block)
+    node_failure = files["runbooks/node-failure.md"].decode()
+    assert node_failure.index("## Run `beta`") < node_failure.index("## Run `alpha`")  # the given order
+    assert "infractl rejoin" in node_failure and "infractl train configs/runs/alpha.yaml -c lab" in node_failure
+    assert "on all 4 ranks" in node_failure  # nodes.max 2 x 2 processes per node
+    assert f'cd "{tmp_path / "handover"}"' in node_failure
+    teardown = files["runbooks/teardown.md"].decode()
+    assert teardown.count("infractl teardown -c lab --yes") == 1 and teardown.count("infractl export") == 2
+    empty = render_runbooks(cluster, [], bundle_dir=tmp_path / "handover")
+    assert "No run of this cluster" in empty["runbooks/node-failure.md"].decode()
