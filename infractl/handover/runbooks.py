@@ -1,0 +1,111 @@
+"""The bundle's runbooks: ``runbooks/<name>.md`` of the repository (``string.Template`` text,
+placeholders listed in ``runbooks/README.md``) rendered with this cluster's names, paths and
+commands, one section per run.
+
+A template is a cluster-wide head, a line ``<!-- per run -->``, the part rendered once for each
+run of the bundle (in run order), and optionally a line ``<!-- after runs -->`` and a cluster-wide
+tail. Commands in the templates' ``bash`` blocks run as written: each block exports
+``INFRACTL_HOME`` and names the cluster, the run and its config in the bundle, so a test can
+execute them (tests/test_runbooks.py). Deterministic: the same cluster, runs and
+state root give the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from string import Template
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from pydantic import ValidationError
+
+import infractl
+from infractl.config import RunSpec
+from infractl.handover.reference import RUNBOOKS
+from infractl.runstore import RunRecord, checkpoint_prefix
+from infractl.state import home
+
+__all__ = ["AFTER_RUNS", "PER_RUN", "render_runbooks", "runbook_dir"]
+
+#: The lines that end a template's cluster-wide head and (optionally) its per-run part.
+PER_RUN = "<!-- per run -->"
+AFTER_RUNS = "<!-- after runs -->"
+
+_NO_RUNS = "No run of this cluster was in its store when the bundle was made: regenerate it after `infractl train`.\n"
+
+
+def runbook_dir() -> Path:
+    """``runbooks/`` in this checkout (infractl is installed editable, as ``playbooks/`` is found)."""
+    return Path(infractl.__file__).resolve().parent.parent / "runbooks"
+
+
+def render_runbooks(cluster: dict[str, Any], records: list[RunRecord], *, bundle_dir: Path) -> dict[str, bytes]:
+    """``runbooks/<name>.md`` for every runbook, for ``cluster`` (its record) and the runs of
+    ``records``; ``bundle_dir`` is where the commands ``cd`` to find ``configs/``."""
+    common = _cluster_values(cluster, bundle_dir=bundle_dir)
+    per_run_values = [_with_partials(common | values) for r in records if (values := _run_values(cluster, r))]
+    files: dict[str, bytes] = {}
+    for name in RUNBOOKS:
+        head, _, rest = (runbook_dir() / f"{name}.md").read_text().partition(PER_RUN)
+        per_run, _, tail = rest.partition(AFTER_RUNS)
+        parts = [Template(head).substitute(common)]
+        if per_run.strip():
+            parts += [Template(per_run).substitute(values) for values in per_run_values] or [_NO_RUNS]
+        parts.append(Template(tail).substitute(common))
+        files[f"runbooks/{name}.md"] = ("\n\n".join(p.strip("\n") for p in parts if p.strip()) + "\n").encode()
+    return files
+
+
+def _with_partials(values: dict[str, str]) -> dict[str, str]:
+    """``values`` and the shared command blocks (``runbooks/_<name>.sh`` as ``$<name>``) rendered with them."""
+    partials = sorted(runbook_dir().glob("_*.sh"))
+    return values | {p.stem[1:]: Template(p.read_text()).substitute(values).rstrip("\n") for p in partials}
+
+
+def _cluster_values(cluster: dict[str, Any], *, bundle_dir: Path) -> dict[str, str]:
+    store = str(cluster["store"])
+    return {
+        "cluster": str(cluster["name"]),
+        "home": str(home()),
+        "exports": str(home().parent / "exports"),
+        "bundle": str(bundle_dir.absolute()),
+        "store": store,
+        "store_path": _store_path(store),
+        "nodes": " ".join(str(n["name"]) for n in cluster["nodes"]),
+        "node_count": str(len(cluster["nodes"])),
+    }
+
+
+def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | None:
+    """The run's placeholders; None for a record without a valid spec (written by another version)."""
+    try:
+        spec = RunSpec.model_validate(record.spec)
+    except ValidationError:
+        return None
+    ckpt = checkpoint_prefix(record.run_id, 0).rsplit("/", 1)[0]
+    store_path = _store_path(str(cluster["store"]))
+    per_node = int(cluster["spec"].get("processes_per_node", 1))
+    return {
+        "run": record.run_id,
+        "config": f"configs/runs/{record.run_id}.yaml",
+        "steps": str(spec.steps),
+        "every": str(spec.checkpoint.every),
+        "nodes_min": str(spec.nodes.min),
+        "nodes_max": str(spec.nodes.max),
+        "world": str(spec.nodes.max * per_node),
+        "max_restarts": str(spec.max_restarts),
+        "step_timeout": str(math.ceil(spec.watchdog.step_timeout_s)),
+        "grace": f"{spec.preemption.grace_s:g}",
+        "ckpt": ckpt,
+        "commits": (
+            f'ls -1 "{store_path}/{ckpt}"/step-*/COMMITTED  # the committed steps, in the store'
+            if store_path
+            else f"infractl metrics {record.run_id} -c {cluster['name']} | tail -n 5  # the store is S3: steps recorded"
+        ),
+    }
+
+
+def _store_path(uri: str) -> str:
+    """A ``file://`` store's directory (as ``Path.as_uri`` wrote it); empty for any other store."""
+    return unquote(urlsplit(uri).path) if uri.startswith("file://") else ""
