@@ -9,15 +9,28 @@ run records in the store: the store is the source of truth, not files on this ma
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from infractl import proc, runstore
+from infractl.config import RunSpec
 from infractl.errors import StateError, UsageError
-from infractl.runstore import RunRecord
+from infractl.runstore import RunRecord, StepRecord
 from infractl.state import ClusterState
 from infractl.store import Store
 
-__all__ = ["RunState", "node", "running", "running_run", "latest_run", "cluster_runs", "run_state"]
+__all__ = [
+    "Attention",
+    "RunState",
+    "attention",
+    "node",
+    "running",
+    "running_run",
+    "latest_run",
+    "cluster_runs",
+    "run_state",
+]
 
 RunState = Literal["running", "completed", "failed", "stopped"]
 
@@ -85,3 +98,69 @@ def run_state(record: RunRecord, *, is_running: bool, last_committed: int | None
     if attempt is not None and attempt.outcome == "failed":
         return "failed"
     return "stopped"
+
+
+#: Seconds a metrics chunk may take to reach the store after its step (trainer/metrics.py writes
+#: one every 2 s), plus slack for a slow store.
+_METRICS_DELAY_S = 10.0
+#: What a rank's error says when the device ran out of memory (trainer/train.py logs it in the
+#: `stopped reason=crashed` line). The kernel's OOM killer leaves no line: that is a node failure.
+_OOM_MARKERS = (b"OutOfMemoryError", b"out of memory")
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Why a run needs a person, and the runbook (reference.RUNBOOKS) that tells what to do."""
+
+    condition: Literal["failed", "degraded", "stalled"]
+    why: str
+    runbook: str
+
+
+def attention(
+    spec: RunSpec,
+    state: RunState,
+    *,
+    newest: StepRecord | None,
+    live_nodes: int,
+    cluster_nodes: int,
+    processes_per_node: int,
+    started: float | None,
+    logs: list[Path],
+    now: float,
+) -> Attention | None:
+    """A failed run (its last attempt ended short of its last step), a degraded one (running on
+    fewer nodes or ranks than ``nodes.max``, or than all ``cluster_nodes`` when they are fewer) or
+    a stalled one (running, and no step recorded for longer than the watchdog allows one step);
+    None for a run that needs nobody. ``started``: when its last attempt started; ``logs``: its
+    node logs, read for a device out-of-memory error."""
+    if state == "failed":
+        if any(marker in _tail(log) for log in logs for marker in _OOM_MARKERS):
+            return Attention("failed", "a rank ran out of device memory", "out-of-memory")
+        return Attention("failed", "every node's agent gave up before the last step", "node-failure")
+    if state != "running":
+        return None
+    # A missing node comes first: the survivors may wait for it in the rendezvous (a stall too).
+    full_nodes = min(spec.nodes.max, cluster_nodes)
+    full_world = full_nodes * processes_per_node
+    if live_nodes < full_nodes:
+        return Attention("degraded", f"running on {live_nodes} of {full_nodes} nodes", "node-failure")
+    if newest is not None and newest["world_size"] < full_world:
+        return Attention("degraded", f"world size {newest['world_size']} of {full_world}", "node-failure")
+    step_time = newest["step_time_s"] if newest else 0.0
+    limit = spec.watchdog.step_timeout_s + spec.log_every * step_time + _METRICS_DELAY_S
+    # A step of an earlier attempt says nothing of this one: count from the later of the two.
+    since = max((t for t in (newest["time"] if newest else None, started) if t is not None), default=None)
+    if since is not None and now - since > limit:
+        return Attention("stalled", f"no step recorded for {now - since:.0f} s (limit {limit:.0f} s)", "hung-job")
+    return None
+
+
+def _tail(path: Path) -> bytes:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - _LOG_TAIL_BYTES))
+            return f.read()
+    except OSError:
+        return b""

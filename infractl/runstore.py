@@ -502,6 +502,21 @@ def bench_prefix(bench_id: str) -> str:
     return f"bench/{bench_id}"
 
 
+def export_record_key(run_id: str, step: int, fmt: str) -> str:
+    """Where `infractl export` records the newest file it made of ``step`` in format ``fmt``."""
+    return f"{run_prefix(run_id)}/exports/step-{step:08d}.{fmt}.json"
+
+
+def read_export_records(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """What `infractl export` recorded of the run's exports: FILE.json's fields plus ``path`` and
+    ``command``; by step, then format."""
+    return [
+        _parse_json(store, obj.key, store.get_bytes(obj.key))
+        for obj in sorted(store.list(f"{run_prefix(run_id)}/exports/"), key=lambda o: o.key)
+        if obj.key.endswith(".json")
+    ]
+
+
 def memory_report_key(run_id: str, rank: int) -> str:
     """Where rank ``rank`` of a ``plan --measure`` run reports the memory it took."""
     return f"{run_prefix(run_id)}/memory/rank-{rank}.json"

@@ -61,6 +61,11 @@ class ClusterState:
     def default_store(self) -> Path:
         return self.dir / "store"
 
+    @property
+    def bundle_record_path(self) -> Path:
+        """Where ``infractl bundle`` last wrote the handover (``{"out": ABS_PATH}``): status points there."""
+        return self.dir / "bundle.json"
+
     def is_up(self) -> bool:
         return self.record_path.is_file()
 

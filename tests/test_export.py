@@ -139,6 +139,13 @@ def test_exported_weights_compute_the_trainers_logits(
     assert torch_described["sha256"] == hashlib.sha256(torch_file.read_bytes()).hexdigest()
     # The output projection is tied to the token embedding: one tensor, stored once.
     assert "tok_emb.weight" in load_file(out) and len(load_file(out)) == len(model.state_dict())
+    # The store records each file and the command that made it: the handover bundle names them.
+    pairs = (("safetensors", out), ("torch", torch_file))
+    made = [f"infractl export tiny --step {STEPS} --format {fmt} --out {path} -c local" for fmt, path in pairs]
+    assert runstore.read_export_records(store, "tiny") == [
+        described | {"path": str(out), "command": made[0]},
+        torch_described | {"path": str(torch_file), "command": made[1]},
+    ]
 
 
 def test_an_earlier_step_exports_its_own_weights_and_loss_and_again_the_same_bytes(

@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 
 from infractl import proc, runstore
+from infractl.config import RunSpec
 from infractl.drill import measure
 from infractl.handover.reference import RUNBOOKS
-from infractl.handover.runbooks import render_runbooks
-from infractl.runstore import RunRecord
+from infractl.handover.runbooks import render_runbooks, section
+from infractl.runs import Attention, RunState, attention
+from infractl.runstore import RunRecord, StepRecord
+from infractl.state import ClusterState, write_private
 from infractl.store import FileStore
 
 from conftest import Cli, module_cluster, wait_for_commit, write
@@ -102,16 +105,27 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
     proc.kill(proc.find(node_dir, node="node-1"))
     assert proc.wait_gone(node_dir, node="node-1", timeout=30) == []
     cluster("bundle", "--run", "lost")
+    # status points the degraded run at its section of the runbook the bundle just wrote.
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "node-failure.md"
+    (row,) = [r for r in json.loads(cluster("status", "--json").stdout)["runs"] if r["run"] == "lost"]
+    assert row["attention"] == {
+        "condition": "degraded",
+        "why": "running on 1 of 2 nodes",
+        "runbook": "node-failure",
+        "section": "run-lost",
+        "path": f"{runbook}#run-lost",
+    }
+    assert f"run lost is degraded (running on 1 of 2 nodes): see {runbook}#run-lost" in cluster("status").stdout
     # The survivor waits in the rendezvous for nodes.min: nothing commits until node-1 is back.
     committed = runstore.latest_committed_step(store, "lost")
     assert committed is not None and committed >= 20
-    transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "node-failure.md")
+    transcript = run_blocks(cluster, runbook)
     assert "run lost is running" in transcript and "infractl rejoin" in transcript
     assert "run lost recovered: " in transcript
     assert_completed_from(store, "lost", steps=steps, fault_time=fault_time, committed=committed)
     assert proc.wait_gone(node_dir, run="lost", timeout=60) == []
     status = json.loads(cluster("status", "--json").stdout)
-    assert [r["state"] for r in status["runs"] if r["run"] == "lost"] == ["completed"]
+    assert [(r["state"], r["attention"]) for r in status["runs"] if r["run"] == "lost"] == [("completed", None)]
 
 
 @pytest.mark.e2e
@@ -194,3 +208,49 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
     assert teardown.count("infractl teardown -c lab --yes") == 1 and teardown.count("infractl export") == 2
     empty = render_runbooks(cluster, [], bundle_dir=tmp_path / "handover")
     assert "No run of this cluster" in empty["runbooks/node-failure.md"].decode()
+
+
+def test_status_names_the_runbook_of_a_failed_degraded_or_stalled_run(tmp_path: Path) -> None:
+    spec = RunSpec.model_validate({"name": "r", "nodes": {"min": 1, "max": 2}, "watchdog": {"step_timeout_s": 30}})
+    newest: StepRecord = {"step": 5, "time": 1000.0, "step_time_s": 0.5, "world_size": 2}  # type: ignore[typeddict-item]
+    crashed = write(tmp_path / "node-0.log", "stopped reason=crashed error='OutOfMemoryError: CUDA out of memory'\n")
+    killed = write(tmp_path / "node-1.log", "checkpoint_committed step=4\n")
+
+    def check(
+        state: RunState, *, live: int = 2, at: float = 1001.0, logs: tuple[Path, ...] = (), world: int = 2
+    ) -> Attention | None:
+        return attention(
+            spec,
+            state,
+            newest={**newest, "world_size": world},
+            live_nodes=live,
+            cluster_nodes=3,
+            processes_per_node=1,
+            started=900.0,
+            logs=list(logs),
+            now=at,
+        )
+
+    assert check("running") is None and check("completed") is None and check("stopped") is None
+    assert check("failed", logs=(killed, crashed)) == Attention(
+        "failed", "a rank ran out of device memory", "out-of-memory"
+    )
+    assert check("failed", logs=(killed,)) == Attention(
+        "failed", "every node's agent gave up before the last step", "node-failure"
+    )
+    assert check("running", live=1) == Attention("degraded", "running on 1 of 2 nodes", "node-failure")
+    assert check("running", at=1044.0) is None  # 30 s + log_every (10) x 0.5 s + 10 s for the metrics to land
+    assert check("running", at=1046.0) == Attention("stalled", "no step recorded for 46 s (limit 45 s)", "hung-job")
+    assert check("running", world=1) == Attention("degraded", "world size 1 of 2", "node-failure")
+
+
+def test_a_runbook_section_has_a_path_only_once_a_bundle_holds_it(tmp_path: Path) -> None:
+    state = ClusterState("lab", tmp_path / "state")
+    assert section(state, "node-failure", "r") == {"runbook": "node-failure", "section": "run-r", "path": None}
+    (tmp_path / "out" / "runbooks").mkdir(parents=True)
+    write(tmp_path / "out" / "runbooks" / "node-failure.md", "# Runbook\n\n## Run `other`\n")
+    write_private(state.bundle_record_path, json.dumps({"out": str(tmp_path / "out")}))
+    assert section(state, "node-failure", "r")["path"] is None  # the bundle predates run r
+    write(tmp_path / "out" / "runbooks" / "node-failure.md", "# Runbook\n\n## Run `r`\n")
+    assert section(state, "node-failure", "r")["path"] == f"{tmp_path}/out/runbooks/node-failure.md#run-r"
+    assert section(state, "node-failure", None)["path"] == f"{tmp_path}/out/runbooks/node-failure.md"

@@ -43,11 +43,15 @@ def test_status_shows_the_cluster_and_marks_the_store_unreachable(outage: Outage
     result = outage.cli("status", "-c", outage.cluster)
     assert f"store {outage.store_uri} UNREACHABLE" in result.stdout
     assert "node-0" in result.stdout and "node-1" in result.stdout
+    # No bundle was written (and none can be while the store is down): status names the runbook.
+    hint = f"see runbooks/store-outage.md of a handover bundle written before (`infractl bundle -c {outage.cluster}`)"
+    assert hint in result.stderr, result.stderr
     data = json.loads(outage.cli("status", "-c", outage.cluster, "--json").stdout)
     assert data["cluster"] == outage.cluster and [n["name"] for n in data["nodes"]] == ["node-0", "node-1"]
     assert data["store"]["reachable"] is False
     assert data["store"]["error"].startswith(f"store {outage.store_uri}: ")
     assert data["rendezvous"]["running"] is True
+    assert data["store"]["runbook"] == {"runbook": "store-outage", "section": None, "path": None}
 
 
 def test_metrics_names_the_store(outage: Outage) -> None:

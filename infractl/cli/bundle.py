@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,7 @@ import typer
 
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, output
 from infractl.handover import bundle
-from infractl.state import resolve_cluster
+from infractl.state import resolve_cluster, write_private
 
 __all__ = ["register"]
 
@@ -31,6 +32,7 @@ def bundle_command(
     where = out if out is not None else Path("handover") / state.name
     made = bundle.assemble(state, run=run, out=where)
     bundle.write(made, where)
+    write_private(state.bundle_record_path, json.dumps({"out": str(where.resolve())}) + "\n")
     result.success(
         f"handover of cluster {state.name!r} written to {where}/ ({len(made.files)} files); open {where}/index.html"
     )

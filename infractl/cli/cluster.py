@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -15,6 +16,8 @@ from infractl import cluster, proc, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
 from infractl.errors import StateError, StoreError
+from infractl.handover import runbooks
+from infractl.launcher import node_log
 from infractl.state import ClusterState, known_clusters, resolve_cluster
 from infractl.store import Store
 
@@ -65,26 +68,52 @@ def teardown(
 
 
 def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
-    """Every run of the cluster: its state, attempts, last committed step and newest metrics."""
+    """Every run of the cluster: its state, attempts, last committed step, newest metrics, and
+    the runbook section of a run that needs a person (failed, degraded or stalled)."""
     live = runs.running(state)
+    nodes = state.read()["nodes"]
     rows = []
     for record in runs.cluster_runs(state, store):
         try:
-            steps: int | None = RunSpec.model_validate(record.spec).steps
+            spec: RunSpec | None = RunSpec.model_validate(record.spec)
         except ValidationError:
-            steps = None  # a record without a valid spec (written by another version): still listed
+            spec = None  # a record without a valid spec (written by another version): still listed
+        steps = spec.steps if spec else None
         last = runstore.latest_committed_step(store, record.run_id)
         latest = runstore.latest_metrics(store, record.run_id)
+        run_state = runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps)
+        attention = (
+            runs.attention(
+                spec,
+                run_state,
+                newest=latest,
+                live_nodes=len(live.get(record.run_id, ())),
+                cluster_nodes=len(nodes),
+                processes_per_node=int(nodes[0]["processes"]),
+                started=record.last_attempt.started if record.last_attempt else None,
+                logs=[node_log(n, record.run_id) for n in nodes],
+                now=time.time(),
+            )
+            if spec
+            else None
+        )
         rows.append(
             {
                 "run": record.run_id,
-                "state": runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps),
+                "state": run_state,
                 "attempts": len(record.attempts),
                 "steps": steps,
                 "last_committed_step": last,
                 "last_step": latest["step"] if latest else None,
                 "loss": latest["loss"] if latest else None,
                 "world_size": latest["world_size"] if latest else None,
+                "attention": None
+                if not attention
+                else {
+                    "condition": attention.condition,
+                    "why": attention.why,
+                    **runbooks.section(state, attention.runbook, record.run_id),
+                },
             }
         )
     return rows
@@ -103,6 +132,7 @@ def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
             "last_step": None,
             "loss": None,
             "world_size": None,
+            "attention": None,
         }
         for run_id, nodes in sorted(runs.running(state).items())
     ]
@@ -149,7 +179,11 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     try:
         runs = _run_rows(state, cluster.store_for(state))
     except StoreError as exc:
-        store_status |= {"reachable": False, "error": exc.message}
+        store_status |= {
+            "reachable": False,
+            "error": exc.message,
+            "runbook": runbooks.section(state, "store-outage", None),
+        }
         runs = _running_rows(state)
     data = {
         "cluster": record["name"],
@@ -164,17 +198,44 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         f"cluster {data['cluster']} · provider {data['provider']} · store {record['store']}{reach}\n"
         f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if data['rendezvous']['running'] else 'DOWN'}"
     )
+    parts: list[RenderableType] = [header, _nodes_table(nodes)]
+    if runs:
+        parts.append(_runs_table(runs, store_reachable=store_status["reachable"]))
+    parts += [Text(line) for line in _attention_lines(state, runs)]
+    if not store_status["reachable"]:
+        out.warn(
+            f"the store is unreachable: runs show only what the nodes' processes tell ({store_status['error']}); "
+            f"{_read(state, store_status['runbook'])}"
+        )
+    out.result(data, Group(*parts))
+
+
+def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     table = Table(title="nodes")
     for col in ("node", "address", "processes/node", "live processes"):
         table.add_column(col)
     for n in nodes:
         table.add_row(n["name"], n["address"], str(n["processes"]), str(n["live_processes"]))
-    parts: list[RenderableType] = [header, table]
-    if runs:
-        parts.append(_runs_table(runs, store_reachable=store_status["reachable"]))
-    if not store_status["reachable"]:
-        out.warn(f"the store is unreachable: runs show only what the nodes' processes tell ({store_status['error']})")
-    out.result(data, Group(*parts))
+    return table
+
+
+def _attention_lines(state: ClusterState, runs: list[dict[str, Any]]) -> list[str]:
+    """One line per run that needs a person: its condition, why, and where its runbook is."""
+    return [
+        f"run {r['run']} is {r['attention']['condition']} ({r['attention']['why']}): {_read(state, r['attention'])}"
+        for r in runs
+        if r["attention"]
+    ]
+
+
+def _read(state: ClusterState, where: dict[str, Any]) -> str:
+    """Where to read a runbook.section(): its path, or how to get the bundle that has it."""
+    if where["path"]:
+        return f"see {where['path']}"
+    anchor = f"#{where['section']}" if where["section"] else ""
+    if where["runbook"] == "store-outage":  # the bundle is made from the store: it cannot be written now
+        return f"see runbooks/store-outage.md of a handover bundle written before (`infractl bundle -c {state.name}`)"
+    return f"write the handover with `infractl bundle -c {state.name}`, then see runbooks/{where['runbook']}.md{anchor}"
 
 
 def _runs_table(runs: list[dict[str, Any]], *, store_reachable: bool) -> Table:

@@ -1,17 +1,20 @@
 """``infractl export`` and ``infractl sample``: the trained model as one file the team takes away,
 and text from it, to see what the run learned. Both read the run's committed checkpoint from the
-cluster's store (infractl/handover/export.py) and change nothing there."""
+cluster's store (infractl/handover/export.py); export records there what it wrote and how
+(``runs/<run>/exports/``), so the handover bundle can name the file."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
-from infractl import cluster
+from infractl import cluster, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, finite_option, output
-from infractl.errors import UsageError
+from infractl.errors import StoreError, UsageError
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -49,8 +52,20 @@ def export(
     out_ = output(json_mode)
     exporting.check_destination(out, force=force)  # before the store: a refusal costs nothing
     state, _ = resolve_cluster(cluster_opt)
-    consolidated = exporting.consolidate(cluster.store_for(state), run, step=step)
+    store = cluster.store_for(state)
+    consolidated = exporting.consolidate(store, run, step=step)
     described = exporting.export(consolidated, out, fmt=fmt)
+    # The store keeps where the file went and how it was made: the handover bundle names it.
+    command = ["infractl", "export", run, "--step", str(consolidated.step), "--format", fmt]
+    command += ["--out", str(out.absolute()), "-c", state.name]
+    recorded = described | {"path": str(out.absolute()), "command": shlex.join(command)}
+    try:
+        store.put_bytes(
+            runstore.export_record_key(run, consolidated.step, fmt),
+            (json.dumps(recorded, indent=1, sort_keys=True) + "\n").encode(),
+        )
+    except StoreError as exc:
+        out_.warn(f"exported, but not recorded in the store (the handover bundle will not name it): {exc.message}")
     loss = f"loss {consolidated.loss:.4f}" if consolidated.loss is not None else "loss not recorded"
     out_.success(
         f"exported step {consolidated.step} of run {run!r} ({described['scheme']} on {described['world_size']} "

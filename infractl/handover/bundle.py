@@ -94,6 +94,9 @@ def _configs(state: ClusterState, cluster: dict[str, Any], store: Store, records
     inventory = state.dir / "ansible" / "inventory" / "hosts.json"
     if inventory.is_file():
         files["configs/ansible/hosts.json"] = inventory.read_bytes()
+    exports = {r.run_id: made for r in records if (made := runstore.read_export_records(store, r.run_id))}
+    if exports:
+        files["configs/exports.json"] = _json(exports)
     for record in records:
         if record.spec is not None:
             files[f"configs/runs/{record.run_id}.yaml"] = _yaml(record.spec)
@@ -165,4 +168,7 @@ Change the environment in this order:
 `terraform/` holds the resolved Terraform variables (`main.tf.json`) and outputs, `ansible/` the
 inventory Ansible ran with, `runtime.json` the runtime pin, and `runs/<run>.environment.json` the
 environment fingerprint (versions, image, host) recorded in the run's newest committed checkpoint.
+`exports.json` (once a model was exported) names, per run, each file `infractl export` wrote: where
+it is, its sha256, the step and format, and the exact command that made it (run it again to get
+the same bytes).
 """

@@ -12,6 +12,7 @@ state root give the same bytes.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from string import Template
@@ -24,9 +25,9 @@ import infractl
 from infractl.config import RunSpec
 from infractl.handover.reference import RUNBOOKS
 from infractl.runstore import RunRecord, checkpoint_prefix
-from infractl.state import home
+from infractl.state import ClusterState, home
 
-__all__ = ["AFTER_RUNS", "PER_RUN", "render_runbooks", "runbook_dir"]
+__all__ = ["AFTER_RUNS", "PER_RUN", "render_runbooks", "runbook_dir", "section"]
 
 #: The lines that end a template's cluster-wide head and (optionally) its per-run part.
 PER_RUN = "<!-- per run -->"
@@ -109,3 +110,19 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
 def _store_path(uri: str) -> str:
     """A ``file://`` store's directory (as ``Path.as_uri`` wrote it); empty for any other store."""
     return unquote(urlsplit(uri).path) if uri.startswith("file://") else ""
+
+
+def section(state: ClusterState, runbook: str, run: str | None) -> dict[str, str | None]:
+    """Where to read ``runbook`` for ``run`` (None: the cluster-wide part): ``path`` is the runbook
+    of the bundle ``infractl bundle`` last wrote, with the run's anchor, when that bundle has the
+    run's section (else None: the bundle must be written or regenerated first)."""
+    anchor = f"run-{run}" if run is not None else None  # GitHub's anchor of the heading "Run `RUN`"
+    path: str | None = None
+    try:
+        out = Path(json.loads(state.bundle_record_path.read_text())["out"])
+        text = (out / "runbooks" / f"{runbook}.md").read_text()
+    except (OSError, ValueError, KeyError, TypeError):
+        text = ""
+    if text and (run is None or f"## Run `{run}`" in text):
+        path = f"{out / 'runbooks' / runbook}.md" + (f"#{anchor}" if anchor else "")
+    return {"runbook": runbook, "section": anchor, "path": path}
