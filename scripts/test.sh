@@ -4,9 +4,16 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/bootstrap.sh"
+# The bundle's page is opened in headless Chromium (scripts/screenshot_bundle.py): Debian's chromium,
+# driven by playwright from the test extra.
+if ! command -v chromium >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends chromium ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
+fi
 cd "$repo"
-ruff check infractl trainer tests bench
-ruff format --check infractl trainer tests bench
+ruff check infractl trainer tests bench scripts
+ruff format --check infractl trainer tests bench scripts
 mypy
 # loadgroup: the tests of a module that share one cluster (xdist_group) run on one worker.
 exec python -m pytest -n 2 --dist loadgroup "$@"

@@ -6,7 +6,8 @@ beside the destination and renamed into place: a failure half-way leaves the pre
 it was. It is deterministic: nothing in it depends on when it was made (only the recorded run
 times), so regenerating from unchanged inputs gives the same bytes.
 
-    index.html              one static page that shows and links everything (opens from disk)
+    index.html, style.css   one static page that shows and links everything (opens from disk),
+                            from the templates in the repository's bundle/ (page.py)
     topology.md, .svg       nodes, ranks, addresses, rendezvous, store, bottleneck, how to grow
     reference.md            every config field and CLI option, failure signatures
     configs/                cluster.yaml, run.yaml of each run, Terraform variables and outputs,
@@ -75,7 +76,7 @@ def assemble(state: ClusterState, *, run: str | None, out: Path) -> Bundle:
     files |= _configs(state, cluster, store, records)
     files |= _baselines(store, records, bench)
     files |= runbooks.render_runbooks(cluster, records, bundle_dir=out)
-    files["index.html"] = page.render(cluster["name"], [r.run_id for r in records], sorted(files)).encode()
+    files |= page.render(cluster["name"], [r.run_id for r in records], files)
     return Bundle(state.name, [r.run_id for r in records], files)
 
 
