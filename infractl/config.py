@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -341,6 +342,19 @@ def per_rank_batch(batch_size: int, world_size: int) -> int:
     if batch_size % world_size:
         raise ConfigError(f"batch_size ({batch_size}) must be divisible by the world size ({world_size})")
     return batch_size // world_size
+
+
+def check_batch_splits(batch_size: int, node_counts: Iterable[int], processes: int, *, file: str, why: str) -> None:
+    """ConfigError naming ``batch_size`` unless it splits evenly over the ranks of every node count
+    (``processes`` per node); ``why`` ends the message: what needs the split."""
+    for count in node_counts:
+        if batch_size % (count * processes):
+            raise ConfigError(
+                f"{batch_size} does not split evenly over {count * processes} rank(s) "
+                f"({count} node(s) x {processes} process(es)), {why}",
+                file=file,
+                field="batch_size",
+            )
 
 
 _M = TypeVar("_M", bound=BaseModel)

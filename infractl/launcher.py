@@ -15,7 +15,7 @@ from typing import Any
 
 from infractl import proc, runs, runstore
 from infractl.cluster import ensure_rendezvous, store_for
-from infractl.config import RunSpec
+from infractl.config import RunSpec, check_batch_splits
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
@@ -112,16 +112,13 @@ def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, nodes: list[
             file=str(run_file),
             field="nodes.min",
         )
-    processes = int(nodes[0]["processes"])
-    for count in range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1):
-        # Every world size the elastic range allows must split the global batch evenly.
-        if spec.batch_size % (count * processes):
-            raise ConfigError(
-                f"{spec.batch_size} must be divisible by the world size ({count * processes}: "
-                f"{count} node(s) x {processes} process(es))",
-                file=str(run_file),
-                field="batch_size",
-            )
+    check_batch_splits(
+        spec.batch_size,
+        range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1),
+        int(nodes[0]["processes"]),
+        file=str(run_file),
+        why="as every world size of the elastic range (nodes.min to nodes.max) must",
+    )
     if spec.name in runs.running(state):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; see `infractl status` and `infractl logs`"

@@ -46,7 +46,8 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     odd = write(cli.cwd / "odd.yaml", (RUN % {"min": 1, "max": 2}).replace("batch_size: 8", "batch_size: 9"))
     refused = cli("train", str(odd), expect=2)
     assert (
-        "odd.yaml: batch_size: 9 must be divisible by the world size (2: 2 node(s) x 1 process(es))" in refused.stderr
+        "odd.yaml: batch_size: 9 does not split evenly over 2 rank(s) (2 node(s) x 1 process(es)), as every world "
+        "size of the elastic range (nodes.min to nodes.max) must" in refused.stderr
     )
 
     started = json.loads(cli("train", str(run), "--detach", "--json").stdout)

@@ -57,7 +57,7 @@ import psutil
 
 from infractl import launcher, runstore
 from infractl.cluster import store_for
-from infractl.config import RunSpec, derive_run
+from infractl.config import RunSpec, check_batch_splits, derive_run
 from infractl.errors import ConfigError, TrainingError, UsageError
 from infractl.launcher import Launch
 from infractl.planning import memory
@@ -178,14 +178,7 @@ def plan_bench(
     largest = source.nodes.max * processes
     if strong:
         rule = f"strong scaling: global batch {source.batch_size} (batch_size) at every count, split over the ranks"
-        for count in counts:
-            if source.batch_size % (count * processes):
-                raise ConfigError(
-                    f"{source.batch_size} does not split evenly over {count * processes} rank(s) "
-                    f"({count} node(s) x {processes} process(es)), as --strong needs",
-                    file=str(run_file),
-                    field="batch_size",
-                )
+        check_batch_splits(source.batch_size, counts, processes, file=str(run_file), why="as --strong needs")
         batches = {count: source.batch_size for count in counts}
     else:
         if source.batch_size % largest:
