@@ -115,6 +115,9 @@ def test_exported_weights_compute_the_trainers_logits(
     losses = {r["step"]: r["loss"] for r in runstore.read_metrics(store, "tiny")}
     manifest = runstore.read_manifest(store, "tiny", STEPS)
     assert manifest is not None
+    # The checkpoint describes itself: export takes the model's shape and the scheme from it.
+    assert manifest.extra["model"] == scheme_spec(scheme).model.model_dump(mode="json")
+    assert manifest.extra["parallel"] == scheme
     assert described == {
         "file": "model.safetensors",
         "format": "safetensors",

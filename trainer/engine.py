@@ -366,6 +366,9 @@ class Trainer:
             "config_hash": self.config_hash,
             "dataset_version": self.dataset_version,
             "environment": self.fingerprint,
+            # The checkpoint describes itself: `infractl export` builds the model from these.
+            "model": self.spec.model.model_dump(mode="json"),
+            "parallel": self.spec.parallel,
         }
 
 

@@ -10,9 +10,10 @@ shards, ddp's and zero1's replicas alike). The keys are the plain ``trainer.mode
 names (``ModelState`` saves them without DDP's prefix), so the weights load strictly into a fresh
 ``GPT(GPTConfig(...))``; the output projection is tied to ``tok_emb.weight`` (one tensor, no copy).
 
-The model's shape comes from the run's record (``run.json``: the resolved spec the launcher
-wrote); the step's facts (world size, config hash, dataset version, tokens seen) from its manifest;
-the loss at that step from the run's metrics.
+The step's facts come from its manifest: the model's shape and the scheme that saved it, world
+size, config hash, dataset version, tokens seen (checkpoints written before the manifest recorded
+the shape and scheme take them from the run's record, ``run.json``); the loss at that step from
+the run's metrics.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from infractl import runstore
-from infractl.config import RunSpec
+from infractl.config import ModelSpec, RunSpec
 from infractl.errors import InfractlError, UsageError
 from infractl.runstore import CheckpointError, Manifest, checkpoint_prefix, file_sha256
 from infractl.store import Store
@@ -54,7 +55,8 @@ class Consolidated:
 
     run_id: str
     step: int
-    spec: RunSpec
+    shape: ModelSpec  # the model's shape that saved the step
+    scheme: str  # the parallel scheme that saved it
     manifest: Manifest
     model: GPT  # in eval mode, the step's weights loaded strictly
     loss: float | None  # the training loss at ``step`` (None when the metrics lack it)
@@ -75,10 +77,11 @@ def consolidate(store: Store, run_id: str, *, step: int | None = None) -> Consol
     spec = _spec(record.spec, run_id)
     step = _committed_step(store, run_id, step)
     manifest = runstore.verify_checkpoint(store, run_id, step)
+    shape, scheme = _saved_by(manifest, spec, f"step {step} of run {run_id!r}")
     with tempfile.TemporaryDirectory(prefix="infractl-export-") as tmp:
         _download(store, run_id, manifest, Path(tmp))
         weights = _read_model(Path(tmp), f"step {step} of run {run_id!r}")
-    model = GPT(GPTConfig.from_spec(spec.model))
+    model = GPT(GPTConfig.from_spec(shape))
     try:
         model.load_state_dict(weights)
     except RuntimeError as exc:  # a missing, unexpected or misshapen parameter
@@ -89,12 +92,24 @@ def consolidate(store: Store, run_id: str, *, step: int | None = None) -> Consol
     return Consolidated(
         run_id=run_id,
         step=step,
-        spec=spec,
+        shape=shape,
+        scheme=scheme,
         manifest=manifest,
         model=model.eval(),
         loss=losses[0] if losses else None,
         checkpoint=store.location(checkpoint_prefix(run_id, step)),
     )
+
+
+def _saved_by(manifest: Manifest, spec: RunSpec, what: str) -> tuple[ModelSpec, str]:
+    """The model's shape and the scheme that saved a step: its manifest says (checkpoints since
+    it records them), else the run's record (its latest launch; a resume keeps the model's shape)."""
+    saved = manifest.extra
+    try:
+        shape = ModelSpec.model_validate(saved["model"]) if "model" in saved else spec.model
+    except ValidationError as exc:
+        raise CheckpointError(f"{what}: the model in its manifest is not valid ({_first_line(exc)})") from None
+    return shape, str(saved.get("parallel", spec.parallel))
 
 
 def _spec(raw: dict[str, Any] | None, run_id: str) -> RunSpec:
@@ -205,7 +220,7 @@ def export(model: Consolidated, out: Path, *, fmt: Format) -> dict[str, Any]:
 
 def _describe(model: Consolidated, *, file: str, fmt: Format, sha256: str) -> dict[str, Any]:
     """What the exported file is. No times: exporting the same step again gives the same JSON."""
-    spec, extra = model.spec, model.manifest.extra
+    extra = model.manifest.extra
     return {
         "file": file,
         "format": fmt,
@@ -214,13 +229,13 @@ def _describe(model: Consolidated, *, file: str, fmt: Format, sha256: str) -> di
         "step": model.step,
         "loss": model.loss,
         "tokens_seen": extra.get("tokens_seen"),
-        "model": {"architecture": "trainer.model.GPT", **spec.model.model_dump(mode="json"), "vocab_size": VOCAB_SIZE},
+        "model": {"architecture": "trainer.model.GPT", **model.shape.model_dump(mode="json"), "vocab_size": VOCAB_SIZE},
         "parameters": sum(p.numel() for p in model.model.parameters()),
         "tokenizer": "bytes: one token per byte of the UTF-8 text, ids 0-255",
         "dataset_version": extra.get("dataset_version"),
         "config_hash": extra.get("config_hash"),
-        # The scheme of the run's latest launch (run.json); the world size that saved this step.
-        "scheme": spec.parallel,
+        # The scheme and the world size that saved this step.
+        "scheme": model.scheme,
         "world_size": model.manifest.world_size,
         "checkpoint": model.checkpoint,
     }
