@@ -14,7 +14,7 @@ from typing import Any
 import infractl
 from infractl.errors import InfraError
 
-__all__ = ["Node", "ApplyResult", "apply", "destroy", "read_nodes", "module_dir"]
+__all__ = ["Node", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
 
 _ROOT_MODULE = "main.tf.json"
 _PLAN_FILE = "tfplan"
@@ -113,6 +113,27 @@ def destroy(tf_dir: Path) -> None:
         result = tf.destroy()
         _check(result, "destroy")
     _protect_state(tf_dir)
+
+
+def evaluate(tf_dir: Path, files: dict[str, str]) -> dict[str, Any]:
+    """The output values of a root module that creates nothing: ``files`` (name -> text) hold variables,
+    locals and outputs only, so no provider is needed and nothing outside ``tf_dir`` changes.
+
+    This is how a module's plan is computed offline: Terraform itself applies the variables' types,
+    defaults and validations and evaluates the expressions. A failed validation raises InfraError with
+    Terraform's message.
+    """
+    tf_dir = tf_dir.resolve()
+    tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name, text in files.items():
+        _write_private(tf_dir / name, text)
+    with _terraform(tf_dir) as tf:
+        result = tf.apply(auto_approve=True)
+    _check(result, "apply")
+    # apply's JSON stream ends with the outputs and their values: no second Terraform call to read them.
+    events = result.value if isinstance(result.value, list) else []
+    outputs = [event["outputs"] for event in events if event.get("type") == "outputs"]
+    return {name: output["value"] for name, output in (outputs[-1] if outputs else {}).items()}
 
 
 def read_nodes(tf_dir: Path) -> list[Node]:

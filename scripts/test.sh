@@ -4,6 +4,8 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/bootstrap.sh"
+# checkov, ansible-lint and uv live in .venv-tools: their pins clash with .venv's (boto3 1.35 against 1.44).
+"$repo/scripts/tools.sh"
 # The bundle's page is opened in headless Chromium (scripts/screenshot_bundle.py): Debian's chromium,
 # driven by playwright from the test extra.
 if ! command -v chromium >/dev/null; then

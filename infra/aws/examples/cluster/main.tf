@@ -1,0 +1,93 @@
+# A root module around infra/aws: what infractl writes for an AWS cluster, and what an operator runs by hand.
+# Two things belong to the root, never to the module: the backend (remote state) and the provider (region,
+# default tags).
+#
+#   terraform init \
+#     -backend-config="bucket=<state bucket>" \
+#     -backend-config="key=infractl/<cluster>/terraform.tfstate" \
+#     -backend-config="region=us-east-1"
+#   terraform apply -var="cluster_name=<cluster>" -var="store_bucket=<store bucket>"
+#
+# The state bucket exists before any cluster (it holds every cluster's state) and is not the store's bucket,
+# which a cluster may create and destroy.
+
+terraform {
+  required_version = ">= 1.10, < 2.0"
+
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 6.0, < 7.0"
+    }
+  }
+
+  # State in S3, encrypted, locked with S3's conditional writes (a lock file next to the state; no DynamoDB
+  # table). Bucket, key and region are given at init, so one configuration serves every cluster.
+  backend "s3" {
+    use_lockfile = true
+    encrypt      = true
+  }
+}
+
+variable "region" {
+  description = "AWS region of the cluster."
+  type        = string
+  default     = "us-east-1"
+}
+
+variable "availability_zone" {
+  description = "Availability zone of the cluster's subnet."
+  type        = string
+  default     = "us-east-1a"
+}
+
+variable "cluster_name" {
+  description = "Name of the cluster (1-40 of a-z, 0-9 and '-')."
+  type        = string
+}
+
+variable "store_bucket" {
+  description = "S3 bucket of the cluster's store; created with the cluster here."
+  type        = string
+}
+
+provider "aws" {
+  region = var.region
+
+  # Tags on every taggable resource the provider creates, including ones the module does not tag itself.
+  default_tags {
+    tags = {
+      "infractl:cluster"    = var.cluster_name
+      "infractl:managed-by" = "infractl"
+    }
+  }
+}
+
+module "cluster" {
+  source = "../.."
+
+  cluster_name      = var.cluster_name
+  availability_zone = var.availability_zone
+  node_groups = {
+    core    = { instance_type = "p5.48xlarge", nodes = 2 }
+    elastic = { instance_type = "p5.48xlarge", nodes = 2, spot = true }
+  }
+  store_bucket  = var.store_bucket
+  store_prefix  = "infractl"
+  create_bucket = true
+}
+
+output "inventory" {
+  description = "The training nodes."
+  value       = module.cluster.inventory
+}
+
+output "rendezvous_endpoint" {
+  description = "host:port for torchrun --rdzv-endpoint."
+  value       = module.cluster.rendezvous_endpoint
+}
+
+output "store_url" {
+  description = "The store's URI."
+  value       = module.cluster.store_url
+}
