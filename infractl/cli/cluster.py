@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict
 from typing import Any
@@ -12,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, proc, runs, runstore
+from infractl import cluster, proc, providers, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
 from infractl.errors import StateError, StoreError
@@ -24,12 +25,25 @@ from infractl.store import Store
 __all__ = ["register"]
 
 
-def up(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
+def up(
+    cluster_opt: ClusterOpt = None,
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print the Terraform variables, the resources that would be created and their hourly cost; change "
+        "nothing and call no cloud API (no credentials needed).",
+    ),
+    json_mode: JsonOpt = False,
+) -> None:
     """Provision the nodes (Terraform), configure them (Ansible) and pass the health gate."""
     out = output(json_mode)
     state, spec = resolve_cluster(cluster_opt)
     if spec is None:
         spec = state.spec() if state.is_up() else default_cluster()
+    if dry_run:
+        plan = providers.get(spec.provider).dry_run(spec, state)
+        out.result(plan, Group(*(Text(line) for line in _dry_run_lines(spec.name, plan))))
+        return
     store = cluster.preflight(state, spec)
     with state.lock("up"):
         result = cluster.up(state, spec, store, out)
@@ -43,6 +57,30 @@ def up(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     else:
         out.success(f"cluster {spec.name!r} is up: no changes")
     out.result({**asdict(result), "changed": result.changed})
+
+
+def _dry_run_lines(cluster_name: str, plan: dict[str, Any]) -> list[str]:
+    where = f"{plan['module']}" + (f", {plan['region']}" if plan["region"] else "")
+    lines = [f"dry run of `infractl up` for cluster {cluster_name!r} (provider {plan['provider']}, {where}): "]
+    lines[0] += "nothing was created or changed"
+    lines.append("terraform variables:")
+    lines += [f"  {name} = {json.dumps(value)}" for name, value in plan["variables"].items()]
+    lines.append(f"{len(plan['resources'])} resource(s) would be created:")
+    lines += [f"  {address}" for address in plan["resources"]]
+    cost = plan["cost"]
+    if cost is None:
+        lines.append("cost: none (the nodes are this machine)")
+        return lines
+    lines.append(f"hourly cost ({cost['currency']}, {cost['region']} list prices checked {cost['prices_checked']}):")
+    for name, group in cost["groups"].items():
+        lines.append(
+            f"  {name}: {group['nodes']} x {group['instance_type']} {group['market']}  {group['hourly']:,.2f}/h "
+            f"(on-demand {group['on_demand']:,.2f}, spot {group['spot']:,.2f})"
+        )
+    lines.append(f"  controller {cost['controller']['instance_type']}  {cost['controller']['hourly']:,.2f}/h")
+    lines.append(f"  network {cost['network']:,.2f}/h, storage {cost['storage']:,.2f}/h")
+    lines.append(f"  total {cost['total']:,.2f}/h ({cost['total_on_demand']:,.2f}/h with every group on-demand)")
+    return lines
 
 
 def teardown(

@@ -1,5 +1,7 @@
-"""What infra/aws would create for a set of module variables, and what that costs per hour: computed
-offline for ``infractl up --dry-run``, with no AWS call and no credentials.
+"""The ``aws`` provider: cluster.yaml's ``aws:`` section as infra/aws's variables, what the module
+would create and what that costs per hour (``infractl up --dry-run``: offline, no AWS call, no
+credentials), and the sweep ``teardown`` runs after ``terraform destroy``: everything EC2 still holds
+with the cluster's tag is a leak, named.
 
 The resource list comes from the module itself. Its resource blocks are read with an HCL parser, and the
 embedded Terraform evaluates their ``count`` and ``for_each`` against the module's own ``variables.tf``
@@ -24,14 +26,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import hcl2
 from hcl2.utils import SerializationOptions
 
 from infractl import infra
+from infractl.config import ClusterSpec
 from infractl.errors import InfraError
+from infractl.state import ClusterState
 
-__all__ = ["instance_types", "prices", "planned_resources", "hourly_cost"]
+__all__ = [
+    "CLUSTER_TAG",
+    "instance_types",
+    "prices",
+    "module_variables",
+    "variables",
+    "dry_run",
+    "leftovers",
+    "planned_resources",
+    "hourly_cost",
+    "sweep",
+]
+
+#: The tag infra/aws puts on every taggable resource (its value: the cluster's name); the sweep's key.
+CLUSTER_TAG = "infractl:cluster"
 
 # AWS turns a monthly price into an hourly one with 730 hours a month.
 _HOURS_PER_MONTH = 730
@@ -64,6 +83,42 @@ def prices() -> dict[str, Any]:
     IPv4 address and gp3 storage prices, with the region and the date they were checked."""
     document: dict[str, Any] = _read_json("prices.json")
     return document
+
+
+def module_variables(spec: ClusterSpec) -> dict[str, object]:
+    """infra/aws's variables for ``spec`` (provider aws): the ``aws:`` section, the cluster's name,
+    ranks per node, and the store's bucket and prefix. Unset optional fields are left out, so the
+    module's defaults apply."""
+    aws = spec.aws
+    if aws is None or spec.store is None:
+        raise InfraError(f"cluster {spec.name!r} has no aws section or no store: not an aws cluster")
+    store = urlsplit(spec.store)  # s3://bucket/prefix, perhaps with ?endpoint_url=... (not the module's business)
+    settings = aws.model_dump(mode="json", exclude={"region", "state_bucket"}, exclude_none=True)
+    return {
+        "cluster_name": spec.name,
+        "processes_per_node": spec.processes_per_node,
+        "store_bucket": store.netloc,
+        "store_prefix": store.path.strip("/"),
+        **settings,
+    }
+
+
+def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+    return module_variables(spec)
+
+
+def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    """What ``infractl up`` would do for ``spec``, computed offline: the module's variables, the
+    resources it would create, and the hourly cost at prices.json's list prices."""
+    variables = module_variables(spec)
+    return {
+        "provider": "aws",
+        "module": "infra/aws",
+        "region": spec.aws.region if spec.aws else None,
+        "variables": variables,
+        "resources": planned_resources(variables),
+        "cost": hourly_cost(variables),
+    }
 
 
 def planned_resources(variables: Mapping[str, object]) -> list[str]:
@@ -134,6 +189,53 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
         "total": round(fixed + sum(group["hourly"] for group in groups.values()), 4),
         "total_on_demand": round(fixed + sum(group["on_demand"] for group in groups.values()), 4),
     }
+
+
+def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
+    """What EC2 still holds with the cluster's tag (see ``sweep``)."""
+    return sweep(record["name"], record["spec"]["aws"]["region"])
+
+
+def sweep(cluster: str, region: str) -> list[str]:
+    """What EC2 in ``region`` still holds with the cluster's tag: instances not terminated, volumes,
+    network interfaces, security groups and placement groups, one ``"<kind> <id>"`` each. Run after
+    ``terraform destroy``: anything listed is a leak (it costs money and nothing manages it).
+    Credentials and the endpoint come from the environment, as boto3 finds them."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    ec2 = boto3.client("ec2", region_name=region)
+    tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
+    try:
+        found = [
+            f"instance {i['InstanceId']} ({i['State']['Name']})"
+            for page in ec2.get_paginator("describe_instances").paginate(Filters=tagged)
+            for reservation in page["Reservations"]
+            for i in reservation["Instances"]
+            if i["State"]["Name"] != "terminated"
+        ]
+        found += [
+            f"volume {v['VolumeId']}"
+            for page in ec2.get_paginator("describe_volumes").paginate(Filters=tagged)
+            for v in page["Volumes"]
+        ]
+        found += [
+            f"network-interface {n['NetworkInterfaceId']}"
+            for page in ec2.get_paginator("describe_network_interfaces").paginate(Filters=tagged)
+            for n in page["NetworkInterfaces"]
+        ]
+        found += [
+            f"security-group {g['GroupId']}"
+            for page in ec2.get_paginator("describe_security_groups").paginate(Filters=tagged)
+            for g in page["SecurityGroups"]
+        ]
+        found += [
+            f"placement-group {g['GroupName']}"
+            for g in ec2.describe_placement_groups(Filters=tagged)["PlacementGroups"]
+        ]
+    except (BotoCoreError, ClientError) as exc:
+        raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask EC2: {exc}") from None
+    return found
 
 
 def _evaluate(variables: Mapping[str, object]) -> dict[str, Any]:

@@ -1,0 +1,39 @@
+"""The ``local`` provider: a node is a work directory under the cluster's state directory
+(``nodes/node-<i>``, made by infra/local's ``terraform_data``) plus the process tree infractl starts
+in it. Nothing leaves this machine and nothing costs money."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infractl.config import ClusterSpec
+from infractl.state import ClusterState
+
+__all__ = ["variables", "dry_run", "leftovers"]
+
+
+def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+    return {
+        "cluster_name": spec.name,
+        "nodes": spec.nodes,
+        "processes_per_node": spec.processes_per_node,
+        "state_dir": str(state.dir),
+    }
+
+
+def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    """infra/local makes one ``terraform_data.node`` per node: that is the whole plan."""
+    return {
+        "provider": "local",
+        "module": "infra/local",
+        "region": None,
+        "variables": variables(spec, state),
+        "resources": [f"terraform_data.node[{index}]" for index in range(spec.nodes)],
+        "cost": None,
+    }
+
+
+def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
+    """Node directories ``terraform destroy`` left behind."""
+    nodes_dir = state.dir / "nodes"
+    return [f"node directory {p}" for p in sorted(nodes_dir.iterdir())] if nodes_dir.is_dir() else []

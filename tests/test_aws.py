@@ -1,0 +1,106 @@
+"""The ``aws`` provider through the CLI, offline: ``infractl up --dry-run`` renders infra/aws's
+variables and prints the resources and the hourly cost without credentials or any AWS call;
+cluster.yaml's ``aws:`` section is validated like the rest; ``teardown`` sweeps EC2 by the
+cluster's tag on moto's standalone server and names every leftover."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from infractl.config import load_cluster
+from infractl.providers import aws
+
+from conftest import REPO, Cli, one_line, write
+
+EXAMPLE = REPO / "examples" / "aws" / "cluster.yaml"
+DIGEST = "sha256:" + "ab" * 32
+
+# No credentials anywhere: a dry run must not need them (nor try the metadata service).
+NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def module_resources() -> set[str]:
+    """``type.name`` of every resource block in infra/aws."""
+    text = "\n".join(path.read_text() for path in sorted((REPO / "infra" / "aws").glob("*.tf")))
+    return {f"{kind}.{name}" for kind, name in re.findall(r'^resource "([a-z0-9_]+)" "([a-z0-9_]+)"', text, re.M)}
+
+
+def test_dry_run_prints_the_modules_resources_and_the_cost_without_credentials(cli: Cli) -> None:
+    result = cli("up", "--dry-run", "-c", str(EXAMPLE), "--json", env=NO_CREDENTIALS)
+    plan = json.loads(result.stdout)
+    spec = load_cluster(EXAMPLE)
+    assert plan["provider"] == "aws" and plan["region"] == "us-east-1"
+    assert plan["variables"] == aws.module_variables(spec)
+    assert plan["variables"]["processes_per_node"] == 8  # one rank per GPU of a p5.48xlarge
+    assert plan["variables"]["store_bucket"] == "my-team-infractl" and plan["variables"]["store_prefix"] == "train-p5"
+    assert plan["resources"] == aws.planned_resources(plan["variables"])
+    # Every planned address is a resource block of the module, and every node of every group is there.
+    assert {re.sub(r"\[.*\]$", "", address) for address in plan["resources"]} <= module_resources()
+    nodes = [a for a in plan["resources"] if a.startswith("aws_instance.node[")]
+    assert nodes == ['aws_instance.node["core-0"]', 'aws_instance.node["core-1"]'] + [
+        'aws_instance.node["elastic-0"]',
+        'aws_instance.node["elastic-1"]',
+    ]
+    assert "aws_instance.controller" in plan["resources"] and "aws_s3_bucket.this[0]" in plan["resources"]
+    cost = plan["cost"]
+    assert cost["groups"]["elastic"]["market"] == "spot" and cost["groups"]["core"]["market"] == "on-demand"
+    assert cost["total"] == pytest.approx(
+        sum(g["hourly"] for g in cost["groups"].values())
+        + cost["controller"]["hourly"]
+        + cost["network"]
+        + cost["storage"],
+        abs=1e-3,
+    )
+    assert cost["total"] < cost["total_on_demand"]
+    assert not cli.home.exists(), "a dry run leaves no state"
+
+    human = cli("up", "--dry-run", "-c", str(EXAMPLE), env=NO_CREDENTIALS | {"COLUMNS": "300"}).stdout
+    assert f"{len(plan['resources'])} resource(s) would be created:" in human
+    assert f"total {cost['total']:,.2f}/h" in human and "nothing was created or changed" in human
+
+
+def test_dry_run_of_the_local_provider_lists_its_nodes(cli: Cli) -> None:
+    plan = json.loads(cli("up", "--dry-run", "--json").stdout)
+    assert plan["resources"] == ["terraform_data.node[0]", "terraform_data.node[1]"] and plan["cost"] is None
+    assert not cli.home.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"provider": "local"}, "aws: is for provider: aws (provider is local)"),
+        ({"aws": None}, "aws: is required with provider: aws (region, state_bucket, node_groups)"),
+        ({"nodes": 3}, "nodes: 3 differs from the 4 node(s) of aws.node_groups"),
+        ({"store": None}, "store: provider aws needs an s3:// store (s3://bucket/prefix)"),
+        ({"runtime": {"image": "registry.example/trainer:latest"}}, "runtime.image: provider aws runs the trainer"),
+        (
+            {"aws": {"region": "us-east-1", "state_bucket": "tf-state", "availability_zone": "us-east-1a",
+                     "node_groups": {"core": {"instance_type": "p9.huge", "nodes": 4}}}},
+            "aws.node_groups.core.instance_type: 'p9.huge' is not a training instance type",
+        ),
+        (
+            {"aws": {"region": "us-east-1", "state_bucket": "tf-state",
+                     "node_groups": {"core": {"instance_type": "p5.48xlarge", "nodes": 4}}}},
+            "aws.availability_zone: is required when the cluster creates its subnet",
+        ),
+        (
+            {"aws": {"region": "us-east-1", "state_bucket": "tf-state", "availability_zone": "us-east-1a",
+                     "node_groups": {"a": {"instance_type": "g5.12xlarge", "nodes": 2},
+                                     "b": {"instance_type": "p5.48xlarge", "nodes": 2}}}},
+            "processes_per_node: is required when the node groups' instance types have different GPU counts",
+        ),
+    ],
+)  # fmt: skip
+def test_the_aws_section_is_validated_with_one_line_naming_the_field(
+    cli: Cli, change: dict[str, object], message: str
+) -> None:
+    import yaml
+
+    config = yaml.safe_load(EXAMPLE.read_text()) | {"runtime": {"image": f"registry.example/trainer@{DIGEST}"}}
+    config |= change
+    path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
+    line = one_line(cli("up", "--dry-run", "-c", str(path), expect=2).stderr)
+    assert line.startswith(f"error: {path}: {message}"), line
