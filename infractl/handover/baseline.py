@@ -42,10 +42,9 @@ def _median(records: list[StepRecord], field: str) -> float | None:
     return round(statistics.median(values), 6) if values else None
 
 
-def run_baseline(store: Store, record: RunRecord) -> dict[str, Any]:
-    """The figures of one run (see the module docstring)."""
+def run_baseline(store: Store, record: RunRecord, records: list[StepRecord]) -> dict[str, Any]:
+    """The figures of one run (see the module docstring); ``records``: its metrics (``read_metrics``)."""
     attempt = record.last_attempt
-    records = runstore.read_metrics(store, record.run_id)
     latest = [r for r in records if attempt is not None and r["attempt"] == attempt.attempt] or records
     return {
         "run": record.run_id,
@@ -63,9 +62,8 @@ def run_baseline(store: Store, record: RunRecord) -> dict[str, Any]:
     }
 
 
-def loss_plot(store: Store, run_id: str) -> bytes | None:
-    """The run's loss (and validation loss) against step, as a PNG; None without metrics."""
-    records = runstore.read_metrics(store, run_id)
+def loss_plot(run_id: str, records: list[StepRecord]) -> bytes | None:
+    """The run's loss (and validation loss) against step from its metrics, as a PNG; None without any."""
     if not records:
         return None
     import matplotlib

@@ -115,10 +115,11 @@ def _baselines(
 ) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for record in records:
-        files[f"baseline/{record.run_id}.json"] = _json(baseline.run_baseline(store, record))
+        metrics = runstore.read_metrics(store, record.run_id)
+        files[f"baseline/{record.run_id}.json"] = _json(baseline.run_baseline(store, record, metrics))
         if store.exists(runstore.plan_measured_key(record.run_id)):
             files[f"baseline/{record.run_id}-memory.json"] = store.get_bytes(runstore.plan_measured_key(record.run_id))
-        plot = baseline.loss_plot(store, record.run_id)
+        plot = baseline.loss_plot(record.run_id, metrics)
         if plot is not None:
             files[f"baseline/{record.run_id}-loss.png"] = plot
     if bench is not None:

@@ -203,8 +203,10 @@ def sweep(cluster: str, region: str) -> list[str]:
     Credentials and the endpoint come from the environment, as boto3 finds them."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
 
     ec2 = boto3.client("ec2", region_name=region)
+    tagging = boto3.client("resourcegroupstaggingapi", region_name=region)
     tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
     try:
         found = [
@@ -229,11 +231,16 @@ def sweep(cluster: str, region: str) -> list[str]:
             for page in ec2.get_paginator("describe_security_groups").paginate(Filters=tagged)
             for g in page["SecurityGroups"]
         ]
+        # EC2's DescribePlacementGroups is not in every EC2-compatible API (moto lacks it); the tagging
+        # API lists tagged placement groups everywhere: arn:aws:ec2:REGION:ACCOUNT:placement-group/NAME.
         found += [
-            f"placement-group {g['GroupName']}"
-            for g in ec2.describe_placement_groups(Filters=tagged)["PlacementGroups"]
+            f"placement-group {mapping['ResourceARN'].rsplit('/', 1)[-1]}"
+            for page in tagging.get_paginator("get_resources").paginate(
+                TagFilters=[{"Key": CLUSTER_TAG, "Values": [cluster]}], ResourceTypeFilters=["ec2:placement-group"]
+            )
+            for mapping in page["ResourceTagMappingList"]
         ]
-    except (BotoCoreError, ClientError) as exc:
+    except (BotoCoreError, ClientError, ResponseParserError) as exc:
         raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask EC2: {exc}") from None
     return found
 
