@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, configure, infra, proc, runs, runstore
+from infractl import __version__, configure, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import ConfigError, InfractlError
+from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.handover import access
 from infractl.output import Output
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
@@ -111,6 +112,12 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
     the store can be reached and written (a new cluster's store: or created by ``up``). The store
     of a cluster that is up must still be there: a vanished store held the cluster's checkpoints,
     and an empty one in its place would hide that."""
+    if spec.provider == "aws":
+        raise UsageError(
+            "provider aws: `infractl up` plans only (`--dry-run`) in this version: provisioning through the "
+            "S3-backed Terraform root module and configuring GPU nodes over Session Manager are not wired yet",
+            field="provider",
+        )
     uri = store_uri(state, spec)
     store = open_store(uri, field="cluster.store")
     previous = state.read() if state.is_up() else None
@@ -136,27 +143,21 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied = infra.apply(
-        state.terraform_dir,
-        infra.module_dir(spec.provider),
-        {
-            "cluster_name": spec.name,
-            "nodes": spec.nodes,
-            "processes_per_node": spec.processes_per_node,
-            "state_dir": str(state.dir),
-        },
+        state.terraform_dir, infra.module_dir(spec.provider), providers.get(spec.provider).variables(spec, state)
     )
     out.info(f"terraform: {applied.summary}")
 
     port, started = ensure_rendezvous(state, previous)
     out.info(f"rendezvous: {RENDEZVOUS_HOST}:{port} ({'started' if started else 'already running'})")
 
-    out.info("ansible: configuring nodes (base, runtime, network, health gate)…")
+    out.info("ansible: configuring nodes (base, access, runtime, network, health gate)…")
     configured = configure.configure(
         state.dir,
         applied.nodes,
         runtime=spec.runtime,
         rendezvous=(RENDEZVOUS_HOST, port),
         nonce=secrets.token_hex(4),
+        access=access.node_vars(state, access.load_members(state)),
     )
     out.info(f"ansible: {configured.changed} task(s) changed")
 
@@ -190,6 +191,9 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     record = state.read()
     if purge:
         store_for(state).ping()  # a purge that cannot reach the store must fail before anything goes
+    # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
+    if access.remove_from_store(state, store_for(state)):
+        out.info("access: the roles' rights in the store are taken back")
     victims = proc.find(state.dir)
     if victims:
         out.info(f"stopping {len(victims)} process(es) of cluster {state.name!r}…")
@@ -200,10 +204,16 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
 
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
-    nodes_dir = state.dir / "nodes"
-    remaining = [p.name for p in nodes_dir.iterdir()] if nodes_dir.is_dir() else []
-    if remaining:
-        raise InfractlError(f"terraform destroy left node directories behind in {nodes_dir}: {remaining}")
+    leftovers = providers.get(record["spec"]["provider"]).leftovers(state, record)
+    if leftovers:
+        raise InfractlError(
+            f"terraform destroy left {len(leftovers)} resource(s) of cluster {state.name!r} behind: "
+            f"{'; '.join(leftovers)}; remove them (they cost money and nothing manages them), then run teardown again"
+        )
+    if record["spec"]["provider"] == "local":
+        # The access role's groups live on the nodes; the local provider's nodes are this machine.
+        # (A real node's groups go with the machine.)
+        access.remove_groups(state)
 
     purged: list[str] = []
     if purge:

@@ -1,4 +1,5 @@
-"""The config driver: run ``playbooks/site.yml`` on a cluster's nodes with ansible-runner."""
+"""The config driver: run ``playbooks/site.yml`` on a cluster's nodes with ansible-runner (and
+``playbooks/access.yml``, the access role alone, when membership changes)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.infra import Node
 
-__all__ = ["ConfigureResult", "configure", "network_env", "playbook_dir"]
+__all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
 
 _PLAYBOOK = "site.yml"
+_ACCESS_PLAYBOOK = "access.yml"
 # Runs kept under <state_dir>/ansible/artifacts/ for `infractl logs` and post-mortems.
 _KEEP_ARTIFACTS = 10
 # A whole configure run (collective included) that takes longer than this is stuck.
@@ -60,23 +62,15 @@ def configure(
     runtime: RuntimeSpec,
     rendezvous: tuple[str, int],
     nonce: str,
+    access: dict[str, Any],
 ) -> ConfigureResult:
-    """Configure ``nodes`` (base, runtime, network roles), then gate on a cross-node health check.
+    """Configure ``nodes`` (base, access, runtime, network roles), then gate on a cross-node
+    health check. ``access``: the access role's variables (``infractl.handover.access.node_vars``).
 
     The health check meets at ``rendezvous`` under a key made from ``nonce`` and a random suffix,
     so two runs never share keys in the long-lived rendezvous store.
     Raises :class:`ConfigureError` naming the node and role of the first failure.
     """
-    import ansible_runner
-
-    if not nodes:
-        raise ConfigureError("no nodes to configure: the cluster has no provisioned nodes")
-    data_dir = state_dir.resolve() / "ansible"
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    inventory = data_dir / "inventory" / "hosts.json"
-    inventory.parent.mkdir(mode=0o700, exist_ok=True)
-    inventory.write_text(json.dumps(_inventory(nodes), indent=2) + "\n")
-
     host, port = rendezvous
     extravars = {
         "runtime_torch": runtime.torch,
@@ -86,11 +80,55 @@ def configure(
         "health_rendezvous_port": port,
         "health_key": f"{nonce}-{secrets.token_hex(4)}",
         "health_world_size": len(nodes),
+        **access,
     }
+    runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
+    if runner.status != "successful":
+        raise ConfigureError(_failure(runner, events))
+    return ConfigureResult(changed=_changed(runner), health=_health_reports(events, nodes))
+
+
+@dataclass(frozen=True)
+class AccessResult:
+    """What an :func:`apply_access` run did."""
+
+    changed: int
+    """Changed tasks over all nodes."""
+    missing_users: dict[str, list[str]]
+    """Node -> users it has no account for, of those the run was told to require. When this is
+    not empty the run stopped in the role's preflight: no node was changed."""
+
+
+def apply_access(state_dir: Path, nodes: list[Node], access: dict[str, Any]) -> AccessResult:
+    """Run the access role alone (``playbooks/access.yml``) with ``access``, its variables:
+    groups, members and ACLs on every node. Raises :class:`ConfigureError` for any failure but
+    missing accounts (reported in the result)."""
+    runner, events = _run_playbook(state_dir, nodes, _ACCESS_PLAYBOOK, access)
+    if runner.status != "successful":
+        missing = {host: users for host, users in _facts(events, "access_missing_users").items() if users}
+        if missing:
+            return AccessResult(changed=0, missing_users=missing)
+        raise ConfigureError(_failure(runner, events))
+    return AccessResult(changed=_changed(runner), missing_users={})
+
+
+def _run_playbook(
+    state_dir: Path, nodes: list[Node], playbook: str, extravars: dict[str, Any]
+) -> tuple[Any, list[Any]]:
+    """Run ``playbook`` on ``nodes``; return the runner and its events (the caller judges them)."""
+    import ansible_runner
+
+    if not nodes:
+        raise ConfigureError("no nodes to configure: the cluster has no provisioned nodes")
+    data_dir = state_dir.resolve() / "ansible"
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    inventory = data_dir / "inventory" / "hosts.json"
+    inventory.parent.mkdir(mode=0o700, exist_ok=True)
+    inventory.write_text(json.dumps(_inventory(state_dir, nodes), indent=2) + "\n")
     runner = ansible_runner.run(
         private_data_dir=str(data_dir),
         project_dir=str(playbook_dir()),
-        playbook=_PLAYBOOK,
+        playbook=playbook,
         inventory=str(inventory),
         extravars=extravars,
         envvars=_environment(data_dir),
@@ -101,14 +139,14 @@ def configure(
         rotate_artifacts=_KEEP_ARTIFACTS,
         timeout=_RUN_TIMEOUT_S,
     )
-    events = list(runner.events)
-    if runner.status != "successful":
-        raise ConfigureError(_failure(runner, events))
-    changed = sum((runner.stats or {}).get("changed", {}).values())
-    return ConfigureResult(changed=changed, health=_health_reports(events, nodes))
+    return runner, list(runner.events)
 
 
-def _inventory(nodes: list[Node]) -> dict[str, Any]:
+def _changed(runner: Any) -> int:
+    return sum((runner.stats or {}).get("changed", {}).values())
+
+
+def _inventory(state_dir: Path, nodes: list[Node]) -> dict[str, Any]:
     return {
         "all": {
             "hosts": {
@@ -117,6 +155,7 @@ def _inventory(nodes: list[Node]) -> dict[str, Any]:
                     # Nodes run the controller's own environment on the local provider.
                     "ansible_python_interpreter": sys.executable,
                     "node_workdir": str(node.workdir),
+                    "node_workdir_parents": _parents_in(state_dir, node.workdir),
                     "node_address": node.address,
                     "node_index": index,
                 }
@@ -124,6 +163,14 @@ def _inventory(nodes: list[Node]) -> dict[str, Any]:
             }
         }
     }
+
+
+def _parents_in(state_dir: Path, workdir: Path) -> list[str]:
+    """The work dir's parents from the cluster's state dir down: the local provider keeps its
+    nodes in the state dir, which the access roles' members must pass through to reach them
+    (empty for a work dir elsewhere)."""
+    state = state_dir.resolve()
+    return [str(p) for p in reversed(workdir.resolve().parents) if p == state or state in p.parents]
 
 
 def _environment(data_dir: Path) -> dict[str, str]:
@@ -139,15 +186,21 @@ def _environment(data_dir: Path) -> dict[str, str]:
     }
 
 
-def _health_reports(events: Iterable[dict[str, Any]], nodes: list[Node]) -> list[dict[str, Any]]:
-    reports: dict[str, dict[str, Any]] = {}
+def _facts(events: Iterable[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Host -> the value of fact ``name`` its tasks set (the last one), for hosts that set it."""
+    found: dict[str, Any] = {}
     for event in events:
         if event.get("event") != "runner_on_ok":
             continue
         data = event.get("event_data", {})
-        report = (data.get("res") or {}).get("ansible_facts", {}).get("health_report")
-        if report is not None:
-            reports[data["host"]] = report
+        value = (data.get("res") or {}).get("ansible_facts", {}).get(name)
+        if value is not None:
+            found[data["host"]] = value
+    return found
+
+
+def _health_reports(events: Iterable[dict[str, Any]], nodes: list[Node]) -> list[dict[str, Any]]:
+    reports: dict[str, dict[str, Any]] = _facts(events, "health_report")
     missing = [node.name for node in nodes if node.name not in reports]
     if missing:
         names = ", ".join(missing)

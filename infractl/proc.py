@@ -1,4 +1,5 @@
-"""The one subprocess runner: start node processes detached, find them again, kill whole trees.
+"""The one subprocess runner: start node processes detached, find them again, kill whole trees;
+run a short command to its end.
 
 Every process infractl starts carries marker variables in its environment (inherited by all of
 its descendants, including torchrun workers that start new sessions and survive their agent's
@@ -8,6 +9,7 @@ that breaks as soon as a parent dies.
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import subprocess
@@ -17,11 +19,38 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["CLUSTER_ENV", "NODE_ENV", "RUN_ENV", "spawn", "find", "running_runs", "kill", "wait_gone"]
+__all__ = [
+    "CLUSTER_ENV",
+    "NODE_ENV",
+    "RUN_ENV",
+    "group_exists",
+    "run",
+    "spawn",
+    "find",
+    "running_runs",
+    "kill",
+    "wait_gone",
+]
 
 CLUSTER_ENV = "INFRACTL_CLUSTER_DIR"
 NODE_ENV = "INFRACTL_NODE"
 RUN_ENV = "INFRACTL_RUN"
+
+
+def run(argv: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a short command on this machine to its end (``setfacl``, ``groupdel``): stdout and
+    stderr captured as text, the exit code left to the caller. ``OSError`` when it cannot start,
+    ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+
+
+def group_exists(name: str) -> bool:
+    """Whether this machine has the Unix group ``name`` (the access roles' groups)."""
+    try:
+        grp.getgrnam(name)
+        return True
+    except KeyError:
+        return False
 
 
 def spawn(

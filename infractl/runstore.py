@@ -30,6 +30,11 @@ Besides the runs (``<store>/``)::
 A probe run (``runs/<run-id>/memory/rank-<r>.json``, each rank's measured memory) is deleted once
 `plan --measure` has read it.
 
+Two more top-level prefixes belong to the team rather than to a command: ``datasets/`` and
+``configs/``, where config-admins keep shared datasets and run configs. Nothing in infractl writes
+them; the access roles (infractl/handover/access.py) grant them, so they are part of the layout.
+``PREFIXES`` names every top-level prefix.
+
 A checkpoint exists only once COMMITTED exists. Records are JSON; readers accept fields they do not
 know (a newer writer) and supply defaults for fields a record lacks (an older writer).
 """
@@ -51,6 +56,7 @@ from infractl.errors import InfractlError, StoreError
 from infractl.store import ObjectInfo, Store, StoreKeyError
 
 __all__ = [
+    "PREFIXES",
     "SaveReason",
     "StepRecord",
     "Rejoin",
@@ -91,6 +97,9 @@ __all__ = [
     "read_profile_request",
     "write_profile_request",
 ]
+
+#: Every top-level prefix of the store: what the access roles' rights are expressed in.
+PREFIXES = ("runs", "plan", "bench", "datasets", "configs")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _METRICS_CHUNK = re.compile(r"^(\d+)-(\d+)\.jsonl$")

@@ -9,4 +9,15 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -c "$repo/constraints.txt" -e "$repo[test]"
+# The access roles are POSIX ACLs on the nodes (the local provider's nodes are this machine):
+# setfacl and getfacl come from Debian's acl package.
+if ! command -v setfacl >/dev/null; then
+  if [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq acl >/dev/null || { apt-get update -qq && apt-get install -y -qq acl >/dev/null; }
+  else
+    echo "bootstrap: setfacl not found: install the acl package as root (Debian: apt-get install acl)" >&2
+    return 1
+  fi
+fi
 export PATH="$venv/bin:$PATH"

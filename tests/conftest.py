@@ -84,10 +84,11 @@ def cli(tmp_path: Path) -> Cli:
 
 
 @contextlib.contextmanager
-def module_cluster(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Cli]:
+def module_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, *, cwd: Path | None = None) -> Iterator[Cli]:
     """For a module-scoped fixture: `infractl up` the default 2-node local cluster in a fresh
-    directory, hand it to the module's tests, and tear it down (no process may remain)."""
-    cli = Cli(tmp_path_factory.mktemp(name))
+    directory (or in ``cwd``), hand it to the module's tests, and tear it down (no process may
+    remain)."""
+    cli = Cli(cwd or tmp_path_factory.mktemp(name))
     cli("up")
     try:
         yield cli

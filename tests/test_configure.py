@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +17,9 @@ from infractl import infra
 from infractl.config import RuntimeSpec
 from infractl.configure import ConfigureResult, configure
 from infractl.errors import ConfigureError
+from infractl.handover import access
 from infractl.infra import Node
+from infractl.state import ClusterState
 
 
 def _free_port() -> int:
@@ -57,6 +61,21 @@ def rendezvous() -> Iterator[tuple[str, int]]:
             process.wait()
 
 
+def _vars(state_dir: Path) -> dict[str, Any]:
+    """The access role's variables for a cluster without members."""
+    return access.node_vars(ClusterState("test", state_dir), {})
+
+
+@contextlib.contextmanager
+def _access_groups(state_dir: Path) -> Iterator[dict[str, Any]]:
+    """``_vars``; the groups the access role creates on this machine are removed afterwards, as
+    `infractl teardown` does."""
+    try:
+        yield _vars(state_dir)
+    finally:
+        access.remove_groups(ClusterState("test", state_dir))
+
+
 def _provision(state_dir: Path, nodes: int) -> list[Node]:
     variables = {
         "cluster_name": "test",
@@ -70,11 +89,12 @@ def _provision(state_dir: Path, nodes: int) -> list[Node]:
 @pytest.fixture(scope="module")
 def configured(
     tmp_path_factory: pytest.TempPathFactory, rendezvous: tuple[str, int]
-) -> tuple[Path, list[Node], ConfigureResult]:
+) -> Iterator[tuple[Path, list[Node], ConfigureResult]]:
     state_dir = tmp_path_factory.mktemp("cluster")
     nodes = _provision(state_dir, 2)
-    result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
-    return state_dir, nodes, result
+    with _access_groups(state_dir) as groups:
+        result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first", access=groups)
+        yield state_dir, nodes, result
 
 
 def test_configure_writes_the_network_environment(
@@ -110,7 +130,9 @@ def test_second_configure_changes_nothing(
 ) -> None:
     state_dir, nodes, _ = configured
 
-    again = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first")
+    again = configure(
+        state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first", access=_vars(state_dir)
+    )
 
     assert again.changed == 0
     assert len(again.health) == 2
@@ -119,8 +141,8 @@ def test_second_configure_changes_nothing(
 def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendezvous: tuple[str, int]) -> None:
     nodes = _provision(tmp_path, 2)
 
-    with pytest.raises(ConfigureError) as excinfo:
-        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin")
+    with _access_groups(tmp_path) as groups, pytest.raises(ConfigureError) as excinfo:
+        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin", access=groups)
 
     message = str(excinfo.value)
     assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))

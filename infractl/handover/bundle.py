@@ -14,6 +14,7 @@ times), so regenerating from unchanged inputs gives the same bytes.
                             the Ansible inventory, the runtime pin, the newest environment
                             fingerprint; README.md: where fixes are made and in which order
     runbooks/               one per failure (reference.RUNBOOKS), commands for this cluster and its runs
+    access/                 each role's IAM policy for the store, the membership, README.md (access.py)
     baseline/               per run: <run>.json, <run>-loss.png and <run>-memory.json (`plan
                             --measure`, when run); bench.json and its plots
 """
@@ -33,7 +34,7 @@ import yaml
 from infractl import runs, runstore
 from infractl.cluster import store_for
 from infractl.errors import UsageError
-from infractl.handover import baseline, page, runbooks, topology
+from infractl.handover import access, baseline, page, runbooks, topology
 from infractl.handover.reference import render_reference
 from infractl.runstore import RunRecord
 from infractl.state import ClusterState
@@ -76,6 +77,7 @@ def assemble(state: ClusterState, *, run: str | None, out: Path) -> Bundle:
     files |= _configs(state, cluster, store, records)
     files |= _baselines(store, records, bench)
     files |= runbooks.render_runbooks(cluster, records, bundle_dir=out)
+    files |= access.bundle_files(state)
     files |= page.render(cluster["name"], [r.run_id for r in records], files)
     return Bundle(state.name, [r.run_id for r in records], files)
 

@@ -20,6 +20,11 @@ retry later), ``StoreKeyError`` for a missing key, ``StoreError`` for anything e
 denied, say). Each is one line, ``store <uri>: <cause>``, which the CLI prints as it is.
 ``Store.check()`` is the preflight of ``infractl up``: it raises ``ConfigError`` naming the config
 field when the store cannot be reached or written.
+
+Access roles (``infractl access``, infractl/handover/access.py) reach the store through
+``Store.apply_access`` and ``Store.remove_access``: a ``file://`` store sets POSIX ACLs for the
+roles' Unix groups (``_acl.py``), an ``s3://`` store keeps one IAM managed policy per role
+attached to the role's members (``_iam.py``, which also writes every role's policy document).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from infractl.errors import ConfigError, StoreError
-from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
+from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable, UnknownUser
 from infractl.store.file import FileStore
 from infractl.store.s3 import S3Store, open_s3
 
@@ -36,11 +41,13 @@ __all__ = [
     "SUPPORTED_SCHEMES",
     "FileStore",
     "ObjectInfo",
+    "RoleRights",
     "S3Store",
     "Store",
     "StoreError",
     "StoreUnavailable",
     "StoreKeyError",
+    "UnknownUser",
     "open_store",
 ]
 

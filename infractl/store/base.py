@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infractl.errors import StoreError
+from infractl.store import _iam
 
-__all__ = ["ObjectInfo", "Store", "StoreKeyError", "StoreUnavailable"]
+__all__ = ["ObjectInfo", "RoleRights", "Store", "StoreKeyError", "StoreUnavailable", "UnknownUser"]
 
 
 class StoreUnavailable(StoreError, OSError):
@@ -28,10 +30,41 @@ class StoreKeyError(StoreError, KeyError):
         return (type(self), (self.uri, self.key))
 
 
+class UnknownUser(StoreError):
+    """Access was granted to someone the store's identity service does not know (no IAM user)."""
+
+    def __init__(self, uri: str, user: str) -> None:
+        super().__init__(uri, f"no user named {user!r} (an IAM user must exist before it is granted a role)")
+        self.user = user
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.uri, self.user))
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
     size: int
+
+
+@dataclass(frozen=True)
+class RoleRights:
+    """What one access role may do in a store, and the names its grant goes by (built from the
+    role table in infractl/handover/access.py).
+
+    Key patterns are relative to the store's root; ``*`` matches any characters, ``/`` included
+    (IAM's rule): ``runs/*/metrics/*`` is every run's metrics, ``*`` the whole store."""
+
+    role: str
+    group: str
+    """The Unix group whose members hold the role; a file:// store's ACLs name it."""
+    policy: str
+    """The IAM managed policy that carries the role; an s3:// store attaches it to the members."""
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    delete: tuple[str, ...] = ()
+    grants: tuple[str, ...] = ()
+    """Policies this role may attach to users and detach from them (who runs `infractl access`)."""
 
 
 class Store(ABC):
@@ -93,6 +126,22 @@ class Store(ABC):
         """Make the store exist where the backend can (a file store's directory; a bucket is
         provisioned, never made here), then ``check()`` it. Only ``infractl up`` calls this:
         nothing else may create a store, so a vanished one is an outage, not a new empty store."""
+
+    def access_policy(self, rights: RoleRights) -> dict[str, Any]:
+        """The IAM policy document that grants ``rights`` in this store. A store that is not in
+        S3 gets the document for a bucket named ``BUCKET``: what the role gets once the store
+        moves to S3 (replace the name, and add the prefix to each key)."""
+        return _iam.policy_document(_iam.PLACEHOLDER_BUCKET, "", rights)
+
+    @abstractmethod
+    def apply_access(self, roles: Sequence[RoleRights], members: Mapping[str, Sequence[str]]) -> None:
+        """Make the store enforce ``roles`` for exactly ``members`` (role -> user names); running
+        it again with the same arguments changes nothing. Raises ``UnknownUser`` for a member the
+        backend has no identity for, ``StoreError`` for anything else."""
+
+    @abstractmethod
+    def remove_access(self, roles: Sequence[RoleRights]) -> None:
+        """Take back everything ``apply_access`` granted for ``roles`` (the cluster's teardown)."""
 
     @abstractmethod
     def outage(self) -> AbstractContextManager[dict[str, Any]]:

@@ -7,12 +7,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from infractl.errors import ConfigError, StoreError
-from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
+from infractl.store import _acl
+from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable
 
 __all__ = ["FileStore"]
 
@@ -69,14 +70,22 @@ class FileStore(Store):
                 raise self._unavailable() from None
         return final
 
+    @staticmethod
+    def _create_tmp(directory: Path) -> tuple[int, Path]:
+        """A new temporary file in ``directory``, open for writing. Mode 0660, not mkstemp's
+        0600: the group bits are the ceiling of what a default ACL on the directory grants (the
+        access roles' groups read objects through it); without an ACL the umask applies."""
+        tmp = directory / f".tmp-{uuid.uuid4().hex}"
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660), tmp
+
     def _write_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
         final = self._parent_of(key)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+        fd, tmp = self._create_tmp(final.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        return Path(tmp), final
+        return tmp, final
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._io("write", key):
@@ -86,7 +95,7 @@ class FileStore(Store):
     def put_file(self, key: str, path: Path) -> None:
         with self._io("write", key):
             final = self._parent_of(key)
-            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+            fd, tmp = self._create_tmp(final.parent)
             os.close(fd)
             shutil.copyfile(path, tmp)
             os.replace(tmp, final)
@@ -192,6 +201,18 @@ class FileStore(Store):
         except OSError as e:
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.root) else ""
             raise ConfigError(f"cannot write to {self.uri}: {e.strerror or e}{where}", field=self.field) from None
+
+    def apply_access(self, roles: Sequence[RoleRights], members: Mapping[str, Sequence[str]]) -> None:
+        """POSIX ACLs naming each role's group on the store's directories (store/_acl.py). Who
+        holds a role is the group's membership on this machine, which the nodes' access role
+        keeps (the local provider's nodes are this machine), so ``members`` is not needed here."""
+        with self._io("set access ACLs", None):
+            self._root_exists()
+            _acl.apply_acls(self.root, self.uri, roles)
+
+    def remove_access(self, roles: Sequence[RoleRights]) -> None:
+        with self._io("remove access ACLs", None):
+            _acl.remove_acls(self.root, self.uri, roles)
 
     @contextlib.contextmanager
     def outage(self) -> Iterator[dict[str, Any]]:

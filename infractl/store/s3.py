@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,8 @@ from urllib.parse import parse_qsl, quote, urlparse
 import psutil
 
 from infractl.errors import ConfigError, StoreError, UsageError
-from infractl.store.base import ObjectInfo, Store, StoreKeyError, StoreUnavailable
+from infractl.store import _iam
+from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable
 
 __all__ = ["S3Store", "open_s3"]
 
@@ -375,6 +376,34 @@ class S3Store(Store):
     def ensure(self) -> None:
         """A bucket is provisioned with the cluster's infrastructure, never created here."""
         self.check()
+
+    # -- access: one IAM managed policy per role (store/_iam.py) --------------------------------
+
+    def _iam_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            retries={"mode": "standard", "max_attempts": self.max_attempts},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+        )
+        # An S3-compatible server that speaks IAM (moto) serves it on the store's endpoint; on
+        # AWS (no endpoint_url) IAM has its own global endpoint, which boto3 knows.
+        session = boto3.session.Session(region_name=self.region)
+        return session.client("iam", endpoint_url=self.endpoint_url, config=config)
+
+    def access_policy(self, rights: RoleRights) -> dict[str, Any]:
+        return _iam.policy_document(self.bucket, self.prefix, rights)
+
+    def apply_access(self, roles: Sequence[RoleRights], members: Mapping[str, Sequence[str]]) -> None:
+        """Policy ``rights.policy`` per role holds its document and is attached to exactly the
+        role's members (IAM users of the same names)."""
+        wanted = [(r.policy, self.access_policy(r), members.get(r.role, ())) for r in roles]
+        _iam.apply_policies(self._iam_client(), self.uri, wanted)
+
+    def remove_access(self, roles: Sequence[RoleRights]) -> None:
+        _iam.remove_policies(self._iam_client(), self.uri, [r.policy for r in roles])
 
     def outage(self) -> AbstractContextManager[dict[str, Any]]:
         """An S3 endpoint served on this machine (moto, MinIO, ...) is paused (SIGSTOP) and
