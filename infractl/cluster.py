@@ -32,6 +32,8 @@ __all__ = [
 
 RENDEZVOUS_NODE = "rendezvous"
 RENDEZVOUS_HOST = "127.0.0.1"
+# `up` names the changed tasks when there are this few (a re-run that should change nothing did).
+_NAMED_CHANGES = 4
 
 
 @dataclass
@@ -160,6 +162,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         access=access.node_vars(state, access.load_members(state)),
     )
     out.info(f"ansible: {configured.changed} task(s) changed")
+    if 0 < configured.changed <= _NAMED_CHANGES:
+        out.info("ansible: changed " + "; ".join(configured.changed_tasks))
 
     state.write(
         {

@@ -46,6 +46,8 @@ class ConfigureResult:
 
     changed: int
     """Changed tasks over all nodes; 0 when the nodes were already configured."""
+    changed_tasks: list[str]
+    """``<node>: <task>`` for each changed task, in the order they ran."""
     health: list[dict[str, Any]]
     """The health check's report from every node, in node order (see ``infractl.health``)."""
 
@@ -85,7 +87,9 @@ def configure(
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
     if runner.status != "successful":
         raise ConfigureError(_failure(runner, events))
-    return ConfigureResult(changed=_changed(runner), health=_health_reports(events, nodes))
+    return ConfigureResult(
+        changed=_changed(runner), changed_tasks=_changed_tasks(events), health=_health_reports(events, nodes)
+    )
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,15 @@ def _run_playbook(
 
 def _changed(runner: Any) -> int:
     return sum((runner.stats or {}).get("changed", {}).values())
+
+
+def _changed_tasks(events: Iterable[dict[str, Any]]) -> list[str]:
+    found = []
+    for event in events:
+        data = event.get("event_data", {})
+        if event.get("event") == "runner_on_ok" and (data.get("res") or {}).get("changed"):
+            found.append(f"{data['host']}: {data['task']}")
+    return found
 
 
 def _inventory(state_dir: Path, nodes: list[Node]) -> dict[str, Any]:
