@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -14,13 +15,13 @@ import pytest
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
 
-from conftest import Cli, wait_for_commit, write
+from conftest import Cli, module_cluster, wait_for_commit, write
 
 pytestmark = pytest.mark.e2e
 
 # Steps are fast on this tiny model: `steps` sets how long a run lasts after its drill recovered.
 RUN = """\
-name: drill
+name: {name}
 model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
 data: {{max_bytes: 200000}}
 batch_size: 8
@@ -33,13 +34,30 @@ preemption: {{grace_s: 20}}
 """
 
 
-def start(cli: Cli, *, steps: int = 300, env: dict[str, str] | None = None) -> FileStore:
-    """`up` a 2-node cluster and start the run detached; return its store once step 10 committed."""
-    run = write(cli.cwd / "run.yaml", RUN.format(steps=steps))
-    cli("up")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    with module_cluster(tmp_path_factory, "drill") as cli:
+        yield cli
+
+
+@pytest.fixture
+def cluster(shared: Cli) -> Iterator[Cli]:
+    """The module's 2-node cluster on a file:// store: each test trains a run of its own name on
+    it, and no process of that run outlives the test."""
+    yield shared
+    cluster_dir = shared.home / "local"
+    # A test that leaves its run going (or fails midway) must not leave it to the next test.
+    for run in proc.running_runs(cluster_dir):
+        proc.kill(proc.find(cluster_dir, run=run))
+        assert proc.wait_gone(cluster_dir, run=run, timeout=30) == [], run
+
+
+def start(cli: Cli, name: str, *, steps: int = 300, env: dict[str, str] | None = None) -> FileStore:
+    """Start run ``name`` detached on the module's cluster; return its store once step 10 committed."""
+    run = write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps))
     cli("train", str(run), "--detach", env=env)
     store = FileStore(cli.home / "local" / "store")
-    wait_for_commit(store, "drill", at_least=10, timeout=120)
+    wait_for_commit(store, name, at_least=10, timeout=120)
     return store
 
 
@@ -54,129 +72,121 @@ def assert_recovered(result: dict[str, Any], store: FileStore, *, world_after: i
     assert result["world_size_at_fault"] == 2 and result["world_size_after"] == world_after, result
     assert 0 < result["restart_s"] and (result["detect_s"] is None or result["detect_s"] <= result["restart_s"])
     assert result["final_committed"] and result["final_step"] == result["steps"]
-    assert runstore.latest_committed_step(store, "drill") == result["steps"]
-    assert json.loads(store.get_bytes(runstore.drill_key("drill", result["drill_id"]))) == result
+    run = result["run_id"]
+    assert runstore.latest_committed_step(store, run) == result["steps"]
+    assert json.loads(store.get_bytes(runstore.drill_key(run, result["drill_id"]))) == result
 
 
-def teardown(cli: Cli) -> None:
-    cli("teardown", "--yes")
-    assert proc.find(cli.home / "local") == []
-
-
-def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cli: Cli) -> None:
-    # Long enough that the run is still going when node-0 rejoins, about 15 s after the resume.
-    run = write(cli.cwd / "run.yaml", RUN.format(steps=1500))
-    cli("up")
-    refused = cli("drill", "kill-node", expect=2)
+@pytest.mark.xdist_group("drill")
+def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
+    refused = cluster("drill", "kill-node", expect=2)
     assert "no run is running on cluster 'local'" in refused.stderr
-    cli("train", str(run), "--detach")
-    store = FileStore(cli.home / "local" / "store")
-    wait_for_commit(store, "drill", at_least=10, timeout=120)
-    refused = cli("drill", "kill-node", "--node", "node-7", expect=2)
+    # Long enough that the run is still going when node-0 rejoins, about 15 s after the resume.
+    store = start(cluster, "kill0", steps=1500)
+    refused = cluster("drill", "kill-node", "--node", "node-7", expect=2)
     assert "--node: no node 'node-7' in cluster 'local'" in refused.stderr
-    refused = cli("drill", "store-outage", "--node", "node-0", expect=2)
+    refused = cluster("drill", "store-outage", "--node", "node-0", expect=2)
     assert "No such option: --node" in refused.stderr  # the store is the fault, not a node
-    refused = cli("drill", "kill-node", "--repeat", "5", expect=2)
+    refused = cluster("drill", "kill-node", "--repeat", "5", expect=2)
     assert "--repeat: 5 drills need max_restarts >= 5" in refused.stderr
 
-    result = drill_json(cli, "kill-node", "--node", "node-0", "--no-wait")
+    result = drill_json(cluster, "kill-node", "--node", "node-0", "--no-wait")
     assert result["outcome"] == "recovered", result
     assert result["node"] == "node-0" and result["survivors"] == ["node-1"]
     assert result["resumed_correctly"] and result["resumed_from_step"] >= 10, result
     assert result["world_size_at_fault"] == 2 and result["world_size_after"] == 1
     assert result["lost_work_steps"] == result["step_at_fault"] - result["resumed_from_step"] >= 0
     assert 0 < result["detect_s"] <= result["restart_s"]
-    assert json.loads(store.get_bytes(runstore.drill_key("drill", result["drill_id"]))) == result
-    assert proc.find(cli.home / "local", node="node-0") == []
+    assert json.loads(store.get_bytes(runstore.drill_key("kill0", result["drill_id"]))) == result
+    assert proc.find(cluster.home / "local", node="node-0", run="kill0") == []
 
     # The operator brings node-0 back: the run grows to 2 nodes again and finishes there.
     rejoined = time.time()
-    joined = json.loads(cli("rejoin", "node-0", "--json").stdout)
+    joined = json.loads(cluster("rejoin", "node-0", "--json").stdout)
     assert joined["node"] == "node-0" and joined["rejoins"] == 1 and joined["budget"] == 3
-    wait_for_commit(store, "drill", at_least=1500, timeout=300)
-    after = [r for r in runstore.read_metrics(store, "drill") if r["time"] > rejoined]
+    wait_for_commit(store, "kill0", at_least=1500, timeout=300)
+    after = [r for r in runstore.read_metrics(store, "kill0") if r["time"] > rejoined]
     assert after and after[-1]["world_size"] == 2 and after[-1]["step"] == 1500
-    teardown(cli)
 
 
-def test_kill_node_1_twice_with_a_rejoin_between(cli: Cli) -> None:
-    store = start(cli, steps=700)
-    summary = drill_json(cli, "kill-node", "--node", "node-1", "--repeat", "2")
+@pytest.mark.xdist_group("drill")
+def test_kill_node_1_twice_with_a_rejoin_between(cluster: Cli) -> None:
+    store = start(cluster, "twice", steps=700)
+    summary = drill_json(cluster, "kill-node", "--node", "node-1", "--repeat", "2")
     assert summary["drills"] == 2 and summary["succeeded"] == 2, summary
     first, second = summary["results"]
     # After the first kill node-1 rejoined and the world grew back to 2 before the second.
     assert first["rejoin_s"] > 0 and second["world_size_at_fault"] == 2
     assert summary["median_restart_s"] > 0 and summary["worst_restart_s"] >= summary["median_restart_s"]
     assert_recovered(second, store, world_after=1)
-    record = runstore.read_run_record(store, "drill")
+    record = runstore.read_run_record(store, "twice")
     assert record is not None and record.last_attempt is not None
     assert [r.node for r in record.last_attempt.rejoins] == ["node-1"]
-    teardown(cli)
 
 
-def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cli: Cli) -> None:
-    store = start(cli, steps=100_000)
-    assert "NODE: node 'node-1' is already running run 'drill'" in cli("rejoin", "node-1", expect=2).stderr
-    assert "NODE: no node 'node-9' in cluster 'local'" in cli("rejoin", "node-9", expect=2).stderr
+@pytest.mark.xdist_group("drill")
+def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cli) -> None:
+    store = start(cluster, "budget", steps=100_000)
+    assert "NODE: node 'node-1' is already running run 'budget'" in cluster("rejoin", "node-1", expect=2).stderr
+    assert "NODE: no node 'node-9' in cluster 'local'" in cluster("rejoin", "node-9", expect=2).stderr
     # The budget lives in the run record in the store, not in any process: a node that already
     # rejoined this attempt max_restarts (3) times is refused, whoever asks.
-    record = runstore.read_run_record(store, "drill")
+    record = runstore.read_run_record(store, "budget")
     assert record is not None and record.last_attempt is not None
     record.last_attempt.rejoins = [runstore.Rejoin(node="node-1", time=0.0, pid=0)] * 3
     runstore.write_run_record(store, record)
-    proc.kill(proc.find(cli.home / "local", node="node-1"))
-    assert proc.wait_gone(cli.home / "local", node="node-1", timeout=30) == []
-    refused = cli("rejoin", "node-1", expect=2).stderr
-    assert "node 'node-1' has already rejoined attempt 1 of run 'drill' 3 time(s) (max_restarts: 3)" in refused
-    teardown(cli)
+    proc.kill(proc.find(cluster.home / "local", node="node-1", run="budget"))
+    assert proc.wait_gone(cluster.home / "local", node="node-1", run="budget", timeout=30) == []
+    refused = cluster("rejoin", "node-1", expect=2).stderr
+    assert "node 'node-1' has already rejoined attempt 1 of run 'budget' 3 time(s) (max_restarts: 3)" in refused
 
 
-def test_hung_node_is_detected_and_the_run_completes(cli: Cli) -> None:
-    store = start(cli)
-    result = drill_json(cli, "hang-node", "--node", "node-1")
+@pytest.mark.xdist_group("drill")
+def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
+    store = start(cluster, "hang")
+    result = drill_json(cluster, "hang-node", "--node", "node-1")
     assert result["fault"]["signal"] == "SIGSTOP"
     assert_recovered(result, store, world_after=result["world_size_after"])
     assert result["world_size_after"] in (1, 2)
-    teardown(cli)
 
 
-def test_preemption_commits_an_emergency_checkpoint_that_the_survivor_resumes_from(cli: Cli) -> None:
-    store = start(cli)
-    result = drill_json(cli, "preempt", "--node", "node-1")
+@pytest.mark.xdist_group("drill")
+def test_preemption_commits_an_emergency_checkpoint_that_the_survivor_resumes_from(cluster: Cli) -> None:
+    store = start(cluster, "preempt")
+    result = drill_json(cluster, "preempt", "--node", "node-1")
     assert result["emergency_checkpoint_step"] is not None, result
     assert result["emergency_checkpoint_s"] < 20  # within preemption.grace_s
     assert result["resumed_from_step"] == result["emergency_checkpoint_step"]
     assert_recovered(result, store, world_after=1)
-    teardown(cli)
 
 
-def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cli: Cli) -> None:
-    store = start(cli, steps=500)
-    result = drill_json(cli, "store-outage", "--seconds", "4")
+@pytest.mark.xdist_group("drill")
+def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cluster: Cli) -> None:
+    store = start(cluster, "outage", steps=500)
+    result = drill_json(cluster, "store-outage", "--seconds", "4")
     assert result["outcome"] == "recovered" and result["final_committed"], result
     assert result["restart_s"] >= 4  # the first commit after the fault came once the store was back
     assert not any(p.name.startswith("store.outage-") for p in store.root.parent.iterdir())
-    records = runstore.read_metrics(store, "drill")
+    records = runstore.read_metrics(store, "outage")
     assert [r["step"] for r in records] == list(range(1, 501))  # nothing lost while the store was down
     # Training went on through the outage: no worker restarted.
     assert {r["restart_count"] for r in records} == {0} and {r["world_size"] for r in records} == {2}
-    teardown(cli)
 
 
-def test_kill_during_checkpoint_never_loads_the_partial_step(cli: Cli) -> None:
+@pytest.mark.xdist_group("drill")
+def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> None:
     # The knob holds every save between upload and commit, so the drill finds one in flight.
-    store = start(cli, env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "4"})
-    result = drill_json(cli, "kill-during-checkpoint", "--node", "node-1")
+    store = start(cluster, "partial", env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "4"})
+    result = drill_json(cluster, "kill-during-checkpoint", "--node", "node-1")
     partial = result["fault"]["partial_step"]
     assert partial > result["last_committed_step"] >= 10
     assert result["resumed_from_step"] != partial and not result["fault"]["partial_step_committed"]
     assert_recovered(result, store, world_after=1)
-    teardown(cli)
 
 
 def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cli, s3_store_uri: str) -> None:
     cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
-    run = write(cli.cwd / "run.yaml", RUN.format(steps=400))
+    run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=400))
     store = open_store(s3_store_uri)
     cli("up", "-c", str(cluster))
     cli("train", str(run), "-c", "s3c", "--detach")
