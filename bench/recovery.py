@@ -11,7 +11,11 @@ recovered from the last committed step, the median and worst restart_s (fault ->
 completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again), and one line per
 other kind.
 
-    python bench/recovery.py [--drills 20] [--json results.json]    (--drills 1: the CI smoke test)
+    python bench/recovery.py [--drills 20] [--kinds KIND,...] [--json results.json]
+
+--kinds picks the other kinds (default: all four; ``none`` for the kill-node series alone). The CI
+smoke test runs ``--drills 1 --kinds preempt,store-outage``: every kind is a test of its own in
+tests/test_drill.py.
 
 Not a test: it asserts nothing. The numbers depend on the machine and its load.
 """
@@ -84,10 +88,10 @@ def _whole_again(home: Path) -> None:
         time.sleep(1)
 
 
-def _other_kinds(home: Path, results: list[dict[str, Any]]) -> None:
-    """One drill of each other kind on the whole world, node-1 rejoining after any that removed
+def _other_kinds(home: Path, kinds: list[str], results: list[dict[str, Any]]) -> None:
+    """One drill of each of ``kinds`` on the whole world, node-1 rejoining after any that removed
     it; each result is appended to ``results`` as soon as it is in."""
-    for kind in OTHER_KINDS:
+    for kind in kinds:
         _whole_again(home)
         target = ["--seconds", "10"] if kind == "store-outage" else ["--node", "node-1"]
         results.append(json.loads(_infractl(home, "drill", kind, *target, "--no-wait", "--json", timeout=900).stdout))
@@ -113,12 +117,12 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
     }
 
 
-def measure(drills: int) -> dict[str, Any]:
+def measure(drills: int, kinds: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
         home = Path(tmp) / ".infractl"
         run = Path(tmp) / "run.yaml"
         # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
-        run.write_text(RUN.format(budget=drills + len(OTHER_KINDS) + 1))
+        run.write_text(RUN.format(budget=drills + len(kinds) + 1))
         _infractl(home, "up", timeout=600)
         try:
             _infractl(home, "train", str(run), "--detach", timeout=300)
@@ -129,7 +133,7 @@ def measure(drills: int) -> dict[str, Any]:
             others: list[dict[str, Any]] = []
             others_error = None
             try:
-                _other_kinds(home, others)
+                _other_kinds(home, kinds, others)
             except SystemExit as exc:  # keep the figures so far if a later drill cannot run
                 others_error = str(exc)
         finally:
@@ -176,11 +180,20 @@ def measure(drills: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drills", type=int, default=20, help="kill-node drills in the series (default 20)")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(OTHER_KINDS),
+        help=f"the other kinds, one drill each, comma-separated, or none (default {','.join(OTHER_KINDS)})",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.drills < 1:
         parser.error("--drills: at least 1")
-    report = measure(args.drills)
+    kinds = [] if args.kinds == "none" else [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(OTHER_KINDS))
+    if unknown:
+        parser.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(OTHER_KINDS)}, or none)")
+    report = measure(args.drills, kinds)
     print(
         f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
         f"(resumed from the last committed step: {report['resumed_from_last_committed']})"
