@@ -319,5 +319,8 @@ def _source(value: object) -> str | None:
     return json.dumps(value)
 
 
+@functools.cache
 def _read_json(name: str) -> Any:
+    """A table of infra/aws, read once per process (validation looks types up per node group);
+    callers only read it."""
     return json.loads((infra.module_dir("aws") / name).read_text())
