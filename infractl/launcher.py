@@ -155,7 +155,7 @@ def torchrun_argv(
     trainer_args: Sequence[str] = (),
 ) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", proc.AGENT_MODULE,  # torchrun, see trainer/agent.py
         f"--nnodes={min(spec.nodes.min, nnodes)}:{nnodes}",
         f"--nproc-per-node={processes}",
         "--rdzv-backend=c10d",

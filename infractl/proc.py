@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 
 __all__ = [
+    "AGENT_MODULE",
     "CLUSTER_ENV",
     "NODE_ENV",
     "RUN_ENV",
@@ -35,6 +36,8 @@ __all__ = [
 CLUSTER_ENV = "INFRACTL_CLUSTER_DIR"
 NODE_ENV = "INFRACTL_NODE"
 RUN_ENV = "INFRACTL_RUN"
+#: The module a node's elastic agent runs (``python -m trainer.agent``): tells agents from workers.
+AGENT_MODULE = "trainer.agent"
 
 
 def run(argv: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:

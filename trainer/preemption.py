@@ -3,8 +3,9 @@ rank to save an emergency checkpoint and exit.
 
 torchrun's agent, on SIGTERM, forwards it to its workers and SIGKILLs them after its
 ``--shutdown-timeout`` (the launcher passes ``preemption.grace_s``). An agent restarting its
-workers (a peer failed, a node joined) SIGTERMs them too, with 30 s before SIGKILL: they then
-save the step they reached as well, which costs little and loses nothing. The handler only records
+workers (a peer failed, a node joined) SIGTERMs them too, with 30 s before SIGKILL (a stopped
+worker is SIGKILLed at once, see ``trainer.agent``): they then save the step they reached as well,
+which costs little and loses nothing. The handler only records
 the notice: the training loop tells every rank about it in the next log step's all-reduce (see
 ``Trainer.train``; at most ``log_every`` steps later), so all ranks save the same step together,
 without a collective of their own.

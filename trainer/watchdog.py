@@ -11,9 +11,10 @@ How a hang ends, on torch 2.13 (checked with gloo):
   default group's timeout is half the step timeout (``Trainer._warmed_up``), so they raise
   before their own deadline, exit non-zero, and their agent restarts its workers. An agent
   that restarts stops its timer server and SIGTERMs its workers, then SIGKILLs them after 30 s
-  (hard-coded in LocalElasticAgent._stop_workers): a stopped or deadlocked worker on that node
-  dies then, not at its deadline. Agents on other nodes see the new rendezvous round and do
-  the same. Every node comes back and the run resumes from the last committed step.
+  (hard-coded in LocalElasticAgent._stop_workers); ours (``trainer.agent``) SIGKILLs a stopped
+  worker at once, and a worker stuck in a collective exits when the collective times out.
+  Agents on other nodes see the new rendezvous round and do the same. Every node comes back
+  and the run resumes from the last committed step.
 - If the hung rank's deadline expires first (no peer noticed: a job of one rank, or every
   rank stuck), the timer server SIGKILLs it (nothing else ends a stopped process) and then,
   after reaping, kills its own process, the agent, with the same signal. That node is lost

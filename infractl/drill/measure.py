@@ -103,7 +103,7 @@ def workers(procs: list[psutil.Process]) -> list[psutil.Process]:
 
     def is_agent(p: psutil.Process) -> bool:
         try:
-            return "torch.distributed.run" in p.cmdline()
+            return proc.AGENT_MODULE in p.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return True  # gone: not a worker to watch
 
