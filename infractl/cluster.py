@@ -13,7 +13,7 @@ from typing import Any
 
 from infractl import __version__, configure, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.errors import ConfigError, InfractlError
 from infractl.handover import access
 from infractl.output import Output
 from infractl.state import ClusterState
@@ -31,7 +31,6 @@ __all__ = [
 ]
 
 RENDEZVOUS_NODE = "rendezvous"
-RENDEZVOUS_HOST = "127.0.0.1"
 # `up` names the changed tasks when there are this few (a re-run that should change nothing did).
 _NAMED_CHANGES = 4
 
@@ -70,9 +69,9 @@ def store_for(state: ClusterState) -> Store:
     return open_store(state.read()["store"], field="cluster.store", interactive=True)
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind((RENDEZVOUS_HOST, 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -82,27 +81,27 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def ensure_rendezvous(state: ClusterState, previous: dict[str, Any] | None) -> tuple[int, bool]:
-    """Keep the cluster's rendezvous server running on its recorded port (a new one for a new
-    cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
+def ensure_rendezvous(state: ClusterState, host: str, previous: dict[str, Any] | None) -> tuple[int, bool]:
+    """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
+    a new cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
     machine comes back before the agents need it."""
-    port = int(previous["rendezvous"]["port"]) if previous else _free_port()
-    if proc.find(state.dir, node=RENDEZVOUS_NODE) and _port_open(RENDEZVOUS_HOST, port):
+    port = int(previous["rendezvous"]["port"]) if previous else _free_port(host)
+    if proc.find(state.dir, node=RENDEZVOUS_NODE) and _port_open(host, port):
         return port, False
-    if _port_open(RENDEZVOUS_HOST, port):
+    if _port_open(host, port):
         raise InfractlError(
-            f"the rendezvous port {RENDEZVOUS_HOST}:{port} of cluster {state.name!r} is taken by "
+            f"the rendezvous port {host}:{port} of cluster {state.name!r} is taken by "
             "another process; stop it, or run `infractl teardown` and `infractl up`"
         )
     env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: RENDEZVOUS_NODE}
     child = proc.spawn(
-        [sys.executable, "-m", "infractl.rendezvous", "--host", RENDEZVOUS_HOST, "--port", str(port)],
+        [sys.executable, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)],
         env=env,
         cwd=state.dir,
         log_path=state.dir / "rendezvous.log",
     )
     deadline = time.monotonic() + 60
-    while not _port_open(RENDEZVOUS_HOST, port):
+    while not _port_open(host, port):
         if child.poll() is not None or time.monotonic() > deadline:
             raise InfractlError(f"the rendezvous server did not start; see {state.dir / 'rendezvous.log'}")
         time.sleep(0.2)
@@ -114,12 +113,7 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
     the store can be reached and written (a new cluster's store: or created by ``up``). The store
     of a cluster that is up must still be there: a vanished store held the cluster's checkpoints,
     and an empty one in its place would hide that."""
-    if spec.provider == "aws":
-        raise UsageError(
-            "provider aws: `infractl up` plans only (`--dry-run`) in this version: provisioning through the "
-            "S3-backed Terraform root module and configuring GPU nodes over Session Manager are not wired yet",
-            field="provider",
-        )
+    providers.get(spec.provider).preflight(spec, state)
     uri = store_uri(state, spec)
     store = open_store(uri, field="cluster.store")
     previous = state.read() if state.is_up() else None
@@ -144,20 +138,20 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     store.ensure()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
-    applied = infra.apply(
-        state.terraform_dir, infra.module_dir(spec.provider), providers.get(spec.provider).variables(spec, state)
-    )
+    provider = providers.get(spec.provider)
+    applied = infra.apply(state.terraform_dir, infra.module_dir(spec.provider), provider.variables(spec, state))
     out.info(f"terraform: {applied.summary}")
 
-    port, started = ensure_rendezvous(state, previous)
-    out.info(f"rendezvous: {RENDEZVOUS_HOST}:{port} ({'started' if started else 'already running'})")
+    host = provider.rendezvous_host(spec, state)
+    port, started = ensure_rendezvous(state, host, previous)
+    out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
     out.info("ansible: configuring nodes (base, access, runtime, network, health gate)…")
     configured = configure.configure(
         state.dir,
         applied.nodes,
         runtime=spec.runtime,
-        rendezvous=(RENDEZVOUS_HOST, port),
+        rendezvous=(host, port),
         nonce=secrets.token_hex(4),
         access=access.node_vars(state, access.load_members(state)),
     )
@@ -171,11 +165,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
             "spec": spec.model_dump(mode="json"),
             "store": uri,
             "infractl_version": __version__,
-            "rendezvous": {"host": RENDEZVOUS_HOST, "port": port},
-            "nodes": [
-                {"name": n.name, "address": n.address, "workdir": str(n.workdir), "processes": n.processes}
-                for n in applied.nodes
-            ],
+            "rendezvous": {"host": host, "port": port},
+            "nodes": [n.record() for n in applied.nodes],
         }
     )
     return UpResult(
@@ -183,7 +174,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in applied.nodes],
         terraform=applied.summary,
         terraform_changed=applied.changed,
-        rendezvous=f"{RENDEZVOUS_HOST}:{port}",
+        rendezvous=f"{host}:{port}",
         rendezvous_started=started,
         ansible_changed=configured.changed,
         health=configured.health,
@@ -214,9 +205,9 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
             f"terraform destroy left {len(leftovers)} resource(s) of cluster {state.name!r} behind: "
             f"{'; '.join(leftovers)}; remove them (they cost money and nothing manages them), then run teardown again"
         )
-    if record["spec"]["provider"] == "local":
-        # The access role's groups live on the nodes; the local provider's nodes are this machine.
-        # (A real node's groups go with the machine.)
+    if record["spec"]["provider"] in ("local", "netns"):
+        # The access role's groups live on the nodes; these providers' nodes share this machine's
+        # accounts. (A real node's groups go with the machine.)
         access.remove_groups(state)
 
     purged: list[str] = []

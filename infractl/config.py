@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import stat
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from infractl.errors import ConfigError
 
 __all__ = [
     "AwsSpec",
+    "NetnsSpec",
     "NodeGroup",
     "ClusterSpec",
     "RuntimeSpec",
@@ -142,15 +144,41 @@ class AwsSpec(_Spec):
         return self
 
 
+class NetnsSpec(_Spec):
+    """The `netns` provider's settings (infra/netns's variables; its README describes them)."""
+
+    subnet: str | None = Field(
+        None,
+        description=(
+            "Private IPv4 /24 of the cluster's bridge, e.g. 10.213.7.0/24: the host side is .1 (the rendezvous "
+            "endpoint), node i is .(i+2). Default: one of 10.200.0.0/13 picked from the cluster's state directory."
+        ),
+    )
+
+    @field_validator("subnet")
+    @classmethod
+    def _private_slash_24(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            network = ipaddress.IPv4Network(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv4 network in CIDR form (e.g. 10.213.7.0/24)") from None
+        if network.prefixlen != 24 or not network.is_private:
+            raise ValueError(f"{value!r} must be a private /24 (10.x.y.0/24, 172.16-31.x.0/24 or 192.168.x.0/24)")
+        return str(network)
+
+
 class ClusterSpec(_Spec):
     """cluster.yaml: where training runs."""
 
     name: Name = Field("local", description="Cluster name; state lives in .infractl/<name>/.")
-    provider: Literal["local", "aws"] = Field(
+    provider: Literal["local", "netns", "aws"] = Field(
         "local",
         description=(
-            "Infrastructure provider. `local`: nodes are process trees on this machine. `aws`: GPU instances "
-            "(infra/aws), configured by Ansible, training in the pinned container image."
+            "Infrastructure provider. `local`: nodes are process trees on this machine. `netns`: nodes are network "
+            "namespaces on this machine, each with its own address on a bridge and its own sshd (Linux, root). "
+            "`aws`: GPU instances (infra/aws), configured by Ansible, training in the pinned container image."
         ),
     )
     nodes: int = Field(2, ge=1, le=64, description="Number of training nodes (on aws: the node groups' sum).")
@@ -161,11 +189,12 @@ class ClusterSpec(_Spec):
         None,
         description=(
             "Object store URI for checkpoints and metrics (file:///abs/path, s3://bucket/prefix). "
-            "Default on local: .infractl/<name>/store; aws needs an s3:// store."
+            "Default on local and netns: .infractl/<name>/store; aws needs an s3:// store."
         ),
     )
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec, description="Pinned runtime checked on every node.")
     aws: AwsSpec | None = Field(None, description="The `aws` provider's settings; only with provider: aws.")
+    netns: NetnsSpec | None = Field(None, description="The `netns` provider's settings; only with provider: netns.")
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +212,8 @@ class ClusterSpec(_Spec):
 
     @model_validator(mode="after")
     def _provider_settings(self) -> ClusterSpec:
+        if self.netns is not None and self.provider != "netns":
+            raise _field_error("netns", f"is for provider: netns (provider is {self.provider})")
         if self.provider != "aws":
             if self.aws is not None:
                 raise _field_error("aws", f"is for provider: aws (provider is {self.provider})")

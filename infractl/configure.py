@@ -17,7 +17,14 @@ from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.infra import Node
 
-__all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
+__all__ = [
+    "AccessResult",
+    "ConfigureResult",
+    "apply_access",
+    "configure",
+    "network_env",
+    "playbook_dir",
+]
 
 _PLAYBOOK = "site.yml"
 _ACCESS_PLAYBOOK = "access.yml"
@@ -164,8 +171,8 @@ def _inventory(state_dir: Path, nodes: list[Node]) -> dict[str, Any]:
         "all": {
             "hosts": {
                 node.name: {
-                    "ansible_connection": "local",
-                    # Nodes run the controller's own environment on the local provider.
+                    **_connection(node),
+                    # Nodes run the controller's own environment: local and netns nodes share its filesystem.
                     "ansible_python_interpreter": sys.executable,
                     "node_workdir": str(node.workdir),
                     "node_workdir_parents": _parents_in(state_dir, node.workdir),
@@ -175,6 +182,19 @@ def _inventory(state_dir: Path, nodes: list[Node]) -> dict[str, Any]:
                 for index, node in enumerate(nodes)
             }
         }
+    }
+
+
+def _connection(node: Node) -> dict[str, Any]:
+    """How Ansible reaches ``node``: directly (local) or over SSH, trusting only its pinned host key."""
+    if node.ssh is None:
+        return {"ansible_connection": "local"}
+    return {
+        "ansible_connection": "ssh",
+        "ansible_host": node.address,
+        "ansible_user": node.ssh.user,
+        "ansible_ssh_private_key_file": str(node.ssh.identity_file),
+        "ansible_ssh_common_args": " ".join(node.ssh.options()),
     }
 
 
@@ -195,7 +215,8 @@ def _environment(data_dir: Path) -> dict[str, str]:
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_LOCAL_TEMP": str(data_dir / "tmp"),
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
-        "ANSIBLE_HOST_KEY_CHECKING": "False",
+        # SSH nodes (netns) pin their host keys (see SshLogin.options); local nodes have none to check.
+        "ANSIBLE_HOST_KEY_CHECKING": "True",
     }
 
 

@@ -7,14 +7,14 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import infractl
 from infractl.errors import InfraError
 
-__all__ = ["Node", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
+__all__ = ["Node", "SshLogin", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
 
 _ROOT_MODULE = "main.tf.json"
 _PLAN_FILE = "tfplan"
@@ -27,8 +27,36 @@ _lock = threading.Lock()
 
 
 @dataclass(frozen=True)
+class SshLogin:
+    """How to log in to a node's sshd: as ``user`` with the private key ``identity_file``,
+    accepting only the host key pinned in ``known_hosts``."""
+
+    user: str
+    identity_file: Path
+    known_hosts: Path
+
+    def options(self) -> list[str]:
+        """``ssh`` options: the host key must match the pinned one (never accepted on first use), only
+        the cluster's key is offered, and nothing prompts."""
+        return [
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", f"IdentityFile={self.identity_file}",
+            "-o", "IdentitiesOnly=yes",
+            "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10",
+        ]  # fmt: skip
+
+    def argv(self, address: str, command: str) -> list[str]:
+        """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``."""
+        return ["ssh", *self.options(), "-l", self.user, address, command]
+
+
+@dataclass(frozen=True)
 class Node:
-    """One provisioned node, as the module's ``inventory`` output describes it."""
+    """One provisioned node, as the module's ``inventory`` output describes it (and the cluster's
+    state file records it: :meth:`record`, :meth:`from_record`)."""
 
     name: str
     """``node-<index>``; the index is the node's rank in the health check."""
@@ -38,6 +66,36 @@ class Node:
     """Absolute path of the node's work directory."""
     processes: int
     """Training processes (ranks) the node runs."""
+    namespace: str | None = None
+    """The node's network namespace (netns provider)."""
+    ssh: SshLogin | None = None
+    """None: the node is this machine, reached without a login (local provider)."""
+
+    @classmethod
+    def from_record(cls, item: dict[str, Any]) -> Node:
+        ssh = item.get("ssh")
+        return cls(
+            name=item["name"],
+            address=item["address"],
+            workdir=Path(item["workdir"]),
+            processes=int(item["processes"]),
+            namespace=item.get("namespace"),
+            ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"])) if ssh else None,
+        )
+
+    def record(self) -> dict[str, Any]:
+        """The node as JSON, without the fields its provider does not use."""
+        item: dict[str, Any] = {
+            "name": self.name,
+            "address": self.address,
+            "workdir": str(self.workdir),
+            "processes": self.processes,
+        }
+        if self.namespace is not None:
+            item["namespace"] = self.namespace
+        if self.ssh is not None:
+            item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items()}
+        return item
 
 
 @dataclass(frozen=True)
@@ -149,15 +207,7 @@ def _read_nodes(tf: Any) -> list[Node]:
     result = tf.output()
     _check(result, "output")
     inventory = (result.value or {}).get("inventory", {}).get("value") or []
-    return [
-        Node(
-            name=item["name"],
-            address=item["address"],
-            workdir=Path(item["workdir"]),
-            processes=int(item["processes"]),
-        )
-        for item in inventory
-    ]
+    return [Node.from_record(item) for item in inventory]
 
 
 def _root_module(module: Path, variables: dict[str, object]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ node; and ``infractl rejoin``. Following a run is the CLI's (it only reads the s
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shlex
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ from infractl.config import RunSpec, check_batch_splits
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
+from infractl.infra import Node
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState, write_private
@@ -38,10 +41,13 @@ __all__ = [
 ]
 
 # Rendezvous timing (seconds): how long survivors wait for more nodes once nodes.min joined, and
-# the keep-alive interval by which a dead node is noticed. Agents of one launch start within
-# milliseconds of each other, so a short last call still gathers every node at the start.
-_LAST_CALL_S = 5
+# the keep-alive interval by which a dead node is noticed. Agents of one launch start within a
+# second of each other, so a short last call still gathers every node at the start; every second
+# of it is a second of every restart after a node is lost.
+_LAST_CALL_S = 3
 _KEEP_ALIVE_S = 2
+# Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
+_SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass
@@ -149,6 +155,7 @@ def torchrun_argv(
     processes: int,
     rendezvous: str,
     rdzv_id: str,
+    local_addr: str,
     spec_path: Path,
     store_uri: str,
     workdir: Path,
@@ -167,6 +174,9 @@ def torchrun_argv(
         # interval x attempts (default 15 s). Both defaults dominate recovery time.
         f"--rdzv-conf=is_host=false,last_call_timeout={_LAST_CALL_S},"
         f"keep_alive_interval={_KEEP_ALIVE_S},keep_alive_max_attempt=3",
+        # The address this node's peers reach it at: the rank-0 node's becomes the workers'
+        # MASTER_ADDR (by default its host name, which a netns node shares with the host).
+        f"--local-addr={local_addr}",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=1",
         # SIGTERM to the agent (a preemption notice) reaches the workers, which save an emergency
@@ -220,7 +230,7 @@ def launch(
 ) -> Launch:
     """Record the attempt in the store, then start one torchrun agent per node. ``trainer_args``
     go to every rank's ``trainer.train`` (``plan --measure`` asks it for a memory probe)."""
-    ensure_rendezvous(state, plan.cluster)
+    ensure_rendezvous(state, plan.cluster["rendezvous"]["host"], plan.cluster)
     number = len(plan.record.attempts) + 1
     # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
     # earlier run of the same name, say before `--new`) can never be joined again.
@@ -317,21 +327,44 @@ def _start_agent(
     log_path = node_log(node, spec.name)
     with log_path.open("a") as log:
         log.write(f"=== infractl: attempt {attempt} of run {spec.name} on {node['name']}{note} ===\n")
+    argv = torchrun_argv(
+        spec,
+        nnodes=nnodes,
+        processes=int(node["processes"]),
+        rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
+        rdzv_id=rdzv_id,
+        local_addr=node["address"],
+        spec_path=spec_path,
+        store_uri=store.uri,
+        workdir=workdir,
+        trainer_args=trainer_args,
+    )
+    env = _node_env(state, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"])
+    login = Node.from_record(node).ssh
+    if login is None:
+        return proc.spawn(argv, env=env, cwd=workdir, log_path=log_path)
     return proc.spawn(
-        torchrun_argv(
-            spec,
-            nnodes=nnodes,
-            processes=int(node["processes"]),
-            rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
-            rdzv_id=rdzv_id,
-            spec_path=spec_path,
-            store_uri=store.uri,
-            workdir=workdir,
-            trainer_args=trainer_args,
-        ),
-        env=_node_env(state, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"]),
+        login.argv(node["address"], _remote_command(argv, env, workdir, spec.name, log_path)),
+        env={k: v for k, v in os.environ.items() if k not in (proc.CLUSTER_ENV, proc.NODE_ENV, proc.RUN_ENV)},
         cwd=workdir,
         log_path=log_path,
+    )
+
+
+def _remote_command(argv: list[str], env: dict[str, str], workdir: Path, run_id: str, log_path: Path) -> str:
+    """The shell command that starts the agent on an SSH node (netns): sshd gives a session a clean
+    environment, so the agent's comes from a 0600 file in the node's work directory (never on a
+    command line, where every user could read its secrets). The agent writes its log itself: a
+    link that goes down must not stall it on a full SSH channel.
+
+    The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
+    node as it follows a local one; it carries none of the markers, so a node whose link is cut
+    counts as stopped once its agent has exited, whatever the client waits for."""
+    env_file = workdir / "runs" / run_id / "agent.env"
+    write_private(env_file, "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if _SHELL_NAME.match(k)))
+    return (
+        f"set -a && . {shlex.quote(str(env_file))} && set +a && cd {shlex.quote(str(workdir))} && "
+        f"exec {shlex.join(argv)} >>{shlex.quote(str(log_path))} 2>&1 </dev/null"
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -48,6 +49,12 @@ class ClusterState:
 
     name: str
     dir: Path
+
+    @property
+    def short_id(self) -> str:
+        """Six hex digits of a hash of the state directory's path: names what the cluster makes on this
+        machine (access groups, netns interfaces) so two clusters of one name never collide."""
+        return hashlib.sha256(str(self.dir.resolve()).encode()).hexdigest()[:6]
 
     @property
     def record_path(self) -> Path:

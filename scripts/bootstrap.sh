@@ -9,14 +9,23 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   -c "$repo/constraints.txt" -e "$repo[test]"
-# The access roles are POSIX ACLs on the nodes (the local provider's nodes are this machine):
-# setfacl and getfacl come from Debian's acl package.
-if ! command -v setfacl >/dev/null; then
+# Debian packages the tests and the providers need on this machine, installed when missing:
+# acl (setfacl: the access roles are POSIX ACLs on the nodes, and local nodes are this machine),
+# openssh-server and iproute2 (sshd and ip: the netns provider's nodes), util-linux (unshare).
+missing=""
+command -v setfacl >/dev/null || missing="$missing acl"
+[ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
+command -v ssh >/dev/null || missing="$missing openssh-client"
+command -v ip >/dev/null && command -v bridge >/dev/null || missing="$missing iproute2"
+command -v unshare >/dev/null || missing="$missing util-linux"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -qq acl >/dev/null || { apt-get update -qq && apt-get install -y -qq acl >/dev/null; }
+    # shellcheck disable=SC2086 # one word per package
+    apt-get install -y -qq --no-install-recommends $missing >/dev/null ||
+      { apt-get update -qq && apt-get install -y -qq --no-install-recommends $missing >/dev/null; }
   else
-    echo "bootstrap: setfacl not found: install the acl package as root (Debian: apt-get install acl)" >&2
+    echo "bootstrap: missing Debian packages:$missing; install them as root (apt-get install$missing)" >&2
     return 1
   fi
 fi

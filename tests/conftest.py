@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+import yaml
 from hypothesis import HealthCheck, settings
 
 from infractl import proc, runstore
@@ -84,17 +85,21 @@ def cli(tmp_path: Path) -> Cli:
 
 
 @contextlib.contextmanager
-def module_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, *, cwd: Path | None = None) -> Iterator[Cli]:
-    """For a module-scoped fixture: `infractl up` the default 2-node local cluster in a fresh
-    directory (or in ``cwd``), hand it to the module's tests, and tear it down (no process may
-    remain)."""
+def module_cluster(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *, cwd: Path | None = None, cluster_yaml: str | None = None
+) -> Iterator[Cli]:
+    """For a module-scoped fixture: `infractl up` the default 2-node local cluster (or the one
+    ``cluster_yaml`` describes, written to ``cluster.yaml``) in a fresh directory (or in ``cwd``),
+    hand it to the module's tests, and tear it down (no process may remain)."""
     cli = Cli(cwd or tmp_path_factory.mktemp(name))
-    cli("up")
+    cluster = ["-c", str(write(cli.cwd / "cluster.yaml", cluster_yaml))] if cluster_yaml else []
+    cluster_name = yaml.safe_load(cluster_yaml)["name"] if cluster_yaml else "local"
+    cli("up", *cluster)
     try:
         yield cli
     finally:
-        cli("teardown", "--yes")
-        assert proc.find(cli.home / "local") == []
+        cli("teardown", "--yes", "-c", cluster_name)
+        assert proc.find(cli.home / cluster_name) == []
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def test_constraints_come_from_the_schema(reference: str) -> None:
     assert row(run, "`data.val_fraction`")[3] == "at least 0; below 1"
     assert "pattern `^([0-9]{1,10}):([0-9]{1,10})$`" in row(run, "`profile.steps`")[3]
     assert row(run, "`model`")[1] == "section"
-    assert row(section(reference, "## cluster.yaml"), "`provider`")[3] == "one of `local`, `aws`"
+    assert row(section(reference, "## cluster.yaml"), "`provider`")[3] == "one of `local`, `netns`, `aws`"
 
 
 def commands(group: TyperGroup, path: tuple[str, ...] = ("infractl",)) -> Iterator[tuple[str, Any]]:

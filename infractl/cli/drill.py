@@ -10,6 +10,7 @@ import typer
 from infractl import drill as drills
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, finite_option, name_option, output
 from infractl.output import Output
+from infractl.providers import netns
 from infractl.runstore import DrillRecord
 from infractl.state import resolve_cluster
 
@@ -41,6 +42,16 @@ WaitOpt = Annotated[
     typer.Option(
         "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then."
     ),
+]
+LinkOpt = Annotated[
+    netns.LinkFault,
+    typer.Option(
+        "--kind",
+        help="down: the node's interface goes down; drop: its packets vanish silently; delay: netem adds --latency-ms.",
+    ),
+]
+LatencyOpt = Annotated[
+    int, typer.Option("--latency-ms", help="Latency --kind delay adds to the node's packets.", min=1, max=60_000)
 ]
 RepeatOpt = Annotated[
     int,
@@ -153,8 +164,44 @@ def _timed_command(kind: type[drills.Kind]) -> Callable[..., None]:
     return command
 
 
+def _link_command(kind: type[drills.Kind]) -> Callable[..., None]:
+    """A fault of a node's network link that lasts --seconds."""
+
+    def command(
+        node: NodeOpt = None,
+        seconds: SecondsOpt = 30.0,
+        link: LinkOpt = "down",
+        latency_ms: LatencyOpt = 500,
+        run: RunOpt = None,
+        cluster_opt: ClusterOpt = None,
+        timeout: TimeoutOpt = 600.0,
+        repeat: RepeatOpt = 1,
+        wait: WaitOpt = True,
+        json_mode: JsonOpt = False,
+    ) -> None:
+        _drill(
+            kind.name,
+            output(json_mode),
+            json_mode,
+            cluster_opt,
+            repeat,
+            node=node,
+            run=run,
+            seconds=seconds,
+            timeout=timeout,
+            wait_finish=wait,
+            options={"link": link, "latency_ms": latency_ms},
+        )
+
+    command.__doc__ = kind.help + " Then measure detection, restart, rejoin, lost work and completion."
+    return command
+
+
 for _kind in drills.KINDS.values():
-    app.command(_kind.name)((_node_command if _kind.targets_node else _timed_command)(_kind))
+    if _kind.targets_node and _kind.timed:
+        app.command(_kind.name)(_link_command(_kind))
+    else:
+        app.command(_kind.name)((_node_command if _kind.targets_node else _timed_command)(_kind))
 
 
 def register(parent: typer.Typer) -> None:

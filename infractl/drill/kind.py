@@ -48,8 +48,9 @@ class Drill:
     victims: list[psutil.Process]  # the target node's processes of the run
     deadline: float  # time.monotonic() by which the drill gives up
     timeout: float
-    seconds: float  # how long a timed fault lasts (store-outage)
+    seconds: float  # how long a timed fault lasts (store-outage, partition)
     progress: Progress
+    options: dict[str, Any] = field(default_factory=dict)  # the kind's own (partition: link, latency_ms)
     fault: dict[str, Any] = field(default_factory=dict)
     watched: list[psutil.Process] = field(default_factory=list)  # whose exit means the job noticed
 
@@ -66,11 +67,16 @@ class Kind:
 
     name: ClassVar[str]
     help: ClassVar[str]
-    #: The fault strikes a node (``--node``); else it strikes the store and lasts ``--seconds``.
+    #: The fault strikes a node (``--node``); else it strikes the store.
     targets_node: ClassVar[bool] = True
+    #: The fault lasts ``--seconds``, then the kind ends it itself (``tick``).
+    timed: ClassVar[bool] = False
     #: The struck node is out of the run afterwards: a series rejoins it before the next drill,
     #: and the run's nodes.min must allow it to leave.
     node_leaves: ClassVar[bool] = False
+    #: The drill brings the struck node back itself and records ``rejoin_s`` (a series has
+    #: nothing to rejoin between drills).
+    rejoins: ClassVar[bool] = False
 
     def prepare(self, drill: Drill) -> None:
         """Before the fault: validate and look up whatever the fault needs (may wait)."""
@@ -82,6 +88,9 @@ class Kind:
 
     def settle(self, drill: Drill) -> None:
         """Right after the fault, before watching (a killed node's processes are gone, say)."""
+
+    def tick(self, drill: Drill, record: DrillRecord) -> None:
+        """Called at every poll while watching: a timed fault ends here."""
 
     def holds_store(self, drill: Drill, record: DrillRecord) -> bool:
         """Called while watching: True while the store must not be polled (it is down)."""

@@ -151,6 +151,7 @@ def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psut
     recovered = False
     next_commits = next_metrics = 0.0
     while time.monotonic() < drill.deadline:
+        kind.tick(drill, record)
         holding = kind.holds_store(drill, record)
         if record.detect_s is None and watched and not all(alive(p) for p in watched):
             record.detect_s = round(time.time() - record.fault_time, 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from typing import Any
 
 from infractl import proc, runs, runstore
 from infractl.cluster import store_for
@@ -58,6 +59,7 @@ def run_drill(
     timeout: float = 600.0,
     wait_finish: bool = True,
     progress: Progress = lambda _msg: None,
+    options: dict[str, Any] | None = None,
 ) -> DrillRecord:
     """Inject one fault of ``kind_name`` into a running job, measure its recovery, record it in
     the store (``runs/<run>/drills/<id>.json``) and return the record."""
@@ -75,6 +77,7 @@ def run_drill(
         timeout=timeout,
         seconds=seconds,
         progress=progress,
+        options=options or {},
     )
     record = _strike(drill, kind)
     try:

@@ -55,6 +55,7 @@ def run_series(
     timeout: float = 600.0,
     wait_finish: bool = True,
     progress: Progress = lambda _msg: None,
+    options: dict[str, Any] | None = None,
 ) -> Series:
     """``repeat`` drills in a row on one run; a node a fault removed rejoins before the next one.
 
@@ -83,11 +84,12 @@ def run_series(
             timeout=timeout,
             wait_finish=last and wait_finish,
             progress=progress,
+            options=options,
         )
         series.results.append(record)
         if record.outcome != "recovered":
             break
-        if kind.node_leaves and not last:
+        if kind.node_leaves and not kind.rejoins and not last:
             store = store_for(state)
             _rejoin(state, store, record, timeout=timeout, progress=progress)
             runstore.write_drill_record(store, record)

@@ -23,7 +23,6 @@ groups.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -129,8 +128,7 @@ def _prefix(state: ClusterState) -> str:
     """``<cluster, 12 characters at most>-<6 hex>``: the hash is of the state directory, so two
     clusters of one name on one machine (the local provider) never share groups. With the
     longest role this stays within the 32 characters a group name may have."""
-    digest = hashlib.sha256(str(state.dir.resolve()).encode()).hexdigest()[:6]
-    return f"{state.name[:12].rstrip('-')}-{digest}"
+    return f"{state.name[:12].rstrip('-')}-{state.short_id}"
 
 
 def group_name(state: ClusterState, role: str) -> str:
@@ -255,7 +253,7 @@ class Change:
 
 
 def _nodes(state: ClusterState) -> list[Node]:
-    return [Node(n["name"], n["address"], Path(n["workdir"]), int(n["processes"])) for n in state.read()["nodes"]]
+    return [Node.from_record(n) for n in state.read()["nodes"]]
 
 
 def _check(user: str, role: str) -> None:

@@ -6,10 +6,15 @@ branch on the provider themselves:
 - ``dry_run(spec, state)``: what ``up`` would create (variables, resource addresses, hourly cost or
   None), computed offline and changing nothing;
 - ``leftovers(state, record)``: after ``terraform destroy``, what of the cluster still exists (empty
-  when teardown left nothing), one line each.
+  when teardown left nothing), one line each;
+- ``preflight(spec, state)``: what this machine must offer before ``up`` changes anything (a
+  ``UsageError`` or ``ConfigError`` naming the field otherwise);
+- ``rendezvous_host(spec, state)``: the address the cluster's rendezvous endpoint listens on,
+  reachable from every node.
 
-``local.py``: nodes are work directories and process trees on this machine. ``aws.py``: GPU
-instances (infra/aws), swept by the cluster's tag after destroy.
+``local.py``: nodes are work directories and process trees on this machine. ``netns.py``: nodes
+are network namespaces on this machine, each with its own address and sshd (infra/netns).
+``aws.py``: GPU instances (infra/aws), swept by the cluster's tag after destroy.
 """
 
 from __future__ import annotations
@@ -29,10 +34,15 @@ class Provider(Protocol):
 
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]: ...
 
+    def preflight(self, spec: ClusterSpec, state: ClusterState) -> None: ...
+
+    def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str: ...
+
 
 def get(name: str) -> Provider:
     """The module of provider ``name`` (one of ClusterSpec's ``provider`` values)."""
-    from infractl.providers import aws, local
+    from infractl.providers import aws, local, netns
 
-    modules: dict[str, Provider] = {"local": local, "aws": aws}  # mypy checks each module against Provider
+    # mypy checks each module against Provider.
+    modules: dict[str, Provider] = {"local": local, "netns": netns, "aws": aws}
     return modules[name]

@@ -33,7 +33,7 @@ from hcl2.utils import SerializationOptions
 
 from infractl import infra
 from infractl.config import ClusterSpec
-from infractl.errors import InfraError
+from infractl.errors import InfraError, UsageError
 from infractl.state import ClusterState
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
     "variables",
     "dry_run",
     "leftovers",
+    "preflight",
+    "rendezvous_host",
     "planned_resources",
     "hourly_cost",
     "sweep",
@@ -324,3 +326,18 @@ def _read_json(name: str) -> Any:
     """A table of infra/aws, read once per process (validation looks types up per node group);
     callers only read it."""
     return json.loads((infra.module_dir("aws") / name).read_text())
+
+
+_NOT_WIRED = (
+    "provider aws: `infractl up` plans only (`--dry-run`) in this version: provisioning through the "
+    "S3-backed Terraform root module and configuring GPU nodes over Session Manager are not wired yet"
+)
+
+
+def preflight(spec: ClusterSpec, state: ClusterState) -> None:
+    raise UsageError(_NOT_WIRED, field="provider")
+
+
+def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
+    """The controller instance's private address, once `up` provisions on aws (see preflight)."""
+    raise UsageError(_NOT_WIRED, field="provider")

@@ -9,7 +9,7 @@ from typing import Any
 from infractl.config import ClusterSpec
 from infractl.state import ClusterState
 
-__all__ = ["variables", "dry_run", "leftovers"]
+__all__ = ["variables", "dry_run", "leftovers", "preflight", "rendezvous_host"]
 
 
 def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
@@ -37,3 +37,12 @@ def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
     """Node directories ``terraform destroy`` left behind."""
     nodes_dir = state.dir / "nodes"
     return [f"node directory {p}" for p in sorted(nodes_dir.iterdir())] if nodes_dir.is_dir() else []
+
+
+def preflight(spec: ClusterSpec, state: ClusterState) -> None:
+    """Nothing to check beyond what ``up`` checks for every provider."""
+
+
+def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
+    """Every node is this machine: the endpoint listens on its loopback."""
+    return "127.0.0.1"

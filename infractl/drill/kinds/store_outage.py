@@ -25,6 +25,7 @@ class StoreOutage(Kind):
         "endpoint on this machine is paused): training must go on and commit again once the store is back."
     )
     targets_node = False
+    timed = True
 
     def __init__(self) -> None:
         self._take_down: AbstractContextManager[dict[str, Any]] | None = None
@@ -39,11 +40,13 @@ class StoreOutage(Kind):
         drill.fault |= self._down.enter_context(self._take_down) | {"seconds": drill.seconds}
         return []
 
-    def holds_store(self, drill: Drill, record: DrillRecord) -> bool:
+    def tick(self, drill: Drill, record: DrillRecord) -> None:
         if self._back_time is None and time.time() - record.fault_time >= drill.seconds:
             self._down.close()
             self._back_time = time.time()
             drill.progress(f"store is back after {self._back_time - record.fault_time:.1f}s")
+
+    def holds_store(self, drill: Drill, record: DrillRecord) -> bool:
         return self._back_time is None
 
     def recovered(self, drill: Drill, record: DrillRecord) -> bool:

@@ -1,0 +1,258 @@
+"""The ``netns`` provider: a multi-host cluster on one Linux machine. A node is a network namespace
+(``infractl-<id>-<i>``) plugged into the cluster's bridge (``ixb<id>``) by a veth pair
+(``ixv<id>-<i>``, ``eth0`` inside), with its own address on a private /24 and its own sshd that
+accepts only the cluster's key; infra/netns makes them. Ansible and the launcher reach the nodes
+over SSH, collectives run between the nodes' addresses, and the rendezvous endpoint listens on
+the bridge's host side (.1), outside every node. The filesystem is shared: a node's work
+directory is under the state directory as on ``local``.
+
+``<id>`` is the state directory's ``short_id``: interface names may have 15 characters at most.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Literal, get_args
+from urllib.parse import parse_qs, urlsplit
+
+import psutil
+
+from infractl import proc
+from infractl.config import ClusterSpec
+from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.state import ClusterState
+
+__all__ = [
+    "SSHD",
+    "variables",
+    "dry_run",
+    "leftovers",
+    "preflight",
+    "rendezvous_host",
+    "subnet",
+    "bridge",
+    "namespaces",
+    "LINK_FAULTS",
+    "LinkFault",
+    "cut_link",
+    "restore_link",
+]
+
+SSHD = "/usr/sbin/sshd"
+# Commands the module's provisioners and the launcher run, and the Debian package of each.
+_TOOLS = {"ip": "iproute2", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "unshare": "util-linux"}
+# A default subnet is one of the /24s of 10.200.0.0/13, picked by the state directory's hash.
+_DEFAULT_BLOCK = ipaddress.IPv4Network("10.200.0.0/13")
+
+
+def subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
+    """The cluster's /24: ``netns.subnet``, or one picked from the state directory."""
+    if spec.netns is not None and spec.netns.subnet is not None:
+        return ipaddress.IPv4Network(spec.netns.subnet)
+    index = int(state.short_id, 16) % (_DEFAULT_BLOCK.num_addresses // 256)
+    return ipaddress.IPv4Network((int(_DEFAULT_BLOCK.network_address) + index * 256, 24))
+
+
+def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
+    """The bridge's host-side address: reachable from every node, and in none of them."""
+    return str(subnet(spec, state).network_address + 1)
+
+
+def bridge(state: ClusterState) -> str:
+    return f"ixb{state.short_id}"
+
+
+def namespaces(state: ClusterState) -> list[str]:
+    """The cluster's namespaces that exist on this machine now."""
+    listed = proc.run(["ip", "-json", "netns", "list"])
+    entries = json.loads(listed.stdout or "[]") if listed.returncode == 0 else []
+    return sorted(e["name"] for e in entries if e["name"].startswith(f"infractl-{state.short_id}-"))
+
+
+# -- link faults (``infractl drill partition``) ---------------------------------------------------
+
+#: How a node's link can fail: ``down`` (the node's interface goes down: its sockets see the
+#: network vanish), ``drop`` (the bridge port stops forwarding: packets vanish silently both
+#: ways, the link still up), ``delay`` (netem adds latency to everything the node sends).
+LinkFault = Literal["down", "drop", "delay"]
+LINK_FAULTS: tuple[str, ...] = get_args(LinkFault)
+
+
+def _veth(namespace: str) -> str:
+    """The host side of a node's veth pair (infra/netns names both from the cluster id and index)."""
+    cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
+    return f"ixv{cluster_id}-{index}"
+
+
+def _link_commands(namespace: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
+    """The command that makes ``fault`` on the node's link, and the one that undoes it."""
+    if fault == "down":
+        return (
+            ["ip", "-n", namespace, "link", "set", "eth0", "down"],
+            ["ip", "-n", namespace, "link", "set", "eth0", "up"],
+        )
+    if fault == "drop":
+        veth = _veth(namespace)
+        return (
+            ["bridge", "link", "set", "dev", veth, "state", "0"],
+            ["bridge", "link", "set", "dev", veth, "state", "3"],
+        )
+    tc = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
+    return (
+        [*tc, "add", "dev", "eth0", "root", "netem", "delay", f"{latency_ms}ms"],
+        [*tc, "del", "dev", "eth0", "root"],
+    )
+
+
+def cut_link(node: dict[str, Any], fault: str, *, latency_ms: int = 0) -> dict[str, Any]:
+    """Make ``fault`` (one of ``LINK_FAULTS``) on ``node``'s link; what was done, for the drill's
+    record. ``UsageError`` when the node has no link to cut or this machine cannot make the fault
+    (nothing changed then)."""
+    namespace = node.get("namespace")
+    if not namespace:
+        raise UsageError(
+            f"node {node['name']!r} has no network link of its own to cut: partition needs provider netns",
+            field="--node",
+        )
+    make, _ = _link_commands(namespace, fault, latency_ms)
+    done = proc.run(make, timeout=30)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        hint = " (netem: this kernel lacks the sch_netem qdisc)" if fault == "delay" else ""
+        raise UsageError(f"cannot make a {fault!r} fault on {node['name']}'s link: {why}{hint}", field="--kind")
+    return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
+
+
+def restore_link(node: dict[str, Any], fault: str) -> None:
+    """Undo ``cut_link``; ``InfractlError`` if the link could not be restored."""
+    _, undo = _link_commands(str(node["namespace"]), fault, 0)
+    done = proc.run(undo, timeout=30)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InfractlError(
+            f"could not restore {node['name']}'s link after a {fault!r} fault: {why}; run {shlex.join(undo)}"
+        )
+
+
+def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+    return {
+        "cluster_name": spec.name,
+        "cluster_id": state.short_id,
+        "nodes": spec.nodes,
+        "processes_per_node": spec.processes_per_node,
+        "state_dir": str(state.dir),
+        "subnet": str(subnet(spec, state)),
+        "sshd": SSHD,
+    }
+
+
+def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    """infra/netns makes the key pair, the bridge and one ``terraform_data.node`` per node."""
+    return {
+        "provider": "netns",
+        "module": "infra/netns",
+        "region": None,
+        "variables": variables(spec, state),
+        "resources": [
+            "terraform_data.keys",
+            "terraform_data.bridge",
+            *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
+        ],
+        "cost": None,
+    }
+
+
+def preflight(spec: ClusterSpec, state: ClusterState) -> None:
+    """What a netns cluster needs of this machine, checked before anything changes: Linux, root,
+    network namespaces, sshd and iproute2, a subnet nothing else uses, a store the nodes reach."""
+    if not sys.platform.startswith("linux"):
+        raise UsageError(f"provider netns needs Linux network namespaces; this is {sys.platform}", field="provider")
+    if os.geteuid() != 0:
+        raise UsageError(
+            "provider netns needs root (it creates network namespaces, a bridge and an sshd per node); "
+            "run `infractl up` as root, or use provider: local",
+            field="provider",
+        )
+    missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if shutil.which(tool) is None]
+    if not Path(SSHD).is_file():
+        missing.append(f"{SSHD} (openssh-server)")
+    if missing:
+        raise UsageError(
+            f"provider netns needs {', '.join(missing)}: install them (scripts/bootstrap.sh does, as root on Debian)",
+            field="provider",
+        )
+    probe = proc.run(["unshare", "--net", "true"], timeout=30)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UsageError(f"provider netns: this machine cannot create network namespaces ({why})", field="provider")
+    _check_subnet_free(spec, state)
+    _check_store_reachable(spec, state)
+
+
+def _check_subnet_free(spec: ClusterSpec, state: ClusterState) -> None:
+    network = subnet(spec, state)
+    listed = proc.run(["ip", "-json", "-4", "addr", "show"])
+    for link in json.loads(listed.stdout or "[]") if listed.returncode == 0 else []:
+        if link.get("ifname") == bridge(state):
+            continue  # this cluster's own bridge (a second `up`)
+        for address in link.get("addr_info", []):
+            if ipaddress.IPv4Address(address["local"]) in network:
+                raise ConfigError(
+                    f"{network} is in use on this machine (interface {link.get('ifname')} has {address['local']}); "
+                    "choose another netns.subnet",
+                    field="netns.subnet",
+                )
+
+
+def _check_store_reachable(spec: ClusterSpec, state: ClusterState) -> None:
+    """Nodes have their own loopback: an S3 endpoint on this machine's 127.0.0.1 is not theirs."""
+    if not (spec.store or "").startswith("s3://"):
+        return
+    endpoint = (parse_qs(urlsplit(spec.store or "").query).get("endpoint_url") or [""])[0]
+    host = urlsplit(endpoint).hostname or ""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        raise ConfigError(
+            f"the nodes of a netns cluster cannot reach {endpoint} (each has its own loopback); serve the "
+            f"endpoint on an address they route to, such as the bridge's {rendezvous_host(spec, state)}",
+            field="store",
+        )
+
+
+def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
+    """Namespaces, interfaces, sshd processes and keys ``terraform destroy`` left behind."""
+    found = [f"network namespace {name}" for name in namespaces(state)]
+    listed = proc.run(["ip", "-json", "link", "show"])
+    found += [
+        f"interface {link['ifname']}"
+        for link in (json.loads(listed.stdout or "[]") if listed.returncode == 0 else [])
+        if link.get("ifname", "").startswith((bridge(state), f"ixv{state.short_id}-"))
+    ]
+    found += [f"process {p.pid}" for p in proc.find(state.dir)]
+    found += [f"sshd process {p.pid}" for p in _sshds(state)]
+    ssh_dir = state.dir / "ssh"
+    if ssh_dir.exists():
+        found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
+    nodes_dir = state.dir / "nodes"
+    if nodes_dir.is_dir():
+        found += [f"node directory {p}" for p in sorted(nodes_dir.iterdir())]
+    return found
+
+
+def _sshds(state: ClusterState) -> list[psutil.Process]:
+    """The nodes' sshd processes, by their config path: sshd overwrites its environment with its
+    process title, so the cluster's marker does not find them."""
+    configs = str(state.dir / "ssh" / "nodes") + "/"
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if configs in " ".join(process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
