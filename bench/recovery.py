@@ -1,21 +1,22 @@
-"""Recovery benchmark: N kill-node drills in a row on one 2-node local run, then one drill of
-every other kind.
+"""Recovery benchmark: N kill-node drills in a row on one 2-node run, then one drill of every
+other kind, on the local provider or on netns (nodes in network namespaces, reached over SSH).
 
 What a user would type, in a scratch directory: ``infractl up``, ``infractl train --detach`` of a
 long run, then ``infractl drill kill-node --node node-1 --repeat N --no-wait`` (node-1 is
 SIGKILLed, node-0 goes on alone from the last committed step, node-1 rejoins, the world is 2
 again, and the next drill starts); then ``infractl drill KIND --node node-1 --no-wait`` for
-kill-during-checkpoint, hang-node, preempt and store-outage, with ``infractl rejoin node-1``
+kill-during-checkpoint, hang-node, preempt and store-outage (and on netns: partition, the link
+down, and partition:drop, its packets dropped, each for 20 s), with ``infractl rejoin node-1``
 after each that removed the node; then ``infractl teardown``. Reports how many kill-node drills
 recovered from the last committed step, the median and worst restart_s (fault -> first step
 completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again), and one line per
 other kind.
 
-    python bench/recovery.py [--drills 20] [--kinds KIND,...] [--json results.json]
+    python bench/recovery.py [--provider local|netns] [--drills 20] [--kinds KIND,...] [--json results.json]
 
---kinds picks the other kinds (default: all four; ``none`` for the kill-node series alone). The CI
-smoke test runs ``--drills 1 --kinds preempt,store-outage``: every kind is a test of its own in
-tests/test_drill.py.
+--kinds picks the other kinds (default: all of the provider's; ``none`` for the kill-node series
+alone). The CI smoke test runs ``--drills 1 --kinds preempt,store-outage``: every kind is a test of
+its own in tests/test_drill.py and tests/test_netns.py. netns needs root (see the README).
 
 Not a test: it asserts nothing. The numbers depend on the machine and its load.
 """
@@ -45,7 +46,16 @@ max_restarts: {budget}
 watchdog: {{step_timeout_s: 20}}
 """
 
+CLUSTER = """\
+name: recovery
+provider: {provider}
+nodes: 2
+"""
+
 OTHER_KINDS = ("kill-during-checkpoint", "hang-node", "preempt", "store-outage")
+# Link cuts need links: netns only. KIND:LINK picks the partition's --kind.
+LINK_KINDS = ("partition", "partition:drop")
+PARTITION_S = 20
 
 
 def _infractl(home: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -66,7 +76,7 @@ def _infractl(home: Path, *args: str, timeout: float) -> subprocess.CompletedPro
 def _waited_for_first_commit(home: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = json.loads(_infractl(home, "status", "--json", timeout=60).stdout)
+        status = json.loads(_infractl(home, "status", *_CLUSTER, "--json", timeout=60).stdout)
         if any((run.get("last_committed_step") or 0) >= 10 for run in status.get("runs", [])):
             return
         time.sleep(1)
@@ -74,7 +84,7 @@ def _waited_for_first_commit(home: Path, timeout: float) -> None:
 
 
 def _world_size(home: Path) -> int | None:
-    status = json.loads(_infractl(home, "status", "--json", timeout=60).stdout)
+    status = json.loads(_infractl(home, "status", *_CLUSTER, "--json", timeout=60).stdout)
     return next((run.get("world_size") for run in status.get("runs", [])), None)
 
 
@@ -82,7 +92,7 @@ def _whole_again(home: Path) -> None:
     """Rejoin node-1 if the last drill left the run without it; wait for a step on 2 nodes."""
     if _world_size(home) == 2:
         return
-    _infractl(home, "rejoin", "node-1", timeout=60)
+    _infractl(home, "rejoin", "node-1", *_CLUSTER, timeout=60)
     deadline = time.monotonic() + 300
     while _world_size(home) != 2 and time.monotonic() < deadline:
         time.sleep(1)
@@ -91,10 +101,14 @@ def _whole_again(home: Path) -> None:
 def _other_kinds(home: Path, kinds: list[str], results: list[dict[str, Any]]) -> None:
     """One drill of each of ``kinds`` on the whole world, node-1 rejoining after any that removed
     it; each result is appended to ``results`` as soon as it is in."""
-    for kind in kinds:
+    for spec in kinds:
         _whole_again(home)
+        kind, _, link = spec.partition(":")
         target = ["--seconds", "10"] if kind == "store-outage" else ["--node", "node-1"]
-        results.append(json.loads(_infractl(home, "drill", kind, *target, "--no-wait", "--json", timeout=900).stdout))
+        if kind == "partition":
+            target += ["--seconds", str(PARTITION_S), "--kind", link or "down"]
+        drill = _infractl(home, "drill", kind, *target, *_CLUSTER, "--no-wait", "--json", timeout=900)
+        results.append(json.loads(drill.stdout))
 
 
 def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
@@ -102,7 +116,16 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
     repeat = ["--repeat", str(drills)] if drills > 1 else []
     out = json.loads(
         _infractl(
-            home, "drill", "kill-node", "--node", "node-1", *repeat, "--no-wait", "--json", timeout=drills * 600
+            home,
+            "drill",
+            "kill-node",
+            "--node",
+            "node-1",
+            *repeat,
+            *_CLUSTER,
+            "--no-wait",
+            "--json",
+            timeout=drills * 600,
         ).stdout
     )
     if drills > 1:
@@ -117,15 +140,21 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
     }
 
 
-def measure(drills: int, kinds: list[str]) -> dict[str, Any]:
+# Every command names the benchmark's cluster.
+_CLUSTER = ("-c", "recovery")
+
+
+def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
         home = Path(tmp) / ".infractl"
         run = Path(tmp) / "run.yaml"
         # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
         run.write_text(RUN.format(budget=drills + len(kinds) + 1))
-        _infractl(home, "up", timeout=600)
+        cluster = Path(tmp) / "cluster.yaml"
+        cluster.write_text(CLUSTER.format(provider=provider))
+        _infractl(home, "up", "-c", str(cluster), timeout=600)
         try:
-            _infractl(home, "train", str(run), "--detach", timeout=300)
+            _infractl(home, "train", str(run), *_CLUSTER, "--detach", timeout=300)
             _waited_for_first_commit(home, timeout=300)
             started = time.monotonic()
             series = _kill_node_series(home, drills)
@@ -137,11 +166,12 @@ def measure(drills: int, kinds: list[str]) -> dict[str, Any]:
             except SystemExit as exc:  # keep the figures so far if a later drill cannot run
                 others_error = str(exc)
         finally:
-            _infractl(home, "teardown", "--yes", timeout=600)
+            _infractl(home, "teardown", *_CLUSTER, "--yes", timeout=600)
     results = series["results"]
     rejoins = [r["rejoin_s"] for r in results if r.get("rejoin_s") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
     return {
+        "provider": provider,
         "drills": series["drills"],
         "succeeded": series["succeeded"],
         "resumed_from_last_committed": sum(1 for r in results if r["resumed_correctly"]),
@@ -168,6 +198,7 @@ def measure(drills: int, kinds: list[str]) -> dict[str, Any]:
                     "world_size_after",
                     "emergency_checkpoint_step",
                     "emergency_checkpoint_s",
+                    "rejoin_s",
                     "fault",
                 )
             }
@@ -179,21 +210,25 @@ def measure(drills: int, kinds: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--provider", choices=("local", "netns"), default="local", help="default local")
     parser.add_argument("--drills", type=int, default=20, help="kill-node drills in the series (default 20)")
     parser.add_argument(
         "--kinds",
-        default=",".join(OTHER_KINDS),
-        help=f"the other kinds, one drill each, comma-separated, or none (default {','.join(OTHER_KINDS)})",
+        help=f"the other kinds, one drill each, comma-separated, or none (default {','.join(OTHER_KINDS)}, "
+        f"and on netns {','.join(LINK_KINDS)})",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.drills < 1:
         parser.error("--drills: at least 1")
-    kinds = [] if args.kinds == "none" else [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = sorted(set(kinds) - set(OTHER_KINDS))
+    known = OTHER_KINDS + (LINK_KINDS if args.provider == "netns" else ())
+    kinds = list(known) if args.kinds is None else [k.strip() for k in args.kinds.split(",") if k.strip()]
+    kinds = [] if kinds == ["none"] else kinds
+    unknown = sorted(set(kinds) - set(known))
     if unknown:
-        parser.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(OTHER_KINDS)}, or none)")
-    report = measure(args.drills, kinds)
+        parser.error(f"--kinds: unknown on {args.provider} {', '.join(unknown)} (known: {', '.join(known)}, or none)")
+    report = measure(args.provider, args.drills, kinds)
+    print(f"provider:                     {report['provider']}")
     print(
         f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
         f"(resumed from the last committed step: {report['resumed_from_last_committed']})"
@@ -211,6 +246,9 @@ def main() -> None:
             )
             continue
         extra = f", emergency checkpoint after {r['emergency_checkpoint_s']}s" if r["emergency_checkpoint_s"] else ""
+        if r["rejoin_s"] is not None:
+            extra += f", link {r['fault']['link']} {r['fault']['seconds']}s, whole again {r['rejoin_s']}s after it"
+            extra += f" (rejoined by {r['fault'].get('rejoined_by')})"
         if "partial_step" in r["fault"]:
             extra += f", partial step {r['fault']['partial_step']} committed: {r['fault']['partial_step_committed']}"
         print(
