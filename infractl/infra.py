@@ -48,9 +48,10 @@ class SshLogin:
             "-o", "ConnectTimeout=10",
         ]  # fmt: skip
 
-    def argv(self, address: str, command: str) -> list[str]:
-        """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``."""
-        return ["ssh", *self.options(), "-l", self.user, address, command]
+    def argv(self, address: str, command: str | None = None) -> list[str]:
+        """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``
+        (without one: that logs in)."""
+        return ["ssh", *self.options(), "-l", self.user, address, *([command] if command is not None else [])]
 
 
 @dataclass(frozen=True)

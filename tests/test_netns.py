@@ -6,9 +6,11 @@ namespace, interface, key or process. The refusals (not root, no namespaces) cha
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,14 @@ def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key
 
     assert "no changes" in multi("up", "-c", str(multi.cwd / "cluster.yaml")).stderr
 
+    # The handover says how to log in to each node, and that command works as written.
+    multi("bundle", "-c", "multi", "--out", str(tmp_path / "bundle"))
+    topology = (tmp_path / "bundle" / "topology.md").read_text()
+    logins = [line for line in topology.splitlines() if line.startswith("ssh ")]
+    assert len(logins) == 2 and "StrictHostKeyChecking=yes" in logins[1]
+    inside = subprocess.run([*shlex.split(logins[1]), "ip -brief -4 addr show eth0"], capture_output=True, text=True)
+    assert inside.returncode == 0 and node["address"] in inside.stdout, inside
+
 
 def _partition(cli: Cli, name: str, node: str, kind: str) -> tuple[dict[str, Any], FileStore]:
     run = write(cli.cwd / f"{name}.yaml", RUN.format(name=name))
@@ -150,6 +160,25 @@ def test_a_partition_of_node_0_the_run_goes_on_node_1_and_node_0_rejoins(cluster
     result, store = _partition(cluster, "cut0", "node-0", "drop")
     assert result["fault"]["link"] == "drop" and result["survivors"] == ["node-1"]
     _assert_recovered_and_whole_again(result, store)
+
+
+def test_kill_node_empties_the_namespace_but_its_sshd_and_the_node_rejoins_over_ssh(cluster: Cli) -> None:
+    run = write(cluster.cwd / "kill.yaml", RUN.format(name="kill"))
+    cluster("train", str(run), "-c", "multi", "--detach")
+    store = FileStore(cluster.home / "multi" / "store")
+    wait_for_commit(store, "kill", at_least=10, timeout=120)
+    result = json.loads(cluster("drill", "kill-node", "-c", "multi", "--node", "node-1", "--no-wait", "--json").stdout)
+    assert result["outcome"] == "recovered" and result["world_size_after"] == 1, result
+    node = json.loads((cluster.home / "multi" / "cluster.json").read_text())["nodes"][1]
+    left = subprocess.run(["ip", "netns", "pids", node["namespace"]], capture_output=True, text=True).stdout.split()
+    sshd = (Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()
+    assert left == [sshd]
+    rejoined = time.time()
+    cluster("rejoin", "node-1", "-c", "multi")
+    deadline = time.monotonic() + 120
+    while not [r for r in runstore.read_metrics(store, "kill") if r["time"] > rejoined and r["world_size"] == 2]:
+        assert time.monotonic() < deadline, "node-1 did not rejoin within 120 s"
+        time.sleep(1)
 
 
 def test_a_partition_refuses_a_fault_it_cannot_make_and_changes_nothing(cluster: Cli) -> None:

@@ -47,7 +47,14 @@ destroy() {
   pids="$(ip netns pids "$NAMESPACE" 2>/dev/null || true)"
   [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
   ! ip netns list | grep -qw "^$NAMESPACE" || ip netns del "$NAMESPACE"
-  ! ip link show "$VETH" >/dev/null 2>&1 || ip link del "$VETH"
+  # The kernel removes the veth pair once the namespace is gone, a moment later: wait for it,
+  # then delete what is left (and only fail if it is still there).
+  tries=0
+  while ip link show "$VETH" >/dev/null 2>&1 && [ "$tries" -lt 50 ]; do
+    sleep 0.1
+    tries=$((tries + 1))
+  done
+  ip link del "$VETH" 2>/dev/null || ! ip link show "$VETH" >/dev/null 2>&1
   rm -rf -- "$WORKDIR" "$NODE_SSH_DIR"
 }
 

@@ -6,10 +6,12 @@ network environment (written by Ansible's network role) and the newest bench bas
 
 from __future__ import annotations
 
+import shlex
 from html import escape
 from typing import Any
 
 from infractl.configure import network_env
+from infractl.infra import Node
 
 __all__ = ["topology_markdown", "topology_svg"]
 
@@ -47,6 +49,11 @@ def topology_markdown(cluster: dict[str, Any], bench: dict[str, Any] | None) -> 
         ranks = ", ".join(str(i * processes + r) for r in range(processes))
         iface = env.get("GLOO_SOCKET_IFNAME", "not configured yet")
         lines.append(f"| {node['name']} | {node['address']} | {ranks} | {iface} | `{node['workdir']}` |")
+    logins = [Node.from_record(node) for node in nodes if node.get("ssh")]
+    if logins:
+        lines += ["", "Log in to a node (its host key is pinned: ssh refuses any other):", "", "```bash"]
+        lines += [shlex.join(node.ssh.argv(node.address)) for node in logins if node.ssh]
+        lines += ["```"]
     lines += [
         "",
         "Ranks are assigned by torchrun's rendezvous at each (re)start; the table shows them in node order, "

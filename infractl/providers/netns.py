@@ -38,6 +38,7 @@ __all__ = [
     "subnet",
     "bridge",
     "namespaces",
+    "node_processes",
     "LINK_FAULTS",
     "LinkFault",
     "cut_link",
@@ -73,6 +74,22 @@ def namespaces(state: ClusterState) -> list[str]:
     listed = proc.run(["ip", "-json", "netns", "list"])
     entries = json.loads(listed.stdout or "[]") if listed.returncode == 0 else []
     return sorted(e["name"] for e in entries if e["name"].startswith(f"infractl-{state.short_id}-"))
+
+
+def node_processes(node: dict[str, Any]) -> list[psutil.Process]:
+    """Every process in the node's namespace but its sshd listener (the node's own: it stays so the
+    node can be reached again): what ``drill kill-node`` kills there besides the run's processes."""
+    listed = proc.run(["ip", "netns", "pids", str(node["namespace"])])
+    pids = {int(pid) for pid in listed.stdout.split()} if listed.returncode == 0 else set()
+    pid_file = Path(str(node["ssh"]["known_hosts"])).with_name("sshd.pid")
+    listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
+    found = []
+    for pid in sorted(pids - {listener}):
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 # -- link faults (``infractl drill partition``) ---------------------------------------------------

@@ -21,6 +21,7 @@ class KillDuringCheckpoint(KillNode):
     help = "Wait until a checkpoint is uploading, then kill one node: the partial step must never be loaded."
 
     def prepare(self, drill: Drill) -> None:
+        super().prepare(drill)
         partial = None
         while partial is None:
             if drill.remaining() <= 0:

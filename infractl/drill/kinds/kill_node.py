@@ -1,13 +1,15 @@
-"""``kill-node``: SIGKILL every process of one node (its torchrun agent and workers)."""
+"""``kill-node``: SIGKILL every process of one node (its torchrun agent and workers; on netns,
+every process in the node's namespace but its sshd listener)."""
 
 from __future__ import annotations
 
 import psutil
 
-from infractl import proc
+from infractl import proc, runs
 from infractl.drill import measure
 from infractl.drill.kind import Drill, Kind, register
 from infractl.errors import StateError
+from infractl.providers import netns
 
 __all__ = ["KillNode"]
 
@@ -18,8 +20,15 @@ class KillNode(Kind):
     help = "SIGKILL every process of one node (agent and workers)."
     node_leaves = True
 
+    def __init__(self) -> None:
+        self._also: list[psutil.Process] = []
+
+    def prepare(self, drill: Drill) -> None:
+        node = runs.node(drill.state, str(drill.target.node), field="--node")
+        self._also = netns.node_processes(node) if node.get("namespace") else []
+
     def inject(self, drill: Drill) -> list[psutil.Process]:
-        proc.kill(drill.victims)
+        proc.kill(drill.victims + self._also)
         drill.fault["signal"] = "SIGKILL"
         killed = {p.pid for p in drill.victims}
         return [p for p in drill.workers if p.pid not in killed]
