@@ -309,8 +309,10 @@ def test_the_trainer_unit_runs_torchrun_against_the_controller(
     assert ("/dev/infiniband" in start) is efa
     assert {f"{workdir}/env/nccl.env", f"{workdir}/env/trainer.env"} <= set(start)
     image_at = start.index(IMAGE)
-    assert start[image_at + 1 : image_at + 9] == [
-        "torchrun",
+    assert start[image_at + 1 : image_at + 11] == [
+        "python",
+        "-m",
+        "trainer.agent",  # torchrun (trainer/agent.py)
         "--nnodes=1:2",
         f"--nproc-per-node={gpus}",
         "--rdzv-backend=c10d",
