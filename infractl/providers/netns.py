@@ -101,6 +101,11 @@ LinkFault = Literal["down", "drop", "delay"]
 LINK_FAULTS: tuple[str, ...] = get_args(LinkFault)
 
 
+def _last_line(stderr: str) -> str:
+    """What a failed command said last (the reason, for ip, tc and unshare)."""
+    return (stderr.strip().splitlines() or ["no output"])[-1]
+
+
 def _veth(namespace: str) -> str:
     """The host side of a node's veth pair (infra/netns names both from the cluster id and index)."""
     cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
@@ -140,7 +145,7 @@ def cut_link(node: dict[str, Any], fault: str, *, latency_ms: int = 0) -> dict[s
     make, _ = _link_commands(namespace, fault, latency_ms)
     done = proc.run(make, timeout=30)
     if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        why = _last_line(done.stderr)
         hint = " (netem: this kernel lacks the sch_netem qdisc)" if fault == "delay" else ""
         raise UsageError(f"cannot make a {fault!r} fault on {node['name']}'s link: {why}{hint}", field="--kind")
     return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
@@ -151,7 +156,7 @@ def restore_link(node: dict[str, Any], fault: str) -> None:
     _, undo = _link_commands(str(node["namespace"]), fault, 0)
     done = proc.run(undo, timeout=30)
     if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        why = _last_line(done.stderr)
         raise InfractlError(
             f"could not restore {node['name']}'s link after a {fault!r} fault: {why}; run {shlex.join(undo)}"
         )
@@ -206,7 +211,7 @@ def preflight(spec: ClusterSpec, state: ClusterState) -> None:
         )
     probe = proc.run(["unshare", "--net", "true"], timeout=30)
     if probe.returncode != 0:
-        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        why = _last_line(probe.stderr)
         raise UsageError(f"provider netns: this machine cannot create network namespaces ({why})", field="provider")
     _check_subnet_free(spec, state)
     _check_store_reachable(spec, state)
