@@ -51,6 +51,8 @@ name: recovery
 provider: {provider}
 nodes: 2
 """
+# Every command after `up` names the benchmark's cluster.
+_CLUSTER = ("-c", "recovery")
 
 OTHER_KINDS = ("kill-during-checkpoint", "hang-node", "preempt", "store-outage")
 # Link cuts need links: netns only. KIND:LINK picks the partition's --kind.
@@ -138,10 +140,6 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
         "worst_restart_s": out["restart_s"],
         "results": [out],
     }
-
-
-# Every command names the benchmark's cluster.
-_CLUSTER = ("-c", "recovery")
 
 
 def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:

@@ -17,14 +17,7 @@ from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.infra import Node
 
-__all__ = [
-    "AccessResult",
-    "ConfigureResult",
-    "apply_access",
-    "configure",
-    "network_env",
-    "playbook_dir",
-]
+__all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
 
 _PLAYBOOK = "site.yml"
 _ACCESS_PLAYBOOK = "access.yml"

@@ -26,18 +26,15 @@ import psutil
 from infractl import proc
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.providers import local
 from infractl.state import ClusterState
 
 __all__ = [
-    "SSHD",
     "variables",
     "dry_run",
     "leftovers",
     "preflight",
     "rendezvous_host",
-    "subnet",
-    "bridge",
-    "namespaces",
     "node_processes",
     "LINK_FAULTS",
     "LinkFault",
@@ -45,14 +42,14 @@ __all__ = [
     "restore_link",
 ]
 
-SSHD = "/usr/sbin/sshd"
+_SSHD = "/usr/sbin/sshd"
 # Commands the module's provisioners and the launcher run, and the Debian package of each.
 _TOOLS = {"ip": "iproute2", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "unshare": "util-linux"}
 # A default subnet is one of the /24s of 10.200.0.0/13, picked by the state directory's hash.
 _DEFAULT_BLOCK = ipaddress.IPv4Network("10.200.0.0/13")
 
 
-def subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
+def _subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
     """The cluster's /24: ``netns.subnet``, or one picked from the state directory."""
     if spec.netns is not None and spec.netns.subnet is not None:
         return ipaddress.IPv4Network(spec.netns.subnet)
@@ -62,18 +59,22 @@ def subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
 
 def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
     """The bridge's host-side address: reachable from every node, and in none of them."""
-    return str(subnet(spec, state).network_address + 1)
+    return str(_subnet(spec, state).network_address + 1)
 
 
-def bridge(state: ClusterState) -> str:
+def _bridge(state: ClusterState) -> str:
     return f"ixb{state.short_id}"
 
 
-def namespaces(state: ClusterState) -> list[str]:
+def _ip_json(*args: str) -> list[dict[str, Any]]:
+    """What ``ip -json ARGS`` lists (nothing when ip fails)."""
+    listed = proc.run(["ip", "-json", *args])
+    return list(json.loads(listed.stdout or "[]")) if listed.returncode == 0 else []
+
+
+def _namespaces(state: ClusterState) -> list[str]:
     """The cluster's namespaces that exist on this machine now."""
-    listed = proc.run(["ip", "-json", "netns", "list"])
-    entries = json.loads(listed.stdout or "[]") if listed.returncode == 0 else []
-    return sorted(e["name"] for e in entries if e["name"].startswith(f"infractl-{state.short_id}-"))
+    return sorted(e["name"] for e in _ip_json("netns", "list") if e["name"].startswith(f"infractl-{state.short_id}-"))
 
 
 def node_processes(node: dict[str, Any]) -> list[psutil.Process]:
@@ -169,8 +170,8 @@ def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         "nodes": spec.nodes,
         "processes_per_node": spec.processes_per_node,
         "state_dir": str(state.dir),
-        "subnet": str(subnet(spec, state)),
-        "sshd": SSHD,
+        "subnet": str(_subnet(spec, state)),
+        "sshd": _SSHD,
     }
 
 
@@ -202,8 +203,8 @@ def preflight(spec: ClusterSpec, state: ClusterState) -> None:
             field="provider",
         )
     missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if shutil.which(tool) is None]
-    if not Path(SSHD).is_file():
-        missing.append(f"{SSHD} (openssh-server)")
+    if not Path(_SSHD).is_file():
+        missing.append(f"{_SSHD} (openssh-server)")
     if missing:
         raise UsageError(
             f"provider netns needs {', '.join(missing)}: install them (scripts/bootstrap.sh does, as root on Debian)",
@@ -218,10 +219,9 @@ def preflight(spec: ClusterSpec, state: ClusterState) -> None:
 
 
 def _check_subnet_free(spec: ClusterSpec, state: ClusterState) -> None:
-    network = subnet(spec, state)
-    listed = proc.run(["ip", "-json", "-4", "addr", "show"])
-    for link in json.loads(listed.stdout or "[]") if listed.returncode == 0 else []:
-        if link.get("ifname") == bridge(state):
+    network = _subnet(spec, state)
+    for link in _ip_json("-4", "addr", "show"):
+        if link.get("ifname") == _bridge(state):
             continue  # this cluster's own bridge (a second `up`)
         for address in link.get("addr_info", []):
             if ipaddress.IPv4Address(address["local"]) in network:
@@ -248,22 +248,18 @@ def _check_store_reachable(spec: ClusterSpec, state: ClusterState) -> None:
 
 def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
     """Namespaces, interfaces, sshd processes and keys ``terraform destroy`` left behind."""
-    found = [f"network namespace {name}" for name in namespaces(state)]
-    listed = proc.run(["ip", "-json", "link", "show"])
+    found = [f"network namespace {name}" for name in _namespaces(state)]
     found += [
         f"interface {link['ifname']}"
-        for link in (json.loads(listed.stdout or "[]") if listed.returncode == 0 else [])
-        if link.get("ifname", "").startswith((bridge(state), f"ixv{state.short_id}-"))
+        for link in _ip_json("link", "show")
+        if link.get("ifname", "").startswith((_bridge(state), f"ixv{state.short_id}-"))
     ]
     found += [f"process {p.pid}" for p in proc.find(state.dir)]
     found += [f"sshd process {p.pid}" for p in _sshds(state)]
     ssh_dir = state.dir / "ssh"
     if ssh_dir.exists():
         found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
-    nodes_dir = state.dir / "nodes"
-    if nodes_dir.is_dir():
-        found += [f"node directory {p}" for p in sorted(nodes_dir.iterdir())]
-    return found
+    return found + local.leftovers(state, record)  # node directories, as on local
 
 
 def _sshds(state: ClusterState) -> list[psutil.Process]:
