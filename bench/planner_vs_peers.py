@@ -45,9 +45,9 @@ MIB = 1 << 20
 def deepspeed(spec: RunSpec, ranks: int) -> int:
     """DeepSpeed's model-state bytes per device for the run's scheme (see the module docstring)."""
     psi = memory.parameters(spec.model)
-    if spec.parallel == "ddp":
+    if spec.parallel.scheme == "ddp":
         return 16 * psi
-    if spec.parallel == "zero1":
+    if spec.parallel.scheme == "zero1":
         return 4 * psi + 12 * psi // ranks
     # fsdp shards like ZeRO-3; the largest layer is the tied embedding or a block's MLP matrix.
     h = spec.model.hidden

@@ -36,7 +36,10 @@ __all__ = [
     "load_run",
     "load_run_json",
     "derive_run",
-    "per_rank_batch",
+    "split_batch",
+    "check_layout",
+    "ParallelSpec",
+    "DP_SHORTHANDS",
     "default_cluster",
     "NAME_PATTERN",
     "MAX_CONFIG_BYTES",
@@ -303,6 +306,125 @@ class NodeRange(_Spec):
         return self
 
 
+#: The data-parallel schemes, as ``parallel`` shorthands and ``parallel.dp_shard`` values.
+DP_SHORTHANDS = {"ddp": "none", "zero1": "zero1", "fsdp": "fsdp"}
+
+
+class ParallelSpec(_Spec):
+    """How the ranks share the work: a mesh of pipeline (pp) x data (dp) x tensor (tp) parallel
+    ranks. The strings `ddp`, `zero1` and `fsdp` are shorthands for data parallel alone."""
+
+    dp: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Data-parallel degree: model replicas (or shard groups) that split the global batch. `auto`: the "
+            "world size / (tp x pp), so the run follows an elastic node range."
+        ),
+    )
+    dp_shard: Literal["none", "zero1", "fsdp"] = Field(
+        "none",
+        description=(
+            "How the data-parallel ranks hold the model. `none`: each holds it all (DDP). `zero1`: DDP with "
+            "AdamW's state sharded (tp and pp 1 only). `fsdp`: FSDP2, weights, gradients and optimizer state "
+            "sharded over dp."
+        ),
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel degree: ranks that split each block's attention heads and MLP; divides heads.",
+    )
+    pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree: stages the blocks are cut into.")
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b",
+        description=(
+            "Pipeline schedule. `gpipe`: all forwards, then all backwards (activations of every micro-batch "
+            "held at once). `1f1b`: one forward, one backward, so a stage holds at most pp micro-batches."
+        ),
+    )
+    microbatches: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=(
+            "Micro-batches each pipeline step splits a rank's batch into; at least pp (the default). More "
+            "shrink the pipeline's idle bubble."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value not in DP_SHORTHANDS:
+                raise ValueError(
+                    f"must be one of {', '.join(DP_SHORTHANDS)} or a mapping of dp, dp_shard, tp, pp, "
+                    f"pp_schedule, microbatches (got {value!r})"
+                )
+            return {"dp_shard": DP_SHORTHANDS[value]}
+        return value
+
+    @field_validator("dp", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: object) -> object:
+        if value != "auto" and (type(value) is not int or not 1 <= value <= 4096):
+            raise ValueError(f"must be `auto` or a whole number from 1 to 4096 (got {value!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ParallelSpec:
+        if self.dp_shard == "zero1" and (self.tp > 1 or self.pp > 1):
+            raise _field_error("dp_shard", "zero1 needs tp: 1 and pp: 1; use fsdp to shard alongside tp or pp")
+        if self.microbatches is not None and self.microbatches < self.pp:
+            raise _field_error(
+                "microbatches",
+                f"{self.microbatches} is fewer than the pipeline's {self.pp} stage(s); a step needs "
+                "at least one micro-batch per stage",
+            )
+        return self
+
+    @property
+    def scheme(self) -> Literal["ddp", "zero1", "fsdp"]:
+        """The data-parallel scheme's shorthand: `ddp`, `zero1` or `fsdp`."""
+        return "ddp" if self.dp_shard == "none" else self.dp_shard
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that hold one copy of the model between them: tp x pp."""
+        return self.tp * self.pp
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+    @property
+    def label(self) -> str:
+        """Short name of the layout: the shorthand for data parallel alone, else e.g.
+        `fsdp x tp2`, `ddp x pp2 (1f1b, 4 micro-batches)`."""
+        parts = [self.scheme if self.dp == "auto" else f"{self.scheme}{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp} ({self.pp_schedule}, {self.n_microbatches} micro-batches)")
+        return " x ".join(parts)
+
+    def dp_degree(self, world_size: int) -> int:
+        """The data-parallel degree at ``world_size``; ValueError (a sentence naming the field)
+        when the layout cannot run on that many ranks."""
+        if world_size % self.model_ranks:
+            raise ValueError(
+                f"tp x pp = {self.model_ranks} rank(s) per model copy does not divide the world size {world_size}"
+            )
+        dp = world_size // self.model_ranks
+        if self.dp != "auto" and self.dp != dp:
+            raise ValueError(
+                f"dp {self.dp} x tp {self.tp} x pp {self.pp} = {self.dp * self.model_ranks} rank(s), "
+                f"not the world size {world_size}; use dp: auto to follow the world size"
+            )
+        return dp
+
+
 class WatchdogSpec(_Spec):
     """Hang detection: a rank that stops making progress is turned into a failed node."""
 
@@ -411,11 +533,12 @@ class RunSpec(_Spec):
             "notice is acted on at the next such step, so N x step time must stay well inside preemption.grace_s."
         ),
     )
-    parallel: Literal["ddp", "zero1", "fsdp"] = Field(
-        "ddp",
+    parallel: ParallelSpec = Field(
+        default_factory=ParallelSpec,
         description=(
-            "Parallel scheme. `ddp`: every rank holds everything. `zero1`: DDP with AdamW's state "
-            "sharded over the ranks. `fsdp`: FSDP2, weights, gradients and optimizer state sharded."
+            "How the ranks share the work. Shorthands: `ddp` (every rank holds everything), `zero1` (DDP with "
+            "AdamW's state sharded over the ranks), `fsdp` (FSDP2: weights, gradients and optimizer state "
+            "sharded). Or a mesh: {dp, dp_shard, tp, pp, pp_schedule, microbatches}."
         ),
     )
     activation_checkpointing: bool = Field(
@@ -451,10 +574,30 @@ class RunSpec(_Spec):
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> RunSpec:
-        if self.cpu_offload and self.parallel != "fsdp":
+        if self.cpu_offload and self.parallel.dp_shard != "fsdp":
             raise _field_error(
                 "cpu_offload",
-                f"needs parallel: fsdp (parallel is {self.parallel}); only FSDP shards can live on the CPU",
+                f"needs parallel: fsdp (parallel is {self.parallel.label}); only FSDP shards can live on the CPU",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _layout_fits_model(self) -> RunSpec:
+        parallel, model = self.parallel, self.model
+        if model.heads % parallel.tp or model.hidden % parallel.tp:
+            raise _field_error(
+                "parallel.tp",
+                f"{parallel.tp} must divide model.heads ({model.heads}) and model.hidden ({model.hidden}): "
+                "each tensor-parallel rank takes whole attention heads",
+            )
+        if model.layers % parallel.pp:
+            raise _field_error(
+                "parallel.pp",
+                f"{parallel.pp} stage(s) must split model.layers ({model.layers}) evenly",
+            )
+        if isinstance(parallel.dp, int) and self.batch_size < parallel.dp:
+            raise _field_error(
+                "batch_size", f"{self.batch_size} is smaller than parallel.dp ({parallel.dp}): a replica would idle"
             )
         return self
 
@@ -483,23 +626,35 @@ def _field_error(field: str, message: str) -> ValidationError:
     )
 
 
-def per_rank_batch(batch_size: int, world_size: int) -> int:
-    """Samples per rank per step; ConfigError unless the global batch divides by ``world_size``."""
-    if world_size < 1:
-        raise ValueError("world_size must be at least 1")
-    if batch_size % world_size:
-        raise ConfigError(f"batch_size ({batch_size}) must be divisible by the world size ({world_size})")
-    return batch_size // world_size
+def split_batch(batch_size: int, parts: int) -> list[int]:
+    """Samples each of ``parts`` data-parallel ranks takes of a global batch of ``batch_size``:
+    as even as can be, the first ``batch_size % parts`` ranks one more than the rest."""
+    if parts < 1:
+        raise ValueError("parts must be at least 1")
+    base, extra = divmod(batch_size, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
-def check_batch_splits(batch_size: int, node_counts: Iterable[int], processes: int, *, file: str, why: str) -> None:
-    """ConfigError naming ``batch_size`` unless it splits evenly over the ranks of every node count
-    (``processes`` per node); ``why`` ends the message: what needs the split."""
-    for count in node_counts:
-        if batch_size % (count * processes):
+def check_layout(spec: RunSpec, worlds: Iterable[tuple[int, str]], *, file: str) -> None:
+    """ConfigError naming the field unless ``spec.parallel`` runs on every world size of
+    ``worlds``: (ranks, how that many ranks arise, e.g. "3 node(s) x 1 process(es)")."""
+    parallel = spec.parallel
+    for ranks, how in worlds:
+        try:
+            dp = parallel.dp_degree(ranks)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} ({how})", file=file, field="parallel") from None
+        if spec.batch_size < dp:
             raise ConfigError(
-                f"{batch_size} does not split evenly over {count * processes} rank(s) "
-                f"({count} node(s) x {processes} process(es)), {why}",
+                f"{spec.batch_size} is smaller than the {dp} data-parallel rank(s) of {how}: a rank would idle",
+                file=file,
+                field="batch_size",
+            )
+        micro = parallel.n_microbatches
+        if parallel.pp > 1 and spec.batch_size % (dp * micro):
+            raise ConfigError(
+                f"{spec.batch_size} does not split into {dp} data-parallel rank(s) x {micro} pipeline "
+                f"micro-batches of equal size ({how}); the pipeline needs equal micro-batches",
                 file=file,
                 field="batch_size",
             )

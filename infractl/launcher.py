@@ -17,7 +17,7 @@ from typing import Any
 
 from infractl import proc, runs, runstore
 from infractl.cluster import ensure_rendezvous, store_for
-from infractl.config import RunSpec, check_batch_splits
+from infractl.config import RunSpec, check_layout
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
@@ -111,19 +111,21 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
 
 
 def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, nodes: list[dict[str, Any]]) -> None:
-    """The run fits the cluster: enough nodes, a batch every world size splits, not running yet."""
+    """The run fits the cluster: enough nodes, a layout every world size can run, not running yet."""
     if spec.nodes.min > len(nodes):
         raise UsageError(
             f"{spec.nodes.min} exceeds the {len(nodes)} node(s) of cluster {state.name!r}",
             file=str(run_file),
             field="nodes.min",
         )
-    check_batch_splits(
-        spec.batch_size,
-        range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1),
-        int(nodes[0]["processes"]),
+    processes = int(nodes[0]["processes"])
+    check_layout(
+        spec,
+        [
+            (count * processes, f"{count} node(s) x {processes} process(es), in the range nodes.min to nodes.max")
+            for count in range(spec.nodes.min, min(spec.nodes.max, len(nodes)) + 1)
+        ],
         file=str(run_file),
-        why="as every world size of the elastic range (nodes.min to nodes.max) must",
     )
     if spec.name in runs.running(state):
         raise UsageError(

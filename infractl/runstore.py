@@ -141,6 +141,10 @@ class StepRecord(TypedDict):
     checkpoint_blocking_s: float | None
     peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
     grad_norm: NotRequired[float]  # the global gradient norm before clipping (since log_every)
+    # How each data-parallel rank took its share of the global batch at this world size:
+    # forward/backward passes of at most micro_batch samples (trainer/layout.py).
+    micro_batch: NotRequired[int]
+    accumulation: NotRequired[int]
     val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)
     # The environment fingerprint, in the first record of every trainer process: the first
     # step after a (re)start. ``starts_a_process`` is how readers ask.

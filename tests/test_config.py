@@ -21,7 +21,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_examples_load() -> None:
     assert load_run(REPO / "examples" / "quickstart.yaml").nodes.max == 2
-    assert load_run(REPO / "examples" / "fsdp-bf16.yaml").parallel == "fsdp"
+    assert load_run(REPO / "examples" / "fsdp-bf16.yaml").parallel.scheme == "fsdp"
     elastic = load_run(REPO / "examples" / "elastic.yaml")
     assert (elastic.nodes.min, elastic.nodes.max, elastic.watchdog.step_timeout_s) == (1, 2, 30)
     assert load_cluster(REPO / "examples" / "cluster-local.yaml") == ClusterSpec()

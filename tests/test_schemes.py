@@ -17,11 +17,10 @@ from filelock import FileLock
 from test_trainer import ok, store_of, torchrun
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from infractl.config import CheckpointSpec, DataSpec, ModelSpec, RunSpec, load_run
+from infractl.config import DP_SHORTHANDS, CheckpointSpec, DataSpec, ModelSpec, RunSpec, load_run
 from infractl.errors import ConfigError
 from infractl.runstore import checkpoint_prefix, committed_steps, read_metrics
 from infractl.store import Store
-from trainer.parallelize import SCHEMES
 
 #: Largest relative loss difference allowed after resuming on another world size. The global
 #: batch and the data order do not depend on the world size, but the float32 sums do: one rank
@@ -36,6 +35,7 @@ RESHARD_REL_TOL = 1e-5
 #: ln(256) early on and moves little with rounding. Measured: at most 4e-4 over 12 steps.
 BF16_REL_TOL = 1e-2
 
+SCHEMES = tuple(DP_SHORTHANDS)
 STEPS = 12
 EVERY = 4  # checkpoints at 4, 8, 12; keep=3 keeps all of them
 

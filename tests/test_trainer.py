@@ -19,7 +19,7 @@ import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from infractl import dataset
-from infractl.config import CheckpointSpec, DataSpec, EvalSpec, ModelSpec, RunSpec, load_run_json, per_rank_batch
+from infractl.config import CheckpointSpec, DataSpec, EvalSpec, ModelSpec, RunSpec, load_run_json, split_batch
 from infractl.errors import ConfigError
 from infractl.runstore import (
     StepRecord,
@@ -241,7 +241,7 @@ def test_batch_indices_are_a_pure_function_of_seed_step_rank_world_size() -> Non
     assert not np.array_equal(first, share(seed=4))
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 16])
 def test_ranks_split_the_global_batch_without_overlap(world_size: int) -> None:
     batch_size, samples = 16, 1000
     for step in (1, 2, 50):
@@ -283,9 +283,10 @@ def test_batches_pair_each_byte_with_the_next() -> None:
     assert ((inputs + 1) % 256 == targets).all()
 
 
-def test_batch_size_not_divisible_by_world_size_names_batch_size() -> None:
-    with pytest.raises(ConfigError, match=r"^batch_size \(10\) must be divisible by the world size \(4\)$"):
-        per_rank_batch(10, 4)
+def test_an_uneven_split_gives_the_first_ranks_one_more_sample() -> None:
+    assert split_batch(10, 4) == [3, 3, 2, 2]
+    assert split_batch(16, 3) == [6, 5, 5]
+    assert split_batch(8, 8) == [1] * 8
 
 
 def test_spec_errors_name_the_field(tmp_path: Path) -> None:

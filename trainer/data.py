@@ -3,10 +3,13 @@
 
 Sample ``i`` is the window ``corpus[i*seq_len : i*seq_len + seq_len + 1]`` (inputs and the
 next-byte targets). The order of samples is a fixed permutation per epoch, seeded by
-``(seed, epoch)``; step ``s`` takes the next ``batch_size`` samples of that sequence and rank
-``r`` takes its contiguous share of them. So a rank's batch is a pure function of
-``(seed, step, rank, world_size)``, ranks never share a sample within a step, the global
-batch does not depend on the world size, and resuming at step ``s`` needs no replay.
+``(seed, epoch)``; step ``s`` takes the next ``batch_size`` samples of that sequence and
+data-parallel rank ``r`` of ``world_size`` takes its contiguous share of them
+(``infractl.config.split_batch``: the first ``batch_size % world_size`` ranks take one more).
+So a rank's batch is a pure function of ``(seed, step, rank, world_size)``, ranks never share a
+sample within a step, the global batch does not depend on the world size, and resuming at step
+``s`` needs no replay. ``rank`` and ``world_size`` here are data-parallel: the tensor- and
+pipeline-parallel ranks of one model copy train on the same samples (trainer/layout.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from infractl.config import per_rank_batch
+from infractl.config import split_batch
 from trainer.errors import RunRefused
 
 __all__ = [
@@ -51,8 +54,9 @@ def sample_indices(*, seed: int, step: int, rank: int, world_size: int, batch_si
         raise ValueError("step must be at least 1 (steps are 1-based)")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size})")
-    per_rank = per_rank_batch(batch_size, world_size)
-    first = (step - 1) * batch_size + rank * per_rank
+    shares = split_batch(batch_size, world_size)
+    per_rank = shares[rank]
+    first = (step - 1) * batch_size + sum(shares[:rank])
     epochs, offsets = np.divmod(np.arange(first, first + per_rank, dtype=np.int64), samples)
     out = np.empty(per_rank, dtype=np.int64)
     for epoch in np.unique(epochs):
@@ -81,7 +85,6 @@ class ByteBatches:
         self.rank = rank
         self.world_size = world_size
         self.samples = num_samples(len(corpus), seq_len)
-        self.per_rank = per_rank_batch(batch_size, world_size)
         self._window = np.arange(seq_len + 1, dtype=np.int64)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +113,8 @@ class ValidationBatches:
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
-        self.per_rank = per_rank_batch(batch_size, world_size)
+        shares = split_batch(batch_size, world_size)
+        first, count = sum(shares[:rank]), shares[rank]
         samples = num_samples(len(tokens), seq_len)
         total = min(batches * batch_size, samples - samples % batch_size)
         if total == 0:
@@ -118,8 +122,8 @@ class ValidationBatches:
                 f"data: the validation split holds {samples} sample(s), fewer than one batch ({batch_size}); "
                 "raise data.val_fraction or turn evaluation off (eval.every: 0)"
             )
-        starts = [b + rank * self.per_rank for b in range(0, total, batch_size)]
-        self._indices = [np.arange(s, s + self.per_rank, dtype=np.int64) for s in starts]
+        starts = [b + first for b in range(0, total, batch_size)]
+        self._indices = [np.arange(s, s + count, dtype=np.int64) for s in starts]
         self._window = np.arange(seq_len + 1, dtype=np.int64)
 
     def __len__(self) -> int:

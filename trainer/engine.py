@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import RunSpec
@@ -40,10 +39,12 @@ from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
+from trainer.layout import Layout
 from trainer.metrics import CommTimer, MetricsWriter, StepClock
-from trainer.model import GPT, VOCAB_SIZE, GPTConfig
+from trainer.model import GPT, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
-from trainer.parallelize import compute_dtype, parallelize
+from trainer.parallelize import Parallel, compute_dtype, parallelize
+from trainer.pipeline import Pipeline, token_loss
 from trainer.preemption import PreemptionNotice
 from trainer.profiling import StepProfiler
 from trainer.saves import Saves
@@ -69,12 +70,13 @@ GRAD_CLIP = 1.0
 def config_hash(spec: RunSpec) -> str:
     """Hash of the fields that decide what the weights become.
 
-    ``steps``, ``checkpoint``, ``nodes`` and ``max_restarts`` are left out: a run may be
-    extended, re-cadenced or moved to other nodes and still be the same run.
+    ``steps``, ``checkpoint``, ``nodes``, ``parallel`` and ``max_restarts`` are left out: a
+    run may be extended, re-cadenced, moved to other nodes or another layout and still be the
+    same run.
     """
     fields = spec.model_dump(
         mode="json",
-        include={"model", "data", "batch_size", "lr", "seed", "parallel", "mixed_precision"},
+        include={"model", "data", "batch_size", "lr", "seed", "mixed_precision"},
     )
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -110,9 +112,19 @@ class Trainer:
         self.config_hash = config_hash(spec)
         self.fingerprint = environment_fingerprint(world_size=env.world_size)
         (log.info if env.rank == 0 else log.debug)("environment", **self.fingerprint)  # job-wide: train.py's doc
-        self.dataset_version, self.data, self.validation = _build_data(spec, env)
-        self.model = _build_model(spec, env, device)
-        self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel == "zero1")
+        # The micro-batch is sized for the largest world: nodes.max nodes of this node's ranks.
+        self.layout = Layout.of(
+            spec, rank=env.rank, world_size=env.world_size, max_world_size=spec.nodes.max * env.local_world_size
+        )
+        self.dataset_version, self.data, self.validation = _build_data(spec, self.layout)
+        self.parallel = _build_model(spec, env, self.layout, device)
+        self.model = self.parallel.module
+        self.pipeline = (
+            Pipeline(self.model, parallel=spec.parallel, layout=self.layout, mesh=self.parallel.mesh, device=device)
+            if self.parallel.mesh is not None and self.layout.pp > 1
+            else None
+        )
+        self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel.dp_shard == "zero1")
         self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
             store,
@@ -146,6 +158,8 @@ class Trainer:
             attempt=env.attempt,
             restart_count=env.restart_count,
             tokens_per_step=spec.batch_size * spec.model.seq_len,
+            micro_batch=self.layout.micro_batch,
+            accumulation=self.layout.accumulation,
         )
         # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
         self.comm: CommTimer | None = None
@@ -316,40 +330,83 @@ class Trainer:
         start = clock.mark()
         inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
         fetched = clock.mark()
-        with self._autocast():
-            logits = self.model(inputs)
-        # fsdp's bf16 policy returns bf16 logits; the loss is fp32 for every scheme.
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is not annotated
+        loss = self._forward_backward(inputs, targets)
         backward_done = clock.mark()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        norm = self.parallel.reduce_and_clip(GRAD_CLIP)
         self.optimizer.step()
         self.progress.scheduler.step()
         stepped = clock.mark()
-        # fsdp's norm is a replicated DTensor: every rank holds the global value.
-        local_norm = norm.to_local() if isinstance(norm, DTensor) else norm
         return PendingStep(
             step=step,
             loss=loss.detach(),
-            grad_norm=local_norm.detach(),
+            grad_norm=norm.detach(),
             marks=(start, fetched, backward_done, stepped),
             comm=self.comm.window() if self.comm is not None else None,
             time=time.time(),
             environment=dict(self.fingerprint) if first else None,
         )
 
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Gradients of this rank's share of the global batch; returns its part of the global
+        mean loss (the step log sums the parts of all ranks and divides by the world size).
+
+        Each pass's mean loss is weighted by its samples' share of the global batch times the
+        data-parallel degree, because DDP and FSDP average the gradients over the
+        data-parallel ranks: the result is the global batch's mean for any split. Only the last
+        pass synchronizes the gradients. A pass can be empty (one sample per pass, and this rank
+        has one sample fewer than its peers): it still runs, so the ranks' collectives match.
+        """
+        if self.pipeline is not None:
+            with self._autocast():
+                return self.pipeline.step(inputs, targets)
+        layout = self.layout
+        passes = layout.passes()
+        total: torch.Tensor | None = None
+        offset = 0
+        for index, size in enumerate(passes):
+            with self._gradient_sync(index == len(passes) - 1), self._autocast():
+                logits = self.model(inputs[offset : offset + size])
+                weight = size * layout.dp / layout.batch_size
+                loss = token_loss(logits, targets[offset : offset + size]) if size else logits.sum() * 0.0
+                if weight not in (0.0, 1.0):
+                    loss = loss * weight
+                loss.backward()
+            offset += size
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
+
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager[object]:
+        """Around one pass of several: DDP and FSDP reduce the gradients in the last pass only."""
+        if last:
+            return contextlib.nullcontext()
+        if isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(False)
+            return _RestoreSync(self.model)
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def _evaluate(self, batches: ValidationBatches) -> float:
-        """Mean loss over the fixed validation batches, all ranks together (collective)."""
+        """Mean loss over the fixed validation batches, all ranks together (collective). Each
+        rank's share is weighted by its size; only one rank of each model copy (the first
+        tensor-parallel rank of the last stage) contributes it."""
+        layout = self.layout
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
-            with self._autocast():
-                logits = self.model(inputs.to(self.device))
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.to(self.device).reshape(-1))
-            total += loss.double()
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            if self.pipeline is not None:
+                with self._autocast():
+                    loss = self.pipeline.evaluate(inputs, targets) / layout.pp
+            else:
+                with self._autocast():
+                    loss = token_loss(self.model(inputs), targets)
+            if layout.tp_rank == 0:
+                total += loss.double() * (len(inputs) / layout.batch_size)
         dist.all_reduce(total)
-        return float(total.item()) / (len(batches) * self.env.world_size)
+        return float(total.item()) / len(batches)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """The forward's compute dtype, the same way for every scheme (fsdp also gathers its
@@ -368,21 +425,32 @@ class Trainer:
             "environment": self.fingerprint,
             # The checkpoint describes itself: `infractl export` builds the model from these.
             "model": self.spec.model.model_dump(mode="json"),
-            "parallel": self.spec.parallel,
+            "parallel": self.spec.parallel.label,
         }
 
 
-def _build_data(spec: RunSpec, env: DistEnv) -> tuple[str, ByteBatches, ValidationBatches | None]:
+class _RestoreSync(contextlib.AbstractContextManager[object]):
+    """Turns FSDP's gradient reduction back on after a pass that accumulated without it."""
+
+    def __init__(self, module: FSDPModule) -> None:
+        self.module = module
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.set_requires_gradient_sync(True)
+
+
+def _build_data(spec: RunSpec, layout: Layout) -> tuple[str, ByteBatches, ValidationBatches | None]:
     """The dataset's version, this rank's training batches, and its validation batches (when
-    the run evaluates)."""
+    the run evaluates). Ranks of one model copy (tensor and pipeline parallel) share their
+    data-parallel rank's batches."""
     dataset = open_dataset(spec.data)
     data = ByteBatches(
         dataset.tokens("train"),
         seq_len=spec.model.seq_len,
         batch_size=spec.batch_size,
         seed=spec.seed,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=layout.dp_rank,
+        world_size=layout.dp,
     )
     validation = None
     if spec.eval.every:
@@ -391,14 +459,14 @@ def _build_data(spec: RunSpec, env: DistEnv) -> tuple[str, ByteBatches, Validati
             seq_len=spec.model.seq_len,
             batch_size=spec.batch_size,
             batches=spec.eval.batches,
-            rank=env.rank,
-            world_size=env.world_size,
+            rank=layout.dp_rank,
+            world_size=layout.dp,
         )
     return dataset.version, data, validation
 
 
-def _build_model(spec: RunSpec, env: DistEnv, device: torch.device) -> torch.nn.Module:
-    """The model, parallelized by the run's scheme."""
+def _build_model(spec: RunSpec, env: DistEnv, layout: Layout, device: torch.device) -> Parallel:
+    """The model, parallelized by the run's layout."""
     if spec.deterministic:
         make_deterministic()
     # Same seed on every rank for the initial weights, then a per-rank seed for anything
@@ -406,11 +474,4 @@ def _build_model(spec: RunSpec, env: DistEnv, device: torch.device) -> torch.nn.
     seed_everything(spec.seed)
     model = GPT(GPTConfig.from_spec(spec.model))
     seed_everything(spec.seed + env.rank)
-    return parallelize(
-        model,
-        scheme=spec.parallel,
-        device=device,
-        activation_checkpointing=spec.activation_checkpointing,
-        mixed_precision=spec.mixed_precision,
-        cpu_offload=spec.cpu_offload,
-    )
+    return parallelize(model, spec=spec, layout=layout, device=device)

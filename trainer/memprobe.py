@@ -165,9 +165,9 @@ def _recomputed_block_bytes(trainer: Trainer, saved: _SavedTensors) -> int:
     input of the step's shape; under fsdp every rank runs it (it gathers the block's weights)."""
     model = trainer.model.module if isinstance(trainer.model, DistributedDataParallel) else trainer.model
     assert isinstance(model, GPT)
-    block = model.blocks[0]
+    block = model.blocks["0"]
     spec = trainer.spec
-    micro = spec.batch_size // trainer.env.world_size
+    micro = trainer.layout.micro_batch
     # Not a leaf: a leaf that requires grad is a weight to the pack hook.
     leaf = torch.zeros(micro, spec.model.seq_len, spec.model.hidden, device=trainer.device, requires_grad=True)
     x = leaf.clone()

@@ -1,4 +1,8 @@
-"""A small GPT-style byte-level language model (vocabulary: the 256 byte values)."""
+"""A small GPT-style byte-level language model (vocabulary: the 256 byte values).
+
+A pipeline stage is the same ``GPT`` with the parts other stages hold removed (``stage``):
+parameter names, and so checkpoint keys, are the whole model's in every layout.
+"""
 
 from __future__ import annotations
 
@@ -45,17 +49,21 @@ class GPTConfig:
 class _Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.head_dim = cfg.hidden // cfg.heads
+        # Separate projections, so tensor parallel can split each by columns into whole heads.
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=2)
-        shape = (batch, seq, self.heads, hidden // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        # Under tensor parallel a rank computes its own heads only: a fraction of the width.
+        width = q.shape[-1]
+        q, k, v = (t.view(batch, seq, width // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, seq, width))
         return out
 
 
@@ -90,11 +98,32 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, cfg.hidden)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.tok_emb: nn.Embedding | None = nn.Embedding(VOCAB_SIZE, cfg.hidden)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.hidden)
+        # Keyed "0", "1", ...: the names a ModuleList would give, and they stay when a
+        # pipeline stage drops the blocks it does not run.
+        self.blocks = nn.ModuleDict({str(i): _Block(cfg) for i in range(cfg.layers)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden)
         self._init_weights()
+
+    def stage(self, index: int, stages: int) -> GPT:
+        """Keep only what pipeline stage ``index`` of ``stages`` runs (in place; returns self):
+        its share of the blocks; the first stage also the embeddings; the last stage the final
+        norm and the token embedding for the tied output projection (the first and last stage
+        each hold a copy, and their gradients are summed; see trainer/parallelize.py). A stage
+        takes tokens if it is the first, else the previous stage's activations; it returns
+        logits if it is the last, else its activations."""
+        per_stage = self.cfg.layers // stages
+        keep = {str(i) for i in range(index * per_stage, (index + 1) * per_stage)}
+        for name in [n for n in self.blocks if n not in keep]:
+            del self.blocks[name]
+        if index > 0:
+            self.pos_emb = None
+        if index < stages - 1:
+            self.ln_f = None
+            if index > 0:
+                self.tok_emb = None
+        return self
 
     def _init_weights(self) -> None:
         # GPT-2 initialisation: residual projections scaled down by depth so the
@@ -111,13 +140,18 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, seq, 256) for ``tokens`` of shape (batch, seq)."""
-        seq = tokens.shape[1]
-        if seq > self.cfg.seq_len:
-            raise ValueError(f"input has {seq} tokens; the model takes at most {self.cfg.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
+        x = tokens
+        if self.pos_emb is not None:  # the first stage (or the whole model)
+            assert self.tok_emb is not None
+            seq = tokens.shape[1]
+            if seq > self.cfg.seq_len:
+                raise ValueError(f"input has {seq} tokens; the model takes at most {self.cfg.seq_len}")
+            x = self.tok_emb(tokens) + self.pos_emb(torch.arange(seq, device=tokens.device))
+        for block in self.blocks.values():
             x = block(x)
+        if self.ln_f is None:  # a stage before the last
+            return x
+        assert self.tok_emb is not None
         # Weight tying through F.linear (not a second module sharing the tensor) keeps
         # one name per parameter, which keeps checkpoint keys unambiguous.
         return F.linear(self.ln_f(x), self.tok_emb.weight)

@@ -1,9 +1,24 @@
-"""How the model is spread over ranks. One entry point, ``parallelize``, for every scheme:
+"""How the model is spread over ranks. One entry point, ``parallelize``, for every layout.
+
+Data parallel alone (tp = pp = 1) runs on the default process group:
 
 - ``ddp``: every rank holds the whole model and optimizer; gradients are all-reduced.
 - ``zero1``: DDP, and AdamW's state sharded over the ranks (see ``optimizer.build_optimizer``).
 - ``fsdp``: FSDP2 ``fully_shard`` on each transformer block and at the root: weights,
   gradients and optimizer state are DTensors sharded over the ranks.
+
+Tensor and pipeline parallel run on a ``(pp, dp, tp)`` device mesh (trainer/layout.py), the
+way torchtitan composes PyTorch's own parts:
+
+- ``tp``: DTensor ``parallelize_module`` on each block: Q, K, V and the MLP's up projection
+  split by columns (each rank computes whole heads), the attention output and the MLP's down
+  projection by rows (their outputs all-reduced). Embeddings and norms stay replicated.
+- ``pp``: each rank keeps one stage of the model (``GPT.stage``), run by a
+  ``torch.distributed.pipelining`` schedule (trainer/pipeline.py). The first and last stage
+  both hold the tied token embedding; their gradients are summed after the backward pass.
+- data parallel across the ``dp`` dimension: ``fsdp`` shards with ``fully_shard`` on the
+  ``dp`` sub-mesh (a 2-D mesh with tp); ``ddp`` averages the gradients over the ``dp`` group
+  in one all-reduce after the backward pass.
 
 A world of one rank goes through the same path: parallel degree 1 is a normal mode.
 """
@@ -17,76 +32,185 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from infractl.config import RunSpec
+from trainer.layout import Layout
 from trainer.model import GPT
 
-__all__ = ["Scheme", "Precision", "SCHEMES", "parallelize", "compute_dtype"]
+__all__ = ["Precision", "Parallel", "parallelize", "compute_dtype"]
 
-Scheme = Literal["ddp", "zero1", "fsdp"]
 Precision = Literal["fp32", "bf16"]
-SCHEMES: tuple[Scheme, ...] = ("ddp", "zero1", "fsdp")
+
+#: Each block's tensor-parallel plan: column-wise in, row-wise out.
+_TP_PLAN = {
+    "attn.q": ColwiseParallel(),
+    "attn.k": ColwiseParallel(),
+    "attn.v": ColwiseParallel(),
+    "attn.proj": RowwiseParallel(),
+    "mlp.fc": ColwiseParallel(),
+    "mlp.proj": RowwiseParallel(),
+}
 
 
 def compute_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def parallelize(
-    model: GPT,
-    *,
-    scheme: Scheme,
-    device: torch.device,
-    activation_checkpointing: bool = False,
-    mixed_precision: Precision = "fp32",
-    cpu_offload: bool = False,
-) -> nn.Module:
-    """Move ``model`` to ``device`` and apply ``scheme``; the result is what the step calls.
+class Parallel:
+    """The parallelized model and what the step needs besides its forward and backward:
+    ``reduce_and_clip`` after the backward pass."""
 
-    Mixed precision for ``ddp`` and ``zero1`` is the step's ``torch.autocast`` alone (the
-    engine applies it for every scheme); ``fsdp`` also gathers weights in that dtype.
-    """
-    if scheme not in SCHEMES:
-        raise ValueError(f"parallel must be one of: {', '.join(SCHEMES)} (got {scheme!r})")
-    if cpu_offload and scheme != "fsdp":
-        raise ValueError(f"cpu_offload needs parallel: fsdp (got parallel: {scheme})")
+    def __init__(self, module: nn.Module, layout: Layout, mesh: DeviceMesh | None, *, sharded: bool) -> None:
+        self.module = module
+        """What the step calls (or the pipeline stage), and what optimizer and checkpoints see."""
+        self.layout = layout
+        self.mesh = mesh
+        """The ``(pp, dp, tp)`` mesh; None for data parallel alone."""
+        # On the mesh, replicas' gradients are averaged here; FSDP reduce-scatters its own.
+        self._dp_group = mesh["dp"].get_group() if mesh is not None and layout.dp > 1 and not sharded else None
+        self._tied_group = _tied_embedding_group(layout) if layout.pp > 1 else None
+
+    def reduce_and_clip(self, max_norm: float) -> torch.Tensor:
+        """After the backward pass: finish the gradients (averaged over data-parallel ranks,
+        the tied embedding's summed over its stages), clip them to ``max_norm`` in total, and
+        return their global norm before clipping (the same tensor value on every rank)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if self.mesh is None:  # DDP or FSDP have reduced them already
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            # fsdp's norm is a replicated DTensor: every rank holds the global value.
+            return norm.to_local() if isinstance(norm, DTensor) else norm
+        if self._dp_group is not None:
+            _all_reduce_flat(grads, self._dp_group, divide_by=self.layout.dp)
+        if self._tied_group is not None:
+            emb = getattr(self.module, "tok_emb", None)
+            assert emb is not None and emb.weight.grad is not None, "the first and last stage hold tok_emb"
+            _all_reduce_flat([_local(emb.weight.grad)], self._tied_group, divide_by=1)
+        norm = self._global_norm()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef)
+        return norm
+
+    def _global_norm(self) -> torch.Tensor:
+        """The L2 norm of all gradients of the model, every rank counting each piece it holds
+        only if no other rank holds the same piece (one all-reduce over the world)."""
+        layout = self.layout
+        device = next(self.module.parameters()).device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            if layout.dp_rank and not _sharded_over(p, "dp"):
+                continue  # a copy of data-parallel rank 0's
+            if layout.tp_rank and not _sharded_over(p, "tp"):
+                continue  # a copy of tensor-parallel rank 0's
+            if layout.pp_rank and name == "tok_emb.weight":
+                continue  # the last stage's copy of the first stage's
+            total += _local(p.grad).float().square().sum()
+        dist.all_reduce(total)
+        return total.sqrt()
+
+
+def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.device) -> Parallel:
+    """Move ``model`` to ``device`` and apply the run's layout. Under a pipeline, ``model``
+    becomes this rank's stage (``GPT.stage``) first."""
+    if spec.cpu_offload and spec.parallel.dp_shard != "fsdp":
+        raise ValueError(f"cpu_offload needs parallel: fsdp (got parallel: {spec.parallel.label})")
+    mesh = None
+    if layout.meshed:
+        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    if layout.pp > 1:
+        model.stage(layout.pp_rank, layout.pp)
     model = model.to(device)
+    if mesh is not None and layout.tp > 1:
+        for block in model.blocks.values():
+            parallelize_module(block, mesh["tp"], _TP_PLAN)
 
     # Activation checkpointing before sharding: fully_shard then treats each checkpointed
     # block as one unit, and its hooks gather the block's weights for the recompute in the
     # backward pass as they do for the forward. The composable form adds hooks rather than
     # a wrapper module, so parameter names (and checkpoint keys) do not change with it.
-    if activation_checkpointing:
-        for block in model.blocks:
+    if spec.activation_checkpointing:
+        for block in model.blocks.values():
             checkpoint(block)
 
-    if scheme in ("ddp", "zero1"):
+    if spec.parallel.dp_shard == "fsdp":
+        dp_mesh = mesh["dp"] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
+        _shard(model, dp_mesh, precision=spec.mixed_precision, cpu_offload=spec.cpu_offload, device=device)
+        return Parallel(model, layout, mesh, sharded=True)
+    if mesh is None:
         # DDP broadcasts rank 0's weights at construction, so ranks start identical
         # even if their seeds were not. zero1 differs only in its optimizer.
         device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        return Parallel(DistributedDataParallel(model, device_ids=device_ids), layout, None, sharded=False)
+    return Parallel(model, layout, mesh, sharded=False)
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    dtype = compute_dtype(mixed_precision)
+
+def _shard(model: GPT, mesh: DeviceMesh, *, precision: Precision, cpu_offload: bool, device: torch.device) -> None:
+    """FSDP2 over ``mesh``. Mixed precision for ``ddp`` and ``zero1`` is the step's
+    ``torch.autocast`` alone (the engine applies it for every layout); ``fsdp`` also gathers
+    weights in that dtype."""
     # Gradients are reduced in fp32 whatever the compute dtype: a bf16 sum over many ranks
     # loses the small updates that training depends on.
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     # Blocks first, then the root: each block is its own unit of all-gather and
     # reduce-scatter (communication overlaps the neighbouring block's compute); the root
     # unit takes what is left (embeddings, final norm). Every rank builds identical initial
     # weights from the same seed, and fully_shard keeps each rank's slice of them.
-    for block in model.blocks:
+    for block in model.blocks.values():
         shard(block)
     # The root's weights (the tied embedding) are used again right after the last block,
     # in the output projection: resharding them after forward would only gather them again.
     shard(model, reshard_after_forward=False)
-    return model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded_over(param: torch.Tensor, dim: str) -> bool:
+    """Whether ``param`` is split (not replicated) over the mesh dimension named ``dim``."""
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    # Not is_shard(): FSDP shards a tensor-parallel shard along the same dimension with a
+    # _StridedShard, which is no Shard.
+    return dim in names and not param.placements[names.index(dim)].is_replicate()
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup, *, divide_by: int) -> None:
+    """Sum ``tensors`` over ``group`` in place, in one all-reduce, then divide by ``divide_by``."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat /= divide_by
+    parts = torch.split(flat, [t.numel() for t in tensors])
+    for tensor, part in zip(tensors, parts, strict=True):
+        tensor.copy_(part.view_as(tensor))
+
+
+def _tied_embedding_group(layout: Layout) -> dist.ProcessGroup | None:
+    """The group of the first and the last stage of this rank's pipeline; None on the stages
+    between. Every rank creates every such group (``new_group`` is collective)."""
+    stride = layout.dp * layout.tp
+    mine = None
+    for offset in range(stride):
+        group = dist.new_group([offset, (layout.pp - 1) * stride + offset])
+        if offset == layout.dp_rank * layout.tp + layout.tp_rank and layout.pp_rank in (0, layout.pp - 1):
+            mine = group
+    return mine

@@ -51,6 +51,8 @@ class StepLog:
         attempt: int,
         restart_count: int,
         tokens_per_step: int,
+        micro_batch: int,
+        accumulation: int,
     ) -> None:
         self.clock = clock
         self.device = device
@@ -58,6 +60,8 @@ class StepLog:
         self.attempt = attempt
         self.restart_count = restart_count
         self.tokens_per_step = tokens_per_step
+        self.micro_batch = micro_batch
+        self.accumulation = accumulation
         self.pending: list[PendingStep] = []
 
     def add(self, step: PendingStep) -> None:
@@ -104,6 +108,8 @@ class StepLog:
                 checkpoint_blocking_s=0.0,
                 peak_memory_bytes=peak,
                 grad_norm=values[count + len(flags) + i],
+                micro_batch=self.micro_batch,
+                accumulation=self.accumulation,
             )
             if pending.val_loss is not None:
                 record["val_loss"] = pending.val_loss

@@ -42,7 +42,7 @@ import structlog
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from infractl.config import RunSpec, load_run_json, per_rank_batch
+from infractl.config import RunSpec, check_layout, load_run_json
 from infractl.errors import UsageError
 from infractl.log import get_logger, setup
 from infractl.proc import NODE_ENV
@@ -98,8 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = load_run_json(args.spec)
         # Checked before joining the group, so a bad spec fails fast instead of in a collective,
-        # and before touching the store, so it changes nothing.
-        per_rank_batch(spec.batch_size, env.world_size)
+        # and before touching the store, so it changes nothing. The launcher checked every world
+        # size of the node range; this catches a layout started by hand on a world it cannot use.
+        check_layout(spec, [(env.world_size, f"{env.world_size} rank(s)")], file=str(args.spec))
         store = open_store(args.store, field="--store")
         # Bad credentials or an unreachable store: one clear line now, not a traceback mid-run.
         store.check()

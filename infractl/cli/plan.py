@@ -98,7 +98,7 @@ def _measure(
     out.info(f"measuring run {spec.name!r} on cluster {state.name!r}: {steps} step(s) on every node")
     result = measure.measure(state, spec, run_file, steps=steps, log_format=log_format)
     table = Table(
-        title=f"{spec.name}: {spec.parallel}, {spec.mixed_precision}"
+        title=f"{spec.name}: {spec.parallel.label}, {spec.mixed_precision}"
         f"{', activation checkpointing' if spec.activation_checkpointing else ''}; "
         f"{result.world_size} rank(s) on {result.device}, per device (the largest of any rank)"
     )

@@ -109,7 +109,7 @@ def _saved_by(manifest: Manifest, spec: RunSpec, what: str) -> tuple[ModelSpec, 
         shape = ModelSpec.model_validate(saved["model"]) if "model" in saved else spec.model
     except ValidationError as exc:
         raise CheckpointError(f"{what}: the model in its manifest is not valid ({_first_line(exc)})") from None
-    return shape, str(saved.get("parallel", spec.parallel))
+    return shape, str(saved.get("parallel", spec.parallel.label))
 
 
 def _spec(raw: dict[str, Any] | None, run_id: str) -> RunSpec:

@@ -57,7 +57,7 @@ import psutil
 
 from infractl import launcher, runstore
 from infractl.cluster import store_for
-from infractl.config import RunSpec, check_batch_splits, derive_run
+from infractl.config import RunSpec, check_layout, derive_run
 from infractl.errors import ConfigError, TrainingError, UsageError
 from infractl.launcher import Launch
 from infractl.planning import memory
@@ -178,7 +178,11 @@ def plan_bench(
     largest = source.nodes.max * processes
     if strong:
         rule = f"strong scaling: global batch {source.batch_size} (batch_size) at every count, split over the ranks"
-        check_batch_splits(source.batch_size, counts, processes, file=str(run_file), why="as --strong needs")
+        check_layout(
+            source,
+            [(c * processes, f"{c} node(s) x {processes} process(es), as --nodes asks") for c in counts],
+            file=str(run_file),
+        )
         batches = {count: source.batch_size for count in counts}
     else:
         if source.batch_size % largest:
@@ -384,7 +388,7 @@ def _count_figures(measured: Measured, *, comm: bool) -> dict[str, Any]:
 
 def _comm_measure(bench: Bench) -> str:
     """What the exposed-communication share is, for this run's scheme and size."""
-    if bench.source.parallel == "fsdp":
+    if bench.source.parallel.dp_shard == "fsdp":
         return "not measured: fsdp records no all-reduce window (its communication is in compute)"
     gradient_bytes = 4 * memory.parameters(bench.source.model)
     if gradient_bytes <= _DDP_FIRST_BUCKET_BYTES:
@@ -394,7 +398,7 @@ def _comm_measure(bench: Bench) -> str:
 
 def figures(bench: Bench, measured: list[Measured], *, cluster: str, bench_id: str, started: float) -> dict[str, Any]:
     """The baseline: every figure of every count, and what they were measured on."""
-    comm = bench.source.parallel != "fsdp"
+    comm = bench.source.parallel.dp_shard != "fsdp"
     results = [_count_figures(m, comm=comm) for m in measured]
     base = results[0]
     for result in results:
@@ -409,7 +413,7 @@ def figures(bench: Bench, measured: list[Measured], *, cluster: str, bench_id: s
         "run_file": str(bench.run_file),
         "cluster": cluster,
         "model": source.model.model_dump(mode="json"),
-        "parallel": source.parallel,
+        "parallel": source.parallel.label,
         "mixed_precision": source.mixed_precision,
         "activation_checkpointing": source.activation_checkpointing,
         "scaling": bench.scaling,

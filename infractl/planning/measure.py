@@ -82,7 +82,7 @@ def compare(spec: RunSpec, reports: list[dict[str, Any]], *, steps: int) -> Comp
     cuda = first["device"] == "cuda"
     budget = memory.budget(
         spec.model,
-        scheme=spec.parallel,
+        scheme=spec.parallel.scheme,
         ranks=world,
         micro_batch=spec.batch_size // world,
         precision=spec.mixed_precision,

@@ -1,0 +1,86 @@
+"""Where a rank sits in the run's mesh, and which part of each global batch it trains on.
+
+The mesh is ``(pp, dp, tp)``, row-major over the global ranks: the ``tp`` ranks of one model
+copy are neighbours (on one node when a node runs ``tp`` or more ranks), the ``pp`` stages are
+the slowest-varying dimension. Every rank of a ``(pp, tp)`` group trains on the same samples:
+data is split over ``dp`` only.
+
+The global batch stays ``batch_size`` at every world size. Data-parallel rank ``d`` takes a
+contiguous share of it (``split_batch``: uneven when ``dp`` does not divide it), trained as
+``accumulation`` forward/backward passes of at most ``micro_batch`` samples each. The
+micro-batch is sized for the largest world the run may have (``nodes.max``), where one pass
+takes the whole share; on fewer ranks a share is larger and takes more passes, so memory per
+pass stays what the full world needed. Each pass's loss is weighted by its share of the
+global batch, so the gradient is the global batch's mean whatever the split. A pipeline
+(``pp`` > 1) splits each share into its own ``parallel.microbatches`` and needs them equal;
+the launcher checks that (``infractl.config.check_layout``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from infractl.config import RunSpec, split_batch
+
+__all__ = ["Layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's coordinates in the mesh and its part of every global batch."""
+
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    batch_size: int
+    """The global batch, samples per optimizer step."""
+    share: int
+    """Samples this rank trains on per optimizer step (its data-parallel group's share)."""
+    micro_batch: int
+    """Largest forward/backward pass, in samples (a pipeline's micro-batch when pp > 1)."""
+    accumulation: int
+    """Forward/backward passes per optimizer step (1 with a pipeline: it has micro-batches)."""
+
+    @classmethod
+    def of(cls, spec: RunSpec, *, rank: int, world_size: int, max_world_size: int) -> Layout:
+        """The layout of ``rank`` at ``world_size``; ``max_world_size`` sizes the micro-batch.
+        The layout must fit ``world_size`` (``infractl.config.check_layout``)."""
+        parallel = spec.parallel
+        dp = parallel.dp_degree(world_size)
+        pp_rank, rest = divmod(rank, dp * parallel.tp)
+        dp_rank, tp_rank = divmod(rest, parallel.tp)
+        shares = split_batch(spec.batch_size, dp)
+        if parallel.pp > 1:
+            micro_batch, accumulation = shares[0] // parallel.n_microbatches, 1
+        else:
+            micro_batch = math.ceil(spec.batch_size / max(dp, max_world_size // parallel.model_ranks))
+            accumulation = math.ceil(shares[0] / micro_batch)
+        return cls(
+            world_size=world_size,
+            dp=dp,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            dp_rank=dp_rank,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            batch_size=spec.batch_size,
+            share=shares[dp_rank],
+            micro_batch=micro_batch,
+            accumulation=accumulation,
+        )
+
+    @property
+    def meshed(self) -> bool:
+        """Whether the run needs a device mesh (tensor or pipeline parallel); data parallel
+        alone runs on the default process group."""
+        return self.tp > 1 or self.pp > 1
+
+    def passes(self) -> list[int]:
+        """Samples in each forward/backward pass of this rank's share, in order: as even as
+        can be (a pass may be empty on a rank with one sample fewer than its peers)."""
+        return split_batch(self.share, self.accumulation)

@@ -1,0 +1,69 @@
+"""Pipeline parallel: this rank's stage of the model, run by a ``torch.distributed.pipelining``
+schedule over the mesh's ``pp`` group.
+
+Each pipeline step splits the rank's share of the batch into ``parallel.microbatches`` equal
+micro-batches: ``gpipe`` runs all their forwards, then all their backwards; ``1f1b`` starts
+backwards as soon as the last stage has a loss, so a stage holds at most ``pp`` micro-batches'
+activations. The first stage feeds the tokens, the last stage computes each micro-batch's loss
+(the mean over its tokens; the schedule divides the gradients by the number of micro-batches,
+so they are the mean over the rank's share).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from infractl.config import ParallelSpec
+from trainer.layout import Layout
+from trainer.model import VOCAB_SIZE
+
+__all__ = ["Pipeline", "token_loss"]
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
+
+
+class Pipeline:
+    """Runs training and evaluation steps through this rank's stage."""
+
+    def __init__(
+        self, stage: nn.Module, *, parallel: ParallelSpec, layout: Layout, mesh: DeviceMesh, device: torch.device
+    ) -> None:
+        self.layout = layout
+        self.first = layout.pp_rank == 0
+        self.last = layout.pp_rank == layout.pp - 1
+        self.device = device
+        pipeline_stage = PipelineStage(stage, layout.pp_rank, layout.pp, device, group=mesh["pp"].get_group())
+        self.schedule = _SCHEDULES[parallel.pp_schedule](
+            pipeline_stage, parallel.n_microbatches, loss_fn=token_loss, scale_grads=True
+        )
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over ``inputs``; this rank's part of the global mean loss (see
+        ``_reported``)."""
+        return self._run(self.schedule.step, inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, run: object, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        run(*args, target=targets if self.last else None, losses=losses if self.last else None)  # type: ignore[operator]
+        return self._reported(losses)
+
+    def _reported(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The loss as the step log sums it over every rank: only the last stage has it, so it
+        counts ``pp`` times there and not at all on the other stages."""
+        if not self.last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).mean() * self.layout.pp
