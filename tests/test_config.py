@@ -25,6 +25,11 @@ def test_examples_load() -> None:
     elastic = load_run(REPO / "examples" / "elastic.yaml")
     assert (elastic.nodes.min, elastic.nodes.max, elastic.watchdog.step_timeout_s) == (1, 2, 30)
     assert load_cluster(REPO / "examples" / "cluster-local.yaml") == ClusterSpec()
+    tensor = load_run(REPO / "examples" / "tensor-parallel.yaml")
+    assert (tensor.parallel.dp_shard, tensor.parallel.tp, tensor.parallel.pp) == ("fsdp", 2, 1)
+    assert (tensor.nodes.min, tensor.nodes.max) == (2, 2)
+    pipeline = load_run(REPO / "examples" / "pipeline.yaml").parallel
+    assert (pipeline.pp, pipeline.pp_schedule, pipeline.microbatches, pipeline.tp) == (2, "1f1b", 4, 1)
 
 
 def test_yaml_exponent_learning_rate_is_a_number(tmp_path: Path) -> None:
