@@ -356,13 +356,13 @@ class ParallelSpec(_Spec):
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: object) -> object:
-        if isinstance(value, str):
-            if value not in DP_SHORTHANDS:
-                raise ValueError(
-                    f"must be one of {', '.join(DP_SHORTHANDS)} or a mapping of dp, dp_shard, tp, pp, "
-                    f"pp_schedule, microbatches (got {value!r})"
-                )
+        if isinstance(value, str) and value in DP_SHORTHANDS:
             return {"dp_shard": DP_SHORTHANDS[value]}
+        if isinstance(value, str) or not isinstance(value, dict | ParallelSpec):
+            raise ValueError(
+                f"must be one of {', '.join(DP_SHORTHANDS)} or a mapping of dp, dp_shard, tp, pp, "
+                f"pp_schedule, microbatches (got {value!r})"
+            )
         return value
 
     @field_validator("dp", mode="before")

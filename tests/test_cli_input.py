@@ -34,7 +34,11 @@ def test_mistyped_run_field_names_field_and_file(cli: Cli) -> None:
 def test_unknown_parallel_scheme_lists_the_allowed_ones(cli: Cli) -> None:
     run = write(cli.cwd / "run.yaml", "name: r\nparallel: zero3\n")
     result = cli("train", str(run), expect=2)
-    assert "run.yaml: parallel: Input should be 'ddp', 'zero1' or 'fsdp'" in result.stderr
+    assert "run.yaml: parallel: must be one of ddp, zero1, fsdp or a mapping of dp, dp_shard, tp, pp" in result.stderr
+    run = write(cli.cwd / "run.yaml", "name: r\nparallel: 3\n")
+    result = cli("train", str(run), expect=2)
+    assert "run.yaml: parallel: must be one of ddp, zero1, fsdp or a mapping of dp, dp_shard, tp, pp" in result.stderr
+    assert "(got 3)" in result.stderr
 
 
 def test_missing_run_file(cli: Cli) -> None:

@@ -27,6 +27,7 @@ data: {{max_bytes: 200000}}
 batch_size: 8
 steps: {steps}
 checkpoint: {{every: 10, keep: 2}}
+parallel: {{dp: auto, tp: 1}}
 nodes: {{min: 1, max: 2}}
 max_restarts: 3
 watchdog: {{step_timeout_s: 8}}

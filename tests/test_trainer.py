@@ -51,6 +51,8 @@ RECORD_FIELDS = {
     "checkpoint_blocking_s",
     "peak_memory_bytes",
     "grad_norm",
+    "micro_batch",
+    "accumulation",
 }
 
 
@@ -456,13 +458,18 @@ def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path)
         assert not [p for p in (tmp_path / node).rglob("*") if p.is_file()]
 
 
-def test_batch_size_not_divisible_by_world_size_fails_with_one_clear_line(tmp_path: Path) -> None:
-    run = torchrun(tmp_path, tiny_spec(batch_size=9))
+def test_a_batch_the_world_size_does_not_divide_trains_like_one_rank(tmp_path: Path) -> None:
+    # 9 samples over 2 ranks: shares of 5 and 4, each pass weighted by its share of the batch.
+    spec = tiny_spec(batch_size=9, deterministic=True)
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    ok(torchrun(tmp_path / "two", spec))
+    ok(torchrun(tmp_path / "one", spec, nproc=1))
 
-    assert not run.ok
-    errors = {e["event"] for e in run.events if e["level"] == "error"}  # one line per rank that got there
-    assert errors == {"batch_size (9) must be divisible by the world size (2)"}, run.stderr
-    assert list((tmp_path / "store").iterdir()) == []
+    two, one = (read_metrics(store_of(tmp_path / d), "tiny") for d in ("two", "one"))
+    assert {(r["world_size"], r["micro_batch"], r["accumulation"]) for r in two} == {(2, 5, 1)}
+    assert {(r["world_size"], r["micro_batch"], r["accumulation"]) for r in one} == {(1, 9, 1)}
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
 def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refused(

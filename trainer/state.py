@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -47,10 +48,18 @@ class ModelState(Stateful):
         set_model_state_dict(self.model, state_dict)
 
 
-class OptimizerState(Stateful):
-    """The optimizer's moments and step counts, keyed by parameter name (DTensors under FSDP).
+#: The optimizer's checkpoint layout: flat keys per parameter name, ``state.<name>.<exp_avg|...>``
+#: and ``param_groups.<name>.<lr|betas|...>``. A list of param groups would be one object per
+#: rank under one key, and DCP keeps one rank's copy of such a key: with pipeline stages, whose
+#: groups hold different parameters, the other stages would load the wrong groups.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
-    For ``ddp`` and ``fsdp``; ``zero1`` has ``ShardedOptimizerState``, in the same layout.
+
+class OptimizerState(Stateful):
+    """The optimizer's moments and step counts, keyed by parameter name (DTensors under FSDP
+    and tensor parallel; each pipeline stage its own parameters).
+
+    For every layout but ``zero1``, which has ``ShardedOptimizerState``, in the same layout.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -58,17 +67,17 @@ class OptimizerState(Stateful):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_FLAT)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_FLAT)
 
 
 class ShardedOptimizerState(Stateful):
     """ZeRO-1's optimizer state: each rank contributes the AdamW state of the parameters it owns.
 
-    The layout is ``get_optimizer_state_dict``'s (``state.<param name>.<exp_avg|...>`` and
-    ``param_groups``), so DCP writes each parameter's state once, from the rank that owns it,
+    The layout is ``OptimizerState``'s (``state.<param name>.<exp_avg|...>`` and
+    ``param_groups.<param name>.<lr|...>``), so DCP writes each parameter's state once, from the rank that owns it,
     with no gather to rank 0 (``ZeroRedundancyOptimizer.consolidate_state_dict`` would send
     everything there). Loading asks for the parameters this rank owns *now*: DCP reads each
     from whichever rank's file holds it, so a checkpoint saved on any world size, or by
@@ -89,20 +98,25 @@ class ShardedOptimizerState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         local = self.optimizer.optim.state
-        state = {name: dict(local[p]) if local.get(p) else _empty_adam_state(p) for name, p in self._owned}
-        groups = [
-            {k: v for k, v in group.items() if k != "params"} | {"params": names}
-            for group, names in zip(self.optimizer.param_groups, self._groups, strict=True)
-        ]
-        return {"state": state, "param_groups": groups}
+        out: dict[str, Any] = {}
+        for name, p in self._owned:
+            for key, value in (dict(local[p]) if local.get(p) else _empty_adam_state(p)).items():
+                out[f"state.{name}.{key}"] = value
+        for group, names in zip(self.optimizer.param_groups, self._groups, strict=True):
+            for name in names:
+                out.update({f"param_groups.{name}.{k}": v for k, v in group.items() if k != "params"})
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for name, p in self._owned:
-            self.optimizer.optim.state[p] = state_dict["state"][name]
+            prefix = f"state.{name}."
+            self.optimizer.optim.state[p] = {
+                k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)
+            }
         # lr and the rest; ZeRO copies them to the local optimizer at its next step.
-        saved_groups = state_dict["param_groups"]
-        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        for group, names in zip(self.optimizer.param_groups, self._groups, strict=True):
+            prefix = f"param_groups.{names[0]}."
+            group.update({k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)})
 
 
 @dataclass
