@@ -336,11 +336,13 @@ class ParallelSpec(_Spec):
         description="Tensor-parallel degree: ranks that split each block's attention heads and MLP; divides heads.",
     )
     pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree: stages the blocks are cut into.")
-    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
         "1f1b",
         description=(
             "Pipeline schedule. `gpipe`: all forwards, then all backwards (activations of every micro-batch "
-            "held at once). `1f1b`: one forward, one backward, so a stage holds at most pp micro-batches."
+            "held at once). `1f1b`: one forward, one backward, so a stage holds at most pp micro-batches. "
+            "`interleaved-1f1b`: 1f1b with two stages per rank, a smaller idle bubble (model.layers must "
+            "divide by 2 x pp)."
         ),
     )
     microbatches: int | None = Field(
@@ -376,6 +378,8 @@ class ParallelSpec(_Spec):
     def _consistent(self) -> ParallelSpec:
         if self.dp_shard == "zero1" and (self.tp > 1 or self.pp > 1):
             raise _field_error("dp_shard", "zero1 needs tp: 1 and pp: 1; use fsdp to shard alongside tp or pp")
+        if self.pp_schedule == "interleaved-1f1b" and self.pp == 1:
+            raise _field_error("pp_schedule", "interleaved-1f1b needs pp of at least 2")
         if self.microbatches is not None and self.microbatches < self.pp:
             raise _field_error(
                 "microbatches",
@@ -393,6 +397,11 @@ class ParallelSpec(_Spec):
     def model_ranks(self) -> int:
         """Ranks that hold one copy of the model between them: tp x pp."""
         return self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: one per pipeline rank, two with interleaved-1f1b."""
+        return self.pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
 
     @property
     def n_microbatches(self) -> int:
@@ -590,10 +599,10 @@ class RunSpec(_Spec):
                 f"{parallel.tp} must divide model.heads ({model.heads}) and model.hidden ({model.hidden}): "
                 "each tensor-parallel rank takes whole attention heads",
             )
-        if model.layers % parallel.pp:
+        if model.layers % parallel.stages:
             raise _field_error(
                 "parallel.pp",
-                f"{parallel.pp} stage(s) must split model.layers ({model.layers}) evenly",
+                f"{parallel.stages} stage(s) ({parallel.pp_schedule}) must split model.layers ({model.layers}) evenly",
             )
         if isinstance(parallel.dp, int) and self.batch_size < parallel.dp:
             raise _field_error(

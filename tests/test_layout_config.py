@@ -62,12 +62,22 @@ INVALID = [
     (
         "pp-not-dividing-layers",
         "parallel: {pp: 3}\n",
-        "parallel.pp: 3 stage(s) must split model.layers (4) evenly",
+        "parallel.pp: 3 stage(s) (1f1b) must split model.layers (4) evenly",
+    ),
+    (
+        "interleaved-stages-not-dividing-layers",
+        "parallel: {pp: 4, pp_schedule: interleaved-1f1b}\n",
+        "parallel.pp: 8 stage(s) (interleaved-1f1b) must split model.layers (4) evenly",
+    ),
+    (
+        "interleaved-without-a-pipeline",
+        "parallel: {pp_schedule: interleaved-1f1b}\n",
+        "parallel.pp_schedule: interleaved-1f1b needs pp of at least 2",
     ),
     (
         "unknown-pp-schedule",
         "parallel: {pp: 2, pp_schedule: zb}\n",
-        "parallel.pp_schedule: Input should be 'gpipe' or '1f1b'",
+        "parallel.pp_schedule: Input should be 'gpipe', '1f1b' or 'interleaved-1f1b'",
     ),
     (
         "batch-below-fixed-dp",

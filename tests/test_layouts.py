@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from filelock import FileLock
-from test_schemes import RESHARD_REL_TOL, STEPS, attempt_losses, scheme_spec, uncommit
+from test_schemes import BF16_REL_TOL, RESHARD_REL_TOL, STEPS, attempt_losses, scheme_spec, uncommit
 from test_trainer import ok, store_of, torchrun
 
-from infractl.config import CheckpointSpec
+from infractl.config import CheckpointSpec, ModelSpec, RunSpec
 
 #: Largest relative loss difference between a layout and the single-rank run over the first
 #: steps. Each layout computes the same sums in another order (a TP row-wise all-reduce, a
@@ -30,12 +30,21 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2-gpipe": {"pp": 2, "pp_schedule": "gpipe"},
     "pp2-1f1b": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4},
     "fsdp-tp2": {"dp_shard": "fsdp", "tp": 2},
+    # Two stages per rank, each an FSDP root of its own.
+    "fsdp-pp2-interleaved": {"dp_shard": "fsdp", "pp": 2, "pp_schedule": "interleaved-1f1b"},
 }
 
 
-def layout_spec(parallel: Any) -> Any:
+def layout_spec(parallel: Any, **overrides: Any) -> RunSpec:
     # Checkpoints at 3, 6, 9, 12, all kept: the chain resumes from each of the first three.
-    return scheme_spec("ddp", parallel=parallel, checkpoint=CheckpointSpec(every=3, keep=4))
+    # Four blocks: two pipeline stages of two, or four interleaved stages of one.
+    return scheme_spec(
+        "ddp",
+        parallel=parallel,
+        model=ModelSpec(layers=4, hidden=32, heads=2, seq_len=32),
+        checkpoint=CheckpointSpec(every=3, keep=4),
+        **overrides,
+    )
 
 
 def single_rank_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
@@ -80,6 +89,17 @@ def test_layout_matches_one_rank_and_resumes_bit_exact(
     resumed = ok(torchrun(tmp_path, spec, attempt=2))
     assert [e["step"] for e in resumed.event("resumed")] == [6]
     assert attempt_losses(store, 2) == {s: losses[s] for s in range(7, STEPS + 1)}
+
+
+def test_tensor_parallel_composes_with_fsdp_activation_checkpointing_and_bf16(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    reference = single_rank_losses(tmp_path_factory)
+    spec = layout_spec({"dp_shard": "fsdp", "tp": 2}, activation_checkpointing=True, mixed_precision="bf16")
+
+    ok(torchrun(tmp_path, spec))
+
+    assert_close(attempt_losses(store_of(tmp_path), 1), reference, BF16_REL_TOL)
 
 
 def test_a_checkpoint_moves_from_fsdp_to_tp_to_pp_to_one_rank(

@@ -73,7 +73,7 @@ def test_constraints_come_from_the_schema(reference: str) -> None:
     run = section(reference, "## run.yaml")
     assert row(run, "`log_every`")[1:4] == ["integer", "`10`", "1..10000"]
     assert row(run, "`parallel.dp_shard`")[3] == "one of `none`, `zero1`, `fsdp`"
-    assert row(run, "`parallel.pp_schedule`")[3] == "one of `gpipe`, `1f1b`"
+    assert row(run, "`parallel.pp_schedule`")[3] == "one of `gpipe`, `1f1b`, `interleaved-1f1b`"
     assert row(run, "`data.val_fraction`")[3] == "at least 0; below 1"
     assert "pattern `^([0-9]{1,10}):([0-9]{1,10})$`" in row(run, "`profile.steps`")[3]
     assert row(run, "`model`")[1] == "section"

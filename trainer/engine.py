@@ -120,7 +120,9 @@ class Trainer:
         self.parallel = _build_model(spec, env, self.layout, device)
         self.model = self.parallel.module
         self.pipeline = (
-            Pipeline(self.model, parallel=spec.parallel, layout=self.layout, mesh=self.parallel.mesh, device=device)
+            Pipeline(
+                self.parallel.stages, parallel=spec.parallel, layout=self.layout, mesh=self.parallel.mesh, device=device
+            )
             if self.parallel.mesh is not None and self.layout.pp > 1
             else None
         )

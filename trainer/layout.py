@@ -41,6 +41,8 @@ class Layout:
     """The global batch, samples per optimizer step."""
     share: int
     """Samples this rank trains on per optimizer step (its data-parallel group's share)."""
+    stages: int
+    """Pipeline stages: pp, or 2 x pp when each pipeline rank runs two (interleaved-1f1b)."""
     micro_batch: int
     """Largest forward/backward pass, in samples (a pipeline's micro-batch when pp > 1)."""
     accumulation: int
@@ -68,6 +70,7 @@ class Layout:
             dp_rank=dp_rank,
             tp_rank=tp_rank,
             pp_rank=pp_rank,
+            stages=parallel.stages,
             batch_size=spec.batch_size,
             share=shares[dp_rank],
             micro_batch=micro_batch,
@@ -79,6 +82,13 @@ class Layout:
         """Whether the run needs a device mesh (tensor or pipeline parallel); data parallel
         alone runs on the default process group."""
         return self.tp > 1 or self.pp > 1
+
+    @property
+    def stage_indices(self) -> list[int]:
+        """The pipeline stages this rank runs: ``pp_rank``, and ``pp_rank + pp`` when it runs
+        two (the round-robin of interleaved-1f1b). The first stage is always on pipeline rank
+        0, the last on pipeline rank pp - 1."""
+        return list(range(self.pp_rank, self.stages, self.pp))
 
     def passes(self) -> list[int]:
         """Samples in each forward/backward pass of this rank's share, in order: as even as

@@ -6,7 +6,9 @@ parameter names, and so checkpoint keys, are the whole model's in every layout.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,24 +108,32 @@ class GPT(nn.Module):
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden)
         self._init_weights()
 
-    def stage(self, index: int, stages: int) -> GPT:
-        """Keep only what pipeline stage ``index`` of ``stages`` runs (in place; returns self):
-        its share of the blocks; the first stage also the embeddings; the last stage the final
-        norm and the token embedding for the tied output projection (the first and last stage
-        each hold a copy, and their gradients are summed; see trainer/parallelize.py). A stage
-        takes tokens if it is the first, else the previous stage's activations; it returns
-        logits if it is the last, else its activations."""
-        per_stage = self.cfg.layers // stages
-        keep = {str(i) for i in range(index * per_stage, (index + 1) * per_stage)}
+    def keep_stages(self, indices: Sequence[int], stages: int) -> None:
+        """Drop, in place, what none of pipeline stages ``indices`` (of ``stages``) runs. A
+        stage runs its share of the blocks; the first stage also the embeddings; the last stage
+        the final norm and the token embedding for the tied output projection (the first and
+        last stage each hold a copy, and their gradients are summed; see trainer/parallelize.py)."""
+        keep = {name for index in indices for name in _stage_blocks(index, stages, self.cfg.layers)}
         for name in [n for n in self.blocks if n not in keep]:
             del self.blocks[name]
-        if index > 0:
+        first, last = 0 in indices, stages - 1 in indices
+        if not first:
             self.pos_emb = None
-        if index < stages - 1:
+        if not last:
             self.ln_f = None
-            if index > 0:
-                self.tok_emb = None
-        return self
+        if not (first or last):
+            self.tok_emb = None
+
+    def stage(self, index: int, stages: int) -> GPT:
+        """Pipeline stage ``index`` of ``stages``: a GPT that shares this model's modules (and
+        so its parameters) and holds only what that stage runs. It takes tokens if it is the
+        first stage, else the previous stage's activations; it returns logits if it is the
+        last, else its activations. This model must hold the stage (``keep_stages``)."""
+        view = copy.copy(self)
+        view._modules = dict(self._modules)  # its own registry of the same modules
+        view.blocks = nn.ModuleDict({n: self.blocks[n] for n in _stage_blocks(index, stages, self.cfg.layers)})
+        view.keep_stages([index], stages)
+        return view
 
     def _init_weights(self) -> None:
         # GPT-2 initialisation: residual projections scaled down by depth so the
@@ -155,3 +165,9 @@ class GPT(nn.Module):
         # Weight tying through F.linear (not a second module sharing the tensor) keeps
         # one name per parameter, which keeps checkpoint keys unambiguous.
         return F.linear(self.ln_f(x), self.tok_emb.weight)
+
+
+def _stage_blocks(index: int, stages: int, layers: int) -> list[str]:
+    """Names of the blocks pipeline stage ``index`` of ``stages`` runs: an equal, contiguous share."""
+    per_stage = layers // stages
+    return [str(i) for i in range(index * per_stage, (index + 1) * per_stage)]

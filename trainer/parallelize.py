@@ -13,9 +13,10 @@ way torchtitan composes PyTorch's own parts:
 - ``tp``: DTensor ``parallelize_module`` on each block: Q, K, V and the MLP's up projection
   split by columns (each rank computes whole heads), the attention output and the MLP's down
   projection by rows (their outputs all-reduced). Embeddings and norms stay replicated.
-- ``pp``: each rank keeps one stage of the model (``GPT.stage``), run by a
-  ``torch.distributed.pipelining`` schedule (trainer/pipeline.py). The first and last stage
-  both hold the tied token embedding; their gradients are summed after the backward pass.
+- ``pp``: each rank keeps its stage of the model, or two with ``interleaved-1f1b``
+  (``GPT.keep_stages``, ``GPT.stage``), run by a ``torch.distributed.pipelining`` schedule
+  (trainer/pipeline.py). The first and last stage both hold the tied token embedding; their
+  gradients are summed after the backward pass.
 - data parallel across the ``dp`` dimension: ``fsdp`` shards with ``fully_shard`` on the
   ``dp`` sub-mesh (a 2-D mesh with tp); ``ddp`` averages the gradients over the ``dp`` group
   in one all-reduce after the backward pass.
@@ -26,6 +27,7 @@ A world of one rank goes through the same path: parallel degree 1 is a normal mo
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -70,9 +72,20 @@ class Parallel:
     """The parallelized model and what the step needs besides its forward and backward:
     ``reduce_and_clip`` after the backward pass."""
 
-    def __init__(self, module: nn.Module, layout: Layout, mesh: DeviceMesh | None, *, sharded: bool) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: Layout,
+        mesh: DeviceMesh | None,
+        *,
+        sharded: bool,
+        stages: Sequence[nn.Module] = (),
+    ) -> None:
         self.module = module
-        """What the step calls (or the pipeline stage), and what optimizer and checkpoints see."""
+        """What the step calls, and what optimizer and checkpoints see: under a pipeline, every
+        part of the model this rank holds."""
+        self.stages = list(stages)
+        """Under a pipeline, the stage modules this rank runs (``GPT.stage`` of ``module``)."""
         self.layout = layout
         self.mesh = mesh
         """The ``(pp, dp, tp)`` mesh; None for data parallel alone."""
@@ -131,7 +144,7 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
     if layout.meshed:
         mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
     if layout.pp > 1:
-        model.stage(layout.pp_rank, layout.pp)
+        model.keep_stages(layout.stage_indices, layout.stages)
     model = model.to(device)
     if mesh is not None and layout.tp > 1:
         for block in model.blocks.values():
@@ -145,22 +158,32 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
         for block in model.blocks.values():
             checkpoint(block)
 
+    stages = [model.stage(index, layout.stages) for index in layout.stage_indices] if layout.pp > 1 else []
     if spec.parallel.dp_shard == "fsdp":
         dp_mesh = mesh["dp"] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
-        _shard(model, dp_mesh, precision=spec.mixed_precision, cpu_offload=spec.cpu_offload, device=device)
-        return Parallel(model, layout, mesh, sharded=True)
+        _shard(model, stages, dp_mesh, precision=spec.mixed_precision, cpu_offload=spec.cpu_offload, device=device)
+        return Parallel(model, layout, mesh, sharded=True, stages=stages)
     if mesh is None:
         # DDP broadcasts rank 0's weights at construction, so ranks start identical
         # even if their seeds were not. zero1 differs only in its optimizer.
         device_ids = [device.index] if device.type == "cuda" else None
         return Parallel(DistributedDataParallel(model, device_ids=device_ids), layout, None, sharded=False)
-    return Parallel(model, layout, mesh, sharded=False)
+    return Parallel(model, layout, mesh, sharded=False, stages=stages)
 
 
-def _shard(model: GPT, mesh: DeviceMesh, *, precision: Precision, cpu_offload: bool, device: torch.device) -> None:
+def _shard(
+    model: GPT,
+    stages: list[GPT],
+    mesh: DeviceMesh,
+    *,
+    precision: Precision,
+    cpu_offload: bool,
+    device: torch.device,
+) -> None:
     """FSDP2 over ``mesh``. Mixed precision for ``ddp`` and ``zero1`` is the step's
     ``torch.autocast`` alone (the engine applies it for every layout); ``fsdp`` also gathers
-    weights in that dtype."""
+    weights in that dtype. Under a pipeline each stage is a root of its own (a forward starts
+    there), and ``model``, which only holds the stages' parts, is not sharded itself."""
     # Gradients are reduced in fp32 whatever the compute dtype: a bf16 sum over many ranks
     # loses the small updates that training depends on.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
@@ -174,7 +197,8 @@ def _shard(model: GPT, mesh: DeviceMesh, *, precision: Precision, cpu_offload: b
         shard(block)
     # The root's weights (the tied embedding) are used again right after the last block,
     # in the output projection: resharding them after forward would only gather them again.
-    shard(model, reshard_after_forward=False)
+    for root in stages or [model]:
+        shard(root, reshard_after_forward=False)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
