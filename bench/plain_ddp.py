@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import RunSpec
 from infractl.dataset import open_dataset
@@ -25,7 +26,7 @@ from trainer.distributed import DistEnv, destroy_process_group, init_process_gro
 from trainer.engine import GRAD_CLIP
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
-from trainer.parallelize import compute_dtype, parallelize
+from trainer.parallelize import compute_dtype
 from trainer.state import seed_everything
 
 
@@ -61,7 +62,7 @@ def _train(spec: RunSpec, env: DistEnv, device: torch.device, *, window: tuple[i
     seed_everything(spec.seed)
     model = GPT(GPTConfig.from_spec(spec.model))
     seed_everything(spec.seed + env.rank)
-    model = parallelize(model, scheme="ddp", device=device, mixed_precision=spec.mixed_precision)
+    model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = build_optimizer(model, lr=spec.lr)
     scheduler = build_scheduler(optimizer, total_steps=spec.steps)
     data = ByteBatches(

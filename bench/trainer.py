@@ -3,7 +3,9 @@
 (a) step time: the infractl trainer, at its default log_every and at log_every 1 (a read back
     every step), vs a plain torchrun DDP loop doing the same math (bench/plain_ddp.py), over the
     same steps after warm-up; each measured --repeats times, interleaved, medians compared. On
-    CUDA it also prints MFU;
+    CUDA it also prints MFU. The trainer's tensor-parallel (``parallel: {tp: 2}``) and pipeline
+    (``parallel: {pp: 2}``: 1f1b, 2 micro-batches) layouts of the same model and batch on the
+    same ranks are measured in the same rounds, against its ddp (on an even number of ranks);
 (b) training-blocking seconds per checkpoint: asynchronous save vs synchronous save (save + wait)
     with the trainer's Checkpointer on the same model and optimizer state;
 (c) upload throughput to an S3 API server (moto's, on loopback): the store's ``put_file`` vs a
@@ -112,8 +114,9 @@ def step_time(
     repeats: int,
 ) -> dict[str, Any]:
     """(a): seconds per step of the trainer at the default log_every and at log_every 1 (a
-    read back every step), and of the plain loop, on the same steps of the same run; each
-    measured ``repeats`` times, interleaved, and the medians compared."""
+    read back every step), of the plain loop, and of the trainer with each copy of the model
+    split over two ranks (tensor, then pipeline parallel), on the same steps of the same run;
+    each measured ``repeats`` times, interleaved, and the medians compared."""
     spec = RunSpec(
         name="bench",
         model=model,
@@ -125,14 +128,24 @@ def step_time(
         nodes={"min": 1, "max": 1},
     )
     every_step = spec.model_copy(update={"log_every": 1})
+    # Degree 2 (data parallel over the other ranks): a world of odd size has no such layout.
+    layouts = {
+        name: RunSpec.model_validate(spec.model_dump() | {"parallel": {name: 2}})
+        for name in ("tp", "pp")
+        if world % 2 == 0
+    }
     # From the first log step after warm-up to the last log step before the final one.
     window = (spec.log_every, steps - spec.log_every)
     ours, ours_every_step, plain = [], [], []
+    split: dict[str, list[float]] = {name: [] for name in layouts}
     for i in range(repeats):
         plain.append(_plain(tmp, spec, window, world=world))
         ours.append(_ours(tmp, spec, window, world=world, tag=f"ours-{i}"))
         ours_every_step.append(_ours(tmp, every_step, window, world=world, tag=f"ours-every-step-{i}"))
+        for name, layout in layouts.items():
+            split[name].append(_ours(tmp, layout, window, world=world, tag=f"ours-{name}-{i}"))
     ours_s, every_s, plain_s = (statistics.median(x) for x in (ours, ours_every_step, plain))
+    split_s = {name: statistics.median(runs) for name, runs in split.items()}
     tokens = batch_size * model.seq_len
     return {
         "ours_step_s": ours_s,
@@ -140,7 +153,9 @@ def step_time(
         "plain_step_s": plain_s,
         "ratio": ours_s / plain_s,
         "ratio_every_step": every_s / plain_s,
-        "runs": {"ours": ours, "ours_every_step": ours_every_step, "plain": plain},
+        **{f"{name}_step_s": seconds for name, seconds in split_s.items()},
+        **{f"ratio_{name}": seconds / ours_s for name, seconds in split_s.items()},
+        "runs": {"ours": ours, "ours_every_step": ours_every_step, "plain": plain} | split,
         "log_every": spec.log_every,
         "tokens_per_s": tokens / ours_s,
         "model": model.model_dump(),
@@ -299,6 +314,12 @@ def report(results: dict[str, Any]) -> None:
         f"-> ratio {st['ratio']:.3f} (log_every 1: {st['ratio_every_step']:.3f}; 1.00 = no overhead); "
         f"{st['tokens_per_s']:,.0f} tokens/s"
     )
+    if "tp_step_s" in st:
+        print(
+            f"    same model and batch, split over ranks: tensor parallel (tp 2) {st['tp_step_s'] * 1e3:.1f} ms, "
+            f"pipeline (pp 2, 1f1b) {st['pp_step_s'] * 1e3:.1f} ms vs infractl ddp {st['ours_step_s'] * 1e3:.1f} ms "
+            f"-> ratios {st['ratio_tp']:.2f} and {st['ratio_pp']:.2f} (1.00 = as fast as ddp)"
+        )
     if st["mfu"] is not None:
         m = st["mfu"]
         print(f"    on {m['device']}: MFU {m['mfu']:.1%}" if m["mfu"] is not None else f"    on {m['device']}: MFU -")

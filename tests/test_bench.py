@@ -34,6 +34,10 @@ def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     for field in ("ours_step_s", "ours_every_step_s", "plain_step_s", "ratio", "ratio_every_step", "tokens_per_s"):
         assert step[field] > 0, step
     assert step["log_every"] == 10 and step["steps_measured"] > 0
+    for layout in ("tp", "pp"):  # the model split over the 2 ranks, against the trainer's ddp
+        seconds = step[f"{layout}_step_s"]
+        assert seconds > 0 and step[f"ratio_{layout}"] == seconds / step["ours_step_s"]
+        assert len(step["runs"][layout]) == step["repeats"]
     assert results["checkpoint"]["async_blocked_s"] > 0 and results["checkpoint"]["ratio_sync_over_async"] > 0
     assert results["upload"]["ours_mib_s"] > 0 and results["upload"]["ratio"] > 0
 

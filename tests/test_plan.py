@@ -1,6 +1,7 @@
 """`infractl plan`: the memory model against the real model, the search, and its refusals; and
-`plan --measure` on one real 2-node local cluster (module-scoped): for four configurations the
-prediction must match what the ranks measured."""
+`plan --measure` on one real 2-node local cluster (module-scoped): for four data-parallel
+configurations and a tensor- and a pipeline-parallel one the prediction must match what the
+ranks measured."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from infractl.config import ModelSpec, load_run
 from infractl.planning import memory
 from infractl.store import FileStore
 from trainer.model import GPT, GPTConfig
+from trainer.parallelize import _TP_PLAN
 
 from conftest import REPO, Cli, module_cluster, write
 
@@ -45,17 +48,58 @@ def test_sharding_and_checkpointing_only_ever_lower_the_budget() -> None:
     assert sum(t.bytes for t in terms) == plain.total
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tensor_parallel_ranks_parameters_are_the_models_split_by_the_trainers_plan(tp: int) -> None:
+    spec = ModelSpec(layers=3, hidden=256, heads=4, seq_len=64)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_spec(spec))
+    per_rank = 0
+    for name, p in model.named_parameters():
+        _, _, rest = name.partition("blocks.")
+        style = _TP_PLAN.get(rest.split(".", 1)[-1].rpartition(".")[0]) if rest else None
+        weight = name.endswith("weight")
+        split = isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and weight)
+        per_rank += p.numel() // tp if split else p.numel()
+    assert memory.rank_parameters(spec, tp=tp) == per_rank
+    assert memory.rank_parameters(spec) == memory.parameters(spec)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_pipeline_ranks_parameters_are_its_largest_stages(pp: int) -> None:
+    spec = ModelSpec(layers=4, hidden=64, heads=2, seq_len=128)
+    stages = []
+    for index in range(pp):
+        with torch.device("meta"):
+            stages.append(sum(p.numel() for p in GPT(GPTConfig.from_spec(spec)).stage(index, pp).parameters()))
+    assert memory.rank_parameters(spec, pp=pp) == stages[0] == max(stages)
+
+
+def test_a_pipeline_holds_the_activations_of_the_micro_batches_in_flight() -> None:
+    model = ModelSpec(layers=4, hidden=256, heads=4, seq_len=128)
+    whole = memory.budget(model, scheme="ddp", ranks=1, micro_batch=16)
+    # Two stages of two blocks, each holding both 8-sequence micro-batches: half the blocks'
+    # activations of the whole batch, the head's all.
+    staged = memory.budget(model, scheme="ddp", ranks=1, micro_batch=8, split=memory.ModelSplit(pp=2, held=2))
+    head = next(t for t in memory.terms(model, scheme="ddp", ranks=1, micro_batch=16) if t.what.startswith("head"))
+    assert staged.activations == (whole.activations - head.bytes) // 2 + head.bytes
+    assert staged.temporary == 4 * 8 * 128 * memory.VOCAB  # no DDP buckets on one data-parallel rank
+    assert memory.held_microbatches(2, 8, "gpipe") == 8 and memory.held_microbatches(2, 8, "1f1b") == 2
+
+
 def test_plan_recommends_plain_data_parallel_when_it_fits(cli: Cli) -> None:
     result = cli("plan", str(REPO / "examples" / "quickstart.yaml"), "--json")
     plan = json.loads(result.stdout)
     assert plan["recommended"]["scheme"] == "ddp" and plan["recommended"]["devices"] == 1
-    assert plan["recommended"]["staging_host_bytes"] > 0
-    schemes = {o["scheme"] for o in plan["options"]}
-    assert {"ddp", "zero1", "zero2", "fsdp"} <= schemes
-    assert not next(o for o in plan["options"] if o["scheme"] == "zero2")["runnable"]
+    assert plan["recommended"]["parallel"] == "ddp" and plan["recommended"]["staging_host_bytes"] > 0
+    options = {o["scheme"]: o for o in plan["options"]}
+    assert {"ddp", "zero1", "zero2", "fsdp"} <= set(options)
+    assert not options["zero2"]["runnable"] and options["zero2"]["parallel"] is None
+    # quickstart: 2 layers, 2 heads; one rank per node: tensor parallel within a node has no room.
+    assert options["pp=2"]["runnable"] and options["pp=2"]["parallel"] == {"pp": 2}
+    assert options["pp=2"]["devices"] == 2 and not any(s.startswith("tp=") for s in options)
     explained = cli("plan", str(REPO / "examples" / "quickstart.yaml"), "--explain").stdout
     assert "parameters Ψ = V·h + s·h + L·(12h² + 13h) + 2h = 120,576" in explained
-    assert "recommended: ddp on 1 device(s)" in explained
+    assert "recommended: ddp on 1 device(s)" in explained and "in run.yaml: parallel: ddp;" in explained
 
 
 def test_plan_shards_before_it_adds_devices(cli: Cli) -> None:
@@ -105,7 +149,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
 def test_four_configurations_cover_every_scheme_precision_and_checkpointing() -> None:
     specs = [load_run(p) for p in MEASURED]
     assert len(specs) == 4 and [s.name for s in specs] == [p.stem for p in MEASURED]
-    assert {s.parallel for s in specs} == {"ddp", "zero1", "fsdp"}
+    assert {s.parallel.label for s in specs} == {"ddp", "zero1", "fsdp"}
     assert {s.mixed_precision for s in specs} == {"fp32", "bf16"}
     assert {s.activation_checkpointing for s in specs} == {True, False}
     assert {(s.nodes.min, s.nodes.max) for s in specs} == {(2, 2)}
@@ -127,10 +171,57 @@ def test_plan_matches_what_two_ranks_measure(cluster: Cli, run: Path) -> None:
     assert store.list(f"runs/{name}-memory/") == []  # the probe run is gone
 
 
-def test_a_run_only_tensor_parallelism_fits_says_so(cli: Cli) -> None:
+def test_a_run_only_tensor_parallelism_fits_is_recommended_with_its_mapping(cli: Cli) -> None:
     # Batch 1 cannot be split over data-parallel ranks: only splitting each layer helps.
     run = write(cli.cwd / "wide.yaml", "name: wide\nmodel: {layers: 4, hidden: 16384, heads: 128, seq_len: 2048}\n"
                                        "batch_size: 1\n")  # fmt: skip
-    line = cli("plan", str(run), "--device", "l40s", "--gpus-per-node", "8", "--max-nodes", "1", expect=2).stderr
-    assert "fits on no l40s within 1 node(s) of 8" in line
-    assert line.strip().endswith("tensor parallel (tp=8) would fit on 8 device(s), not yet run by the trainer")
+    args = ["plan", str(run), "--device", "l40s", "--gpus-per-node", "8", "--max-nodes", "1"]
+    plan = json.loads(cli(*args, "--json").stdout)
+    rec = plan["recommended"]
+    assert (rec["scheme"], rec["parallel"], rec["devices"], rec["nodes"]) == ("tp=8", {"tp": 8}, 8, 1)
+    assert rec["budget"]["total"] <= plan["device_memory_bytes"]
+    options = {o["scheme"]: o for o in plan["options"]}
+    assert all(o["devices"] is None for s, o in options.items() if s != "tp=8"), options
+    assert options["tp=4"]["shortfall_bytes"] > 0 and "pp=2" not in options  # one sequence: no micro-batches
+    advice = cli(*args).stdout
+    assert "recommended: tp=8 on 8 device(s), 1 node(s)" in advice and "in run.yaml: parallel: {tp: 8};" in advice
+
+
+def test_a_run_whose_depth_fits_only_in_stages_is_recommended_a_pipeline(cli: Cli) -> None:
+    # Four 12288-wide layers: on four 40 GB devices, four stages fit, four tensor-parallel ranks
+    # (each holding every layer's share and the whole residual stream) and fsdp do not.
+    run = write(cli.cwd / "deep.yaml", "name: deep\nmodel: {layers: 4, hidden: 12288, heads: 32, seq_len: 2048}\n"
+                                       "batch_size: 4\n")  # fmt: skip
+    args = ["plan", str(run), "--device", "a100-40gb", "--gpus-per-node", "8", "--max-nodes", "1"]
+    plan = json.loads(cli(*args, "--json").stdout)
+    rec = plan["recommended"]
+    assert (rec["scheme"], rec["parallel"], rec["devices"]) == ("pp=4", {"pp": 4}, 4)
+    options = {o["scheme"]: o for o in plan["options"]}
+    assert options["tp=4"]["devices"] is None and options["tp=8"]["devices"] == 8
+    assert all(options[s]["devices"] is None for s in ("ddp", "zero1", "fsdp"))
+    explained = cli(*args, "--explain").stdout
+    assert "pp=4 on 4 device(s), N = 1 data-parallel x t = 1 tensor x p = 4 pipeline: micro batch b = 1," in explained
+    assert "one rank's Ψᵣ (the first stage's, the largest) = 1,840,410,624" in explained
+    assert "4 micro-batches held" in explained and "in run.yaml: parallel: {pp: 4};" in explained
+
+
+MESHED = {"tp2": "{tp: 2}", "pp2": "{pp: 2}"}
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("plan-measure")
+@pytest.mark.parametrize("name", list(MESHED))
+def test_plan_matches_what_two_tensor_or_pipeline_parallel_ranks_measure(cluster: Cli, name: str) -> None:
+    # ddp-fp32's model, its one copy split over the two ranks.
+    model = "{layers: 4, hidden: 256, heads: 4, seq_len: 128}"
+    run = write(cluster.cwd / f"{name}.yaml", f"name: {name}\nmodel: {model}\nbatch_size: 16\n"
+                                               f"parallel: {MESHED[name]}\nnodes: {{min: 2, max: 2}}\n")  # fmt: skip
+    result = json.loads(cluster("plan", str(run), "--measure", "--steps", "2", "--json").stdout)
+    assert [r["dp"] for r in result["reports"]] == [1, 1]
+    for component, tolerance in TOLERANCE.items():
+        predicted, measured = result["predicted"][component], result["measured"][component]
+        assert abs(measured - predicted) <= tolerance * predicted, (component, predicted, measured, result)
+    if name == "tp2":  # each rank holds half of every block
+        assert result["predicted"]["parameters"] == 4 * memory.rank_parameters(load_run(run).model, tp=2)
+    else:  # the first stage holds both embeddings, the last the final norm
+        assert result["reports"][0]["parameters"] > result["reports"][1]["parameters"]

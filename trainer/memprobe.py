@@ -7,9 +7,12 @@ the same components).
 - activations: the tensors autograd saves for the backward pass, counted once per storage by a
   ``saved_tensors_hooks`` pack hook during the forward. Saved weights are not activations:
   parameters themselves are skipped, and autocast's bf16 copies of them (and views of those)
-  are reported apart as ``autocast_copies``. Under activation checkpointing a block's saves
-  happen again during the backward pass, out of the hook's sight: after the steps, one block's
-  forward is run once more with checkpointing off to count them (less its kept input);
+  are reported apart as ``autocast_copies``. The first step is left out when there are more
+  (it also runs one-off work: a pipeline stage's forward that infers its shapes). Under tensor
+  parallel a saved DTensor counts its local shard. Under activation checkpointing a block's
+  saves happen again during the backward pass, out of the hook's sight: after the steps, the
+  forward of the first block this rank holds is run once more at its micro-batch, with
+  checkpointing off, to count them (less its kept input);
 - peak: on CUDA ``torch.cuda.max_memory_allocated`` (and a memory snapshot for
   pytorch.org/memory_viz goes to the store); on the CPU the growth of the process's anonymous
   resident memory from before the model was built to its peak. glibc's malloc would keep freed
@@ -136,7 +139,9 @@ class _SavedTensors:
         self.copies: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        # Under tensor parallel autograd saves DTensors, which have no storage of their own.
+        with torch.no_grad():
+            storage = _local(t).untyped_storage()
         key = storage.data_ptr()
         if key not in self.params:
             kind = self.copies if _from_weight(t) else self.activations
@@ -165,7 +170,7 @@ def _recomputed_block_bytes(trainer: Trainer, saved: _SavedTensors) -> int:
     input of the step's shape; under fsdp every rank runs it (it gathers the block's weights)."""
     model = trainer.model.module if isinstance(trainer.model, DistributedDataParallel) else trainer.model
     assert isinstance(model, GPT)
-    block = model.blocks["0"]
+    block = next(iter(model.blocks.values()))  # a later pipeline stage has no block "0"
     spec = trainer.spec
     micro = trainer.layout.micro_batch
     # Not a leaf: a leaf that requires grad is a weight to the pack hook.
@@ -195,8 +200,9 @@ def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline
         for step in range(1, steps + 1):
             with saved.watching():
                 trainer._train_step(step, first=step == 1)
-            activations = max(activations, sum(saved.activations.values()))
-            copies = max(copies, sum(saved.copies.values()))
+            if step > 1 or steps == 1:
+                activations = max(activations, sum(saved.activations.values()))
+                copies = max(copies, sum(saved.copies.values()))
     peak = torch.cuda.max_memory_allocated(trainer.device) if cuda else sampler.peak - baseline_rss
     if trainer.spec.activation_checkpointing:
         activations += _recomputed_block_bytes(trainer, saved)
@@ -205,6 +211,8 @@ def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline
         "world_size": trainer.env.world_size,
         "device": trainer.device.type,
         "steps": steps,
+        "dp": trainer.layout.dp,
+        "micro_batch": trainer.layout.micro_batch,
         "parameters": sum(_tensor_bytes(p) for p in trainer.model.parameters()),
         "gradients": sum(_tensor_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
         "optimizer": _optimizer_bytes(trainer.optimizer),

@@ -59,9 +59,10 @@ def plan_command(
     log_format: LogFormatOpt = "console",
 ) -> None:
     """Size RUN.yaml: bytes per device by component for ddp, zero1, zero2 and fsdp (with and without
-    activation checkpointing, fp32 and bf16), the fewest devices and nodes each fits on, and the
-    way to train it. Exit 2 when it fits nowhere within --max-nodes. With --measure, check the
-    prediction against a short real run of RUN.yaml on the cluster."""
+    activation checkpointing, fp32 and bf16) and for tensor and pipeline parallel degrees, the
+    fewest devices and nodes each fits on, and the way to train it with its run.yaml settings.
+    Exit 2 when it fits nowhere within --max-nodes. With --measure, check the prediction against
+    a short real run of RUN.yaml on the cluster."""
     out = output(json_mode)
     spec = load_run(run_file)
     if measure_run:
@@ -82,7 +83,7 @@ def plan_command(
             f"run {spec.name!r} fits on no {chosen.name} within {max_nodes} node(s) of {gpus_per_node}: the closest, "
             f"{closest.label} on {closest.tried} device(s) (the most that split batch_size {spec.batch_size}), "
             f"needs {_size(closest.budget.total)} per device, "
-            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}{_model_parallel_hint(result)}",
+            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}",
             field="--max-nodes",
         )
     parts: list[RenderableType] = [_table(result)]
@@ -121,27 +122,17 @@ def _measure(
     )
 
 
-def _model_parallel_hint(result: Plan) -> str:
-    """When only tensor or pipeline parallelism fits: which, on how many devices (not yet run)."""
-    fits = [o for o in result.options if not o.runnable and o.devices is not None and o.scheme[:3] in ("tp=", "pp=")]
-    if not fits:
-        return ""
-    best = min(fits, key=lambda o: (o.devices or 0, o.scheme))
-    kind = "tensor" if best.scheme.startswith("tp") else "pipeline"
-    return f"; {kind} parallel ({best.scheme}) would fit on {best.devices} device(s), not yet run by the trainer"
-
-
 def _table(result: Plan) -> Table:
     table = Table(
         title=f"{result.run}: {result.parameters:,} parameters; {result.device.name}, "
         f"{_size(result.device.memory_bytes)} per device (--json or --explain: every component)"
     )
-    for col in ("way to train", "runs", "fewest devices", "nodes", "per device", "of which activations"):
-        table.add_column(col, justify="left" if col == "way to train" else "right")
+    for col in ("way to train", "parallel:", "fewest devices", "nodes", "per device", "of which activations"):
+        table.add_column(col, justify="right" if col in ("fewest devices", "nodes") or "per" in col else "left")
     for o in result.options:
         table.add_row(
             o.label,
-            "yes" if o.runnable else "not yet",
+            "not run" if o.parallel is None else _flow(o.parallel),
             str(o.devices) if o.devices else "-",
             str(o.nodes) if o.nodes else "-",
             _size(o.budget.total),
@@ -150,13 +141,25 @@ def _table(result: Plan) -> Table:
     return table
 
 
+def _flow(value: str | dict[str, int]) -> str:
+    """``value`` as run.yaml would spell it inline: ``ddp``, ``{tp: 2}``."""
+    if isinstance(value, str):
+        return value
+    return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+
+
 def _advice(result: Plan) -> Text:
     rec = result.recommended
-    assert rec is not None
+    assert rec is not None and rec.parallel is not None
+    settings = [f"parallel: {_flow(rec.parallel)}"]
+    if rec.checkpointing:
+        settings.append("activation_checkpointing: true")
+    if rec.precision == "bf16":
+        settings.append("mixed_precision: bf16")
     return Text(
         f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): {_size(rec.budget.total)} per "
-        f"device of {_size(result.device.memory_bytes)}; asynchronous checkpoint staging needs "
-        f"{_size(result.staging_host_bytes(rec))} of host memory per node"
+        f"device of {_size(result.device.memory_bytes)}; in run.yaml: {', '.join(settings)}; asynchronous "
+        f"checkpoint staging needs {_size(result.staging_host_bytes(rec))} of host memory per node"
     )
 
 
@@ -164,21 +167,28 @@ def _explain(result: Plan, spec: RunSpec) -> Text:
     """The recommended way's every number, with its formula and inputs."""
     rec = result.recommended
     assert rec is not None and rec.devices is not None
-    model, micro = spec.model, spec.batch_size // rec.devices
+    model, split = spec.model, rec.split
+    dp = rec.devices // (split.tp * split.pp)
+    where = f"N = {dp} device(s)"
+    if split.meshed:
+        where = f"{rec.devices} device(s), N = {dp} data-parallel x t = {split.tp} tensor x p = {split.pp} pipeline"
     lines = [
-        f"{rec.label} on N = {rec.devices} device(s): micro batch b = {spec.batch_size}/{rec.devices} = {micro}, "
-        f"s = {model.seq_len}, h = {model.hidden}, a = {model.heads}, L = {model.layers}, V = {memory.VOCAB}",
+        f"{rec.label} on {where}: micro batch b = {rec.micro_batch}, s = {model.seq_len}, "
+        f"h = {model.hidden}, a = {model.heads}, L = {model.layers}, V = {memory.VOCAB}",
         f"parameters Ψ = V·h + s·h + L·(12h² + 13h) + 2h = {result.parameters:,}",
     ]
-    scheme = next(s for s in memory.SCHEMES if s == rec.scheme)  # the recommended way is a data-parallel scheme
+    if split.meshed:
+        stage = " (the first stage's, the largest)" if split.pp > 1 else ""
+        lines.append(f"one rank's Ψᵣ{stage} = {memory.rank_parameters(model, tp=split.tp, pp=split.pp):,}")
     for term in memory.terms(
         model,
-        scheme=scheme,
-        ranks=rec.devices,
-        micro_batch=micro,
+        scheme=rec.data_parallel,
+        ranks=dp,
+        micro_batch=rec.micro_batch,
         precision=rec.precision,
         checkpointing=rec.checkpointing,
         cuda=result.device.cuda,
+        split=split,
     ):
         lines.append(f"  {term.component:<13} {term.what}: {term.formula} = {_size(term.bytes)}")
     lines.append(f"  total {_size(rec.budget.total)} per device")

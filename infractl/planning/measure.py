@@ -1,6 +1,7 @@
 """``infractl plan --measure``: a short real run of the run.yaml on the cluster whose ranks report
 the memory each component took (trainer/memprobe.py), set beside the planner's prediction
-(memory.budget) for the same world size.
+(memory.budget) for the same layout: the ranks' data-parallel degree and micro-batch, as
+they report them, and the run's tensor- and pipeline-parallel split.
 
 The comparison is per device: for each component the largest report of any rank. The peak is
 compared with the prediction less what the measurement cannot see: the fragmentation margin
@@ -80,14 +81,21 @@ def compare(spec: RunSpec, reports: list[dict[str, Any]], *, steps: int) -> Comp
     first = reports[0]
     world = int(first["world_size"])
     cuda = first["device"] == "cuda"
+    parallel = spec.parallel
+    split = memory.ModelSplit(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        held=memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule),
+    )
     budget = memory.budget(
         spec.model,
-        scheme=spec.parallel.scheme,
-        ranks=world,
-        micro_batch=spec.batch_size // world,
+        scheme=parallel.scheme,
+        ranks=int(first["dp"]),
+        micro_batch=int(first["micro_batch"]),
         precision=spec.mixed_precision,
         checkpointing=spec.activation_checkpointing,
         cuda=cuda,
+        split=split,
     )
     unseen = budget.fragmentation + (budget.reserve if cuda else 0)
     predicted = {c: getattr(budget, c) for c in COMPONENTS[:-1]} | {"peak": budget.total - unseen}

@@ -35,6 +35,18 @@ and the backward pass holds the logits' gradient. Under bf16, autocast keeps a b
 every matrix a linear layer uses (12h² per block and the tied V·h embedding) until the backward
 pass.
 
+Tensor parallel over t ranks (parallel.tp) splits each block's q/k/v, attention output and MLP
+(their weights, the column-split biases, and the activations they save, the attention's
+log-sum-exp included) t ways; the embeddings, norms, the row-split projections' biases, the
+residual stream and the norms' outputs stay whole on every rank. Pipeline parallel over p stages
+(parallel.pp) gives each stage L/p blocks; the budget is the largest stage's: the first stage's
+weights (with both embeddings) and, as an upper bound, k micro-batches of b sequences each
+through L/p blocks and the head, where k is how many micro-batches a stage holds at once
+(``held``: all of them under gpipe, at most p under 1f1b). On such a mesh, ddp averages the
+gradients over the data-parallel ranks in one flat all-reduce (a 4Ψᵣ copy, none on one rank)
+instead of DDP's buckets, and fsdp shards over the data-parallel ranks only; Ψᵣ is one rank's
+share of the parameters.
+
 A fragmentation margin (10% of what is allocated and freed during a step: activations and
 temporaries) and the runtime's reserve (the CUDA context and NCCL buffers on a GPU; libtorch's
 thread pools and workspaces on the CPU) complete the budget. Asynchronous checkpoint staging
@@ -54,9 +66,12 @@ __all__ = [
     "SCHEMES",
     "RUNNABLE",
     "Budget",
+    "ModelSplit",
     "Term",
     "parameters",
     "block_parameters",
+    "rank_parameters",
+    "held_microbatches",
     "budget",
     "terms",
 ]
@@ -64,13 +79,15 @@ __all__ = [
 VOCAB = 256
 Scheme = Literal["ddp", "zero1", "zero2", "fsdp"]
 SCHEMES: tuple[Scheme, ...] = ("ddp", "zero1", "zero2", "fsdp")
-#: Schemes the trainer runs (``parallel:`` in run.yaml); zero2 is planned, not yet trained.
+#: Data-parallel schemes the trainer runs (``parallel:`` in run.yaml); zero2 is sized, not trained.
 RUNNABLE: tuple[Scheme, ...] = ("ddp", "zero1", "fsdp")
 
 _FP32 = 4
 _BF16 = 2
 #: Bytes per b·s·h a block saves besides its two residual-stream tensors (see the module docstring).
 _BLOCK_BYTES = {"fp32": 14 * _FP32, "bf16": 28}
+#: Of those, the two norms' outputs: whole on every tensor-parallel rank, the rest is split.
+_NORM_OUT_BYTES = {"fp32": 2 * _FP32, "bf16": 2 * _BF16}
 #: Bytes per b·s·h of the final norm's output: fp32, or the bf16 copy autocast hands the head.
 _HEAD_NORM_BYTES = {"fp32": _FP32, "bf16": _BF16}
 _FRAGMENTATION = 0.10
@@ -91,6 +108,29 @@ def parameters(model: ModelSpec) -> int:
     """Ψ of the trainer's GPT for ``model``."""
     h = model.hidden
     return VOCAB * h + model.seq_len * h + model.layers * block_parameters(h) + 2 * h
+
+
+def _rank_block_parameters(hidden: int, tp: int) -> int:
+    """One block's parameters on one of ``tp`` tensor-parallel ranks: the split matrices (12h²)
+    and column-split biases (7h) over tp; the row-split projections' biases and the norms whole."""
+    h = hidden
+    return (12 * h * h + 7 * h) // tp + 6 * h
+
+
+def rank_parameters(model: ModelSpec, *, tp: int = 1, pp: int = 1) -> int:
+    """Ψᵣ: the parameters one rank holds under ``tp`` x ``pp`` before any data-parallel
+    sharding; under a pipeline, the first stage's (the largest: it holds both embeddings)."""
+    h = model.hidden
+    root = VOCAB * h + model.seq_len * h + (2 * h if pp == 1 else 0)
+    return root + model.layers // pp * _rank_block_parameters(h, tp)
+
+
+def held_microbatches(pp: int, microbatches: int, schedule: str) -> int:
+    """Micro-batches whose activations a pipeline stage holds at once, at most: all of them
+    under gpipe, at most ``pp`` under 1f1b (1 without a pipeline)."""
+    if pp == 1:
+        return 1
+    return microbatches if schedule == "gpipe" else min(pp, microbatches)
 
 
 @dataclass(frozen=True)
@@ -135,15 +175,42 @@ class Term:
     bytes: int
 
 
+@dataclass(frozen=True)
+class ModelSplit:
+    """How one copy of the model is split over ranks (run.yaml's ``parallel.tp``, ``parallel.pp``)."""
+
+    tp: int = 1
+    pp: int = 1
+    held: int = 1
+    """Micro-batches a pipeline stage holds at once (``held_microbatches``); 1 without one."""
+
+    @property
+    def meshed(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+
+_WHOLE = ModelSplit()
+
+
 def _activation_terms(
-    model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, checkpointing: bool
+    model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, checkpointing: bool, split: ModelSplit
 ) -> list[Term]:
-    b, s, h, a, L = micro_batch, model.seq_len, model.hidden, model.heads, model.layers
+    b, s, h, a, t = micro_batch, model.seq_len, model.hidden, model.heads, split.tp
+    L = model.layers // split.pp
     # fsdp gathers its weights in bf16, so the embeddings' output and the residual stream are bf16.
     r = _BF16 if precision == "bf16" and scheme == "fsdp" else _FP32
-    per = 2 * r + _BLOCK_BYTES[precision]
-    per_layer = per * b * s * h + _FP32 * (4 * b * s + b * a * s)
-    layer_formula = f"{per}·b·s·h + 4·(4·b·s + b·a·s) = {per}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
+    norms = _NORM_OUT_BYTES[precision]
+    whole, parted = 2 * r + norms, _BLOCK_BYTES[precision] - norms
+    per_layer = whole * b * s * h + parted * b * s * h // t + _FP32 * (4 * b * s + b * a * s // t)
+    if t == 1:
+        layer_formula = (
+            f"{whole + parted}·b·s·h + 4·(4·b·s + b·a·s) = {whole + parted}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
+        )
+    else:
+        layer_formula = (
+            f"{whole}·b·s·h + {parted}·b·s·h/t + 4·(4·b·s + b·a·s/t) = "
+            f"{whole}·{b}·{s}·{h} + {parted}·{b}·{s}·{h}/{t} + 4·(4·{b}·{s} + {b}·{a}·{s}/{t})"
+        )
     norm = r + _HEAD_NORM_BYTES[precision]
     head = Term(
         "activations",
@@ -152,7 +219,7 @@ def _activation_terms(
         norm * b * s * h + _FP32 * (2 * b * s + b * s * VOCAB),
     )
     if checkpointing:
-        return [
+        found = [
             Term(
                 "activations",
                 "block inputs kept by activation checkpointing",
@@ -167,11 +234,17 @@ def _activation_terms(
             ),
             head,
         ]
-    return [Term("activations", f"saved by {L} blocks ({precision})", f"L·({layer_formula})", L * per_layer), head]
+    else:
+        found = [Term("activations", f"saved by {L} blocks ({precision})", f"L·({layer_formula})", L * per_layer), head]
+    if split.held == 1:
+        return found
+    k = split.held
+    return [Term(x.component, f"{x.what}, {k} micro-batches held", f"{k}·({x.formula})", k * x.bytes) for x in found]
 
 
-def _model_state_terms(model: ModelSpec, *, scheme: Scheme, ranks: int) -> list[Term]:
-    psi = parameters(model)
+def _model_state_terms(model: ModelSpec, *, scheme: Scheme, ranks: int, split: ModelSplit) -> list[Term]:
+    psi = rank_parameters(model, tp=split.tp, pp=split.pp)
+    name = "Ψᵣ" if split.meshed else "Ψ"
     sharded = {
         "ddp": (),
         "zero1": ("optimizer",),
@@ -185,39 +258,45 @@ def _model_state_terms(model: ModelSpec, *, scheme: Scheme, ranks: int) -> list[
         ("optimizer", "AdamW m and v, fp32", 8),
     ):
         if component in sharded:
-            found.append(Term(component, what, f"{per}Ψ/N = {per}·{psi:,}/{ranks}", per * psi // ranks))
+            found.append(Term(component, what, f"{per}{name}/N = {per}·{psi:,}/{ranks}", per * psi // ranks))
         else:
-            found.append(Term(component, what, f"{per}Ψ = {per}·{psi:,}", per * psi))
+            found.append(Term(component, what, f"{per}{name} = {per}·{psi:,}", per * psi))
     return found
 
 
-def _buffer_terms(model: ModelSpec, *, scheme: Scheme, ranks: int, precision: str) -> list[Term]:
+def _buffer_terms(model: ModelSpec, *, scheme: Scheme, ranks: int, precision: str, split: ModelSplit) -> list[Term]:
     """Temporary buffers of the scheme, and autocast's weight copies."""
-    psi = parameters(model)
-    if scheme in ("ddp", "zero1"):
+    psi = rank_parameters(model, tp=split.tp, pp=split.pp)
+    layers = model.layers // split.pp
+    if scheme in ("ddp", "zero1") and split.meshed:
+        # One data-parallel rank has no gradients to average, and no copy.
+        found = []
+        if ranks > 1:
+            found.append(Term("temporary", "flat copy of the gradients to average", f"4Ψᵣ = 4·{psi:,}", _FP32 * psi))
+    elif scheme in ("ddp", "zero1"):
         found = [Term("temporary", "DDP gradient buckets", f"4Ψ = 4·{psi:,}", _FP32 * psi)]
     elif scheme == "zero2":
         found = [Term("temporary", "gradient reduce buckets", f"4Ψ/N = 4·{psi:,}/{ranks}", _FP32 * psi // ranks)]
     else:
         gathered = _BF16 if precision == "bf16" else _FP32
         root = (VOCAB + model.seq_len + 2) * model.hidden
-        block = block_parameters(model.hidden)
+        block = _rank_block_parameters(model.hidden, split.tp)
         found = [
             Term(
                 "temporary",
                 "gathered root and two gathered blocks (one prefetched)",
-                f"{gathered}·((V + s + 2)·h + 2·(12h² + 13h)) = {gathered}·({root:,} + 2·{block:,})",
+                f"{gathered}·((V + s + 2)·h + 2·block) = {gathered}·({root:,} + 2·{block:,})",
                 gathered * (root + 2 * block),
             ),
-            Term("temporary", "one block's unsharded gradients", f"4·(12h² + 13h) = 4·{block:,}", _FP32 * block),
+            Term("temporary", "one block's unsharded gradients", f"4·block = 4·{block:,}", _FP32 * block),
         ]
     if precision == "bf16" and scheme != "fsdp":
-        copies = model.layers * 12 * model.hidden**2 + VOCAB * model.hidden
+        copies = layers * 12 * model.hidden**2 // split.tp + VOCAB * model.hidden
         found.append(
             Term(
                 "temporary",
                 "autocast's bf16 copies of the matrices, kept for the backward pass",
-                f"2·(L·12h² + V·h) = 2·{copies:,}",
+                f"2·(L·12h²/t + V·h) = 2·{copies:,}",
                 _BF16 * copies,
             )
         )
@@ -233,14 +312,16 @@ def terms(
     precision: Literal["fp32", "bf16"] = "fp32",
     checkpointing: bool = False,
     cuda: bool = False,
+    split: ModelSplit = _WHOLE,
 ) -> list[Term]:
-    """Every number of the budget for ``scheme`` over ``ranks`` data-parallel ranks, with its
-    formula (see the module docstring)."""
+    """Every number of the budget for ``scheme`` over ``ranks`` data-parallel ranks, each
+    holding the part of the model ``split`` gives it, with its formula (see the module
+    docstring). ``micro_batch``: sequences per forward pass (a pipeline's micro-batch)."""
     n = max(ranks, 1)
-    found = _model_state_terms(model, scheme=scheme, ranks=n)
-    found += _buffer_terms(model, scheme=scheme, ranks=n, precision=precision)
+    found = _model_state_terms(model, scheme=scheme, ranks=n, split=split)
+    found += _buffer_terms(model, scheme=scheme, ranks=n, precision=precision, split=split)
     found += _activation_terms(
-        model, scheme=scheme, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing
+        model, scheme=scheme, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing, split=split
     )
     b, s = micro_batch, model.seq_len
     found.append(Term("temporary", "the logits' gradient", f"4·b·s·V = 4·{b}·{s}·{VOCAB}", _FP32 * b * s * VOCAB))
@@ -269,8 +350,10 @@ def budget(
     precision: Literal["fp32", "bf16"] = "fp32",
     checkpointing: bool = False,
     cuda: bool = False,
+    split: ModelSplit = _WHOLE,
 ) -> Budget:
-    """Bytes per device for ``scheme`` over ``ranks`` data-parallel ranks, by component."""
+    """Bytes per device for ``scheme`` over ``ranks`` data-parallel ranks under ``split``, by
+    component (``terms`` added up)."""
     found = terms(
         model,
         scheme=scheme,
@@ -279,6 +362,7 @@ def budget(
         precision=precision,
         checkpointing=checkpointing,
         cuda=cuda,
+        split=split,
     )
     totals = {
         f: 0 for f in ("parameters", "gradients", "optimizer", "activations", "temporary", "fragmentation", "reserve")

@@ -1,22 +1,27 @@
 """`infractl plan`: the fewest devices and nodes each way of training a run fits on, and which way
 to train it.
 
-For every scheme (ddp, zero1, zero2, fsdp) with and without activation checkpointing, at the
-run's precision and in bf16, the search walks the device counts that split the global batch
-(1 .. max nodes x devices per node) and keeps the first on which the budget (memory.budget) fits
-one device. Tensor and pipeline parallel degrees are sized too, where the model divides, and
-marked as not yet runnable by the trainer.
+For every data-parallel scheme (ddp, zero1, zero2, fsdp) with and without activation
+checkpointing, at the run's precision and in bf16, the search walks the device counts that split
+the global batch (1 .. max nodes x devices per node) and keeps the first on which the budget
+(memory.budget) fits one device. Tensor parallel degrees (up to one node's devices, dividing the
+heads and the hidden size) and pipeline degrees (dividing the layers, into equal micro-batches:
+``parallel.microbatches`` left at its default, pp, under 1f1b) are searched the same way at the
+run's precision, without checkpointing, with plain data parallelism over the copies of the model.
+zero2 is sized, not run by the trainer.
 
 The recommendation follows the order a team should try: plain data parallel if it fits; then
 shard the optimizer state, the gradients, the weights (zero1, zero2, fsdp); then activation
 checkpointing and bf16 before more devices; tensor parallel when one layer does not fit, and
 pipeline stages when the depth does not. Among the ways that fit on the fewest devices, the
-first in that order is recommended (only ways the trainer runs).
+first in that order is recommended (only ways the trainer runs), with the run.yaml settings
+that select it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,7 +29,7 @@ from infractl.config import RunSpec
 from infractl.errors import UsageError
 from infractl.planning import memory
 from infractl.planning.devices import Device
-from infractl.planning.memory import Budget
+from infractl.planning.memory import Budget, ModelSplit
 
 __all__ = ["Option", "Plan", "plan"]
 
@@ -36,6 +41,8 @@ class Option:
     """One way to train the run, and the fewest devices it fits on."""
 
     scheme: str  # ddp | zero1 | zero2 | fsdp | tp=K | pp=S
+    data_parallel: memory.Scheme  # how the model's copies share the batch (ddp under tp=K, pp=S)
+    split: ModelSplit  # how one copy of the model is split over ranks
     checkpointing: bool
     precision: Precision
     runnable: bool
@@ -44,6 +51,7 @@ class Option:
     budget: Budget  # per device, at ``devices`` (or at the most devices tried, when it fits nowhere)
     shortfall: int  # bytes the budget exceeds a device by at the most devices tried (0 when it fits)
     tried: int  # the device count ``budget`` is for
+    micro_batch: int  # sequences per forward pass at ``tried`` devices
 
     @property
     def label(self) -> str:
@@ -52,9 +60,20 @@ class Option:
         ]
         return " + ".join([self.scheme, *extras])
 
+    @property
+    def parallel(self) -> str | dict[str, int] | None:
+        """run.yaml's ``parallel`` for this way: a shorthand or a mesh; None if the trainer
+        does not run it."""
+        if self.split.tp > 1:
+            return {"tp": self.split.tp}
+        if self.split.pp > 1:
+            return {"pp": self.split.pp}
+        return self.data_parallel if self.runnable else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "scheme": self.scheme,
+            "parallel": self.parallel,
             "activation_checkpointing": self.checkpointing,
             "mixed_precision": self.precision,
             "runnable": self.runnable,
@@ -97,104 +116,77 @@ class Plan:
         }
 
 
-def _counts(batch_size: int, most: int) -> list[int]:
-    """Device counts that split the global batch evenly, ascending."""
-    return [n for n in range(1, most + 1) if batch_size % n == 0]
+@dataclass(frozen=True)
+class _Way:
+    """What the search sizes: a scheme over the model's copies, each split by ``split``."""
+
+    scheme: str
+    data_parallel: memory.Scheme
+    split: ModelSplit
+    checkpointing: bool
+    precision: Precision
 
 
-def _search(
-    spec: RunSpec,
-    device: Device,
-    counts: list[int],
-    per_node: int,
-    *,
-    scheme: memory.Scheme,
-    checkpointing: bool,
-    precision: Precision,
-) -> Option:
-    last: tuple[int, Budget] | None = None
-    for n in counts:
+def _search(spec: RunSpec, device: Device, way: _Way, *, per_node: int, most: int) -> Option | None:
+    """The fewest devices (at most ``most``) ``way`` fits on; None when no device count splits
+    the global batch into its equal micro-batches."""
+    split = way.split
+    copy = split.tp * split.pp  # ranks per copy of the model
+    last: tuple[int, int, Budget] | None = None
+    for dp in range(1, most // copy + 1):
+        if spec.batch_size % (dp * split.pp):
+            continue
+        micro = spec.batch_size // (dp * split.pp)  # a pipeline's pp micro-batches of each share
         b = memory.budget(
             spec.model,
-            scheme=scheme,
-            ranks=n,
-            micro_batch=spec.batch_size // n,
-            precision=precision,
-            checkpointing=checkpointing,
+            scheme=way.data_parallel,
+            ranks=dp,
+            micro_batch=micro,
+            precision=way.precision,
+            checkpointing=way.checkpointing,
             cuda=device.cuda,
+            split=split,
         )
-        last = (n, b)
+        last = (dp * copy, micro, b)
         if b.total <= device.memory_bytes:
-            return Option(
-                scheme, checkpointing, precision, scheme in memory.RUNNABLE, n, math.ceil(n / per_node), b, 0, n
-            )
-    assert last is not None
-    n, b = last
-    return Option(
-        scheme, checkpointing, precision, scheme in memory.RUNNABLE, None, None, b, b.total - device.memory_bytes, n
-    )
-
-
-def _model_parallel(spec: RunSpec, device: Device, per_node: int, precision: Precision) -> list[Option]:
-    """Tensor and pipeline parallel degrees the model divides into (up to one node's devices),
-    at micro batch = the global batch (no data parallelism): not yet runnable by the trainer."""
-    found = []
-    base = memory.budget(
-        spec.model,
-        scheme="ddp",
-        ranks=1,
-        micro_batch=spec.batch_size,
-        precision=precision,
-        checkpointing=False,
-        cuda=device.cuda,
-    )
-    blocks = spec.model.layers * memory.block_parameters(spec.model.hidden)
-    block_share = blocks / memory.parameters(spec.model)
-    for degree in range(2, per_node + 1):
-        if spec.model.heads % degree == 0 and spec.model.hidden % degree == 0:
-            # Blocks' weights, gradients, optimizer state and about 12 of 17 saved activations
-            # per layer split over the degree; embeddings and norms stay whole.
-            states = 1 - block_share + block_share / degree
-            acts = 5 / 17 + 12 / (17 * degree)
-            found.append(_scaled(f"tp={degree}", base, states, acts, device, degree, per_node, precision))
-        if spec.model.layers % degree == 0:
-            # Each stage holds its share of the blocks and their activations.
-            states = 1 - block_share + block_share / degree
-            found.append(_scaled(f"pp={degree}", base, states, 1 / degree, device, degree, per_node, precision))
-    return found
-
-
-def _scaled(
-    scheme: str,
-    base: Budget,
-    states: float,
-    acts: float,
-    device: Device,
-    degree: int,
-    per_node: int,
-    precision: Precision,
-) -> Option:
-    b = Budget(
-        parameters=int(base.parameters * states),
-        gradients=int(base.gradients * states),
-        optimizer=int(base.optimizer * states),
-        activations=int(base.activations * acts),
-        temporary=int(base.temporary * states),
-        fragmentation=int(base.fragmentation * acts),
-        reserve=base.reserve,
-    )
+            break
+    if last is None:
+        return None
+    n, micro, b = last
     fits = b.total <= device.memory_bytes
     return Option(
-        scheme,
-        False,
-        precision,
-        False,
-        degree if fits else None,
-        math.ceil(degree / per_node) if fits else None,
+        way.scheme,
+        way.data_parallel,
+        split,
+        way.checkpointing,
+        way.precision,
+        way.data_parallel in memory.RUNNABLE,
+        n if fits else None,
+        math.ceil(n / per_node) if fits else None,
         b,
         0 if fits else b.total - device.memory_bytes,
-        degree,
+        n,
+        micro,
     )
+
+
+def _ways(spec: RunSpec, *, per_node: int, most: int) -> Iterator[_Way]:
+    """Every way to size, in the order of the recommendation (the module docstring)."""
+    precisions: list[Precision] = [spec.mixed_precision]
+    if spec.mixed_precision == "fp32":
+        precisions.append("bf16")
+    for precision in precisions:
+        for checkpointing in (False, True):
+            for scheme in memory.SCHEMES:
+                yield _Way(scheme, scheme, ModelSplit(), checkpointing, precision)
+    model = spec.model
+    for tp in range(2, per_node + 1):
+        if model.heads % tp == 0 and model.hidden % tp == 0:
+            yield _Way(f"tp={tp}", "ddp", ModelSplit(tp=tp), False, spec.mixed_precision)
+    for pp in range(2, min(most, model.layers) + 1):
+        if model.layers % pp == 0:
+            # parallel.microbatches defaults to pp; 1f1b then holds all pp at the first stage.
+            yield _Way(f"pp={pp}", "ddp", ModelSplit(pp=pp, held=pp), False, spec.mixed_precision)
 
 
 def plan(spec: RunSpec, device: Device, *, devices_per_node: int, max_nodes: int) -> Plan:
@@ -203,27 +195,13 @@ def plan(spec: RunSpec, device: Device, *, devices_per_node: int, max_nodes: int
         raise UsageError(f"must be at least 1, got {devices_per_node}", field="--gpus-per-node")
     if max_nodes < 1:
         raise UsageError(f"must be at least 1, got {max_nodes}", field="--max-nodes")
-    counts = _counts(spec.batch_size, devices_per_node * max_nodes)
-    precisions: list[Precision] = [spec.mixed_precision]
-    if spec.mixed_precision == "fp32":
-        precisions.append("bf16")
-    ordered: list[Option] = []
-    for precision in precisions:
-        for checkpointing in (False, True):
-            for scheme in memory.SCHEMES:
-                ordered.append(
-                    _search(
-                        spec,
-                        device,
-                        counts,
-                        devices_per_node,
-                        scheme=scheme,
-                        checkpointing=checkpointing,
-                        precision=precision,
-                    )
-                )
-    options = ordered + _model_parallel(spec, device, devices_per_node, spec.mixed_precision)
-    runnable = [o for o in ordered if o.runnable and o.devices is not None]
+    most = devices_per_node * max_nodes
+    options = [
+        option
+        for way in _ways(spec, per_node=devices_per_node, most=most)
+        if (option := _search(spec, device, way, per_node=devices_per_node, most=most)) is not None
+    ]
+    runnable = [o for o in options if o.runnable and o.devices is not None]
     fewest = min((o.devices for o in runnable if o.devices is not None), default=None)
     recommended = next((o for o in runnable if o.devices == fewest), None)
     return Plan(spec.name, device, devices_per_node, max_nodes, memory.parameters(spec.model), options, recommended)
