@@ -102,6 +102,26 @@ def test_tensor_parallel_composes_with_fsdp_activation_checkpointing_and_bf16(
     assert_close(attempt_losses(store_of(tmp_path), 1), reference, BF16_REL_TOL)
 
 
+def test_a_tensor_parallel_run_goes_on_with_fewer_data_parallel_ranks(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """As after losing a node: 4 ranks (fsdp over dp 2, tp 2) stop after step 6 committed, and
+    the run resumes on 2 ranks: the mesh is rebuilt with dp 1, tp stays 2."""
+    reference = single_rank_losses(tmp_path_factory)
+    spec = layout_spec({"dp_shard": "fsdp", "tp": 2})
+    ok(torchrun(tmp_path, spec, nproc=4))
+    store = store_of(tmp_path)
+    assert_close(attempt_losses(store, 1), reference, LAYOUT_REL_TOL)
+    uncommit(store, 9, 12)
+
+    run = ok(torchrun(tmp_path, spec, nproc=2, attempt=2))
+
+    assert [e["step"] for e in run.event("resumed")] == [6]
+    after = attempt_losses(store, 2)
+    assert sorted(after) == list(range(7, STEPS + 1))
+    assert_close(after, reference, RESHARD_REL_TOL)
+
+
 def test_a_checkpoint_moves_from_fsdp_to_tp_to_pp_to_one_rank(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
