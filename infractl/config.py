@@ -333,7 +333,10 @@ class ParallelSpec(_Spec):
         1,
         ge=1,
         le=64,
-        description="Tensor-parallel degree: ranks that split each block's attention heads and MLP; divides heads.",
+        description=(
+            "Tensor-parallel degree: ranks that split each block's attention heads and MLP (and, between "
+            "them, the tokens: sequence parallel); divides heads and seq_len."
+        ),
     )
     pp: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree: stages the blocks are cut into.")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field(
@@ -598,6 +601,12 @@ class RunSpec(_Spec):
                 "parallel.tp",
                 f"{parallel.tp} must divide model.heads ({model.heads}) and model.hidden ({model.hidden}): "
                 "each tensor-parallel rank takes whole attention heads",
+            )
+        if model.seq_len % parallel.tp:
+            raise _field_error(
+                "parallel.tp",
+                f"{parallel.tp} must divide model.seq_len ({model.seq_len}): sequence parallel splits each "
+                "sample's tokens over the tensor-parallel ranks",
             )
         if model.layers % parallel.stages:
             raise _field_error(

@@ -102,6 +102,16 @@ def test_invalid_layout_is_one_line_naming_the_field_and_nothing_is_written(cli:
     assert not cli.home.exists()  # no cluster state, no lock, no store
 
 
+def test_tp_not_dividing_seq_len_is_refused(cli: Cli) -> None:
+    run = write(cli.cwd / "run.yaml", "name: r\nmodel: {hidden: 64, heads: 4, seq_len: 66}\nparallel: {tp: 4}\n")
+    result = cli("train", str(run), expect=2)
+    assert one_line(result.stderr) == (
+        f"error: {run}: parallel.tp: 4 must divide model.seq_len (66): sequence parallel splits each sample's "
+        "tokens over the tensor-parallel ranks"
+    )
+    assert not cli.home.exists()
+
+
 def test_tp_not_dividing_hidden_alone_cannot_happen_the_model_refuses_it_first(cli: Cli) -> None:
     # tp must divide heads, and heads must divide hidden (ModelSpec), so a tp that divides heads
     # divides hidden too: a hidden size tp does not divide fails the model's own rule first.

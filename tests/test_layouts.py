@@ -102,6 +102,19 @@ def test_tensor_parallel_composes_with_fsdp_activation_checkpointing_and_bf16(
     assert_close(attempt_losses(store_of(tmp_path), 1), reference, BF16_REL_TOL)
 
 
+def test_three_dimensions_on_four_ranks_match_one_rank(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # pp 2 (interleaved: four stages, two per rank) x tp 2 (with sequence parallel), each
+    # stage an FSDP root: every part of the layout code at once.
+    reference = single_rank_losses(tmp_path_factory)
+    spec = layout_spec({"dp_shard": "fsdp", "tp": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"})
+
+    ok(torchrun(tmp_path, spec, nproc=4))
+
+    assert_close(attempt_losses(store_of(tmp_path), 1), reference, LAYOUT_REL_TOL)
+
+
 def test_a_tensor_parallel_run_goes_on_with_fewer_data_parallel_ranks(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -44,7 +44,7 @@ from trainer.metrics import CommTimer, MetricsWriter, StepClock
 from trainer.model import GPT, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import Parallel, compute_dtype, parallelize
-from trainer.pipeline import Pipeline, token_loss
+from trainer.pipeline import token_loss
 from trainer.preemption import PreemptionNotice
 from trainer.profiling import StepProfiler
 from trainer.saves import Saves
@@ -112,20 +112,10 @@ class Trainer:
         self.config_hash = config_hash(spec)
         self.fingerprint = environment_fingerprint(world_size=env.world_size)
         (log.info if env.rank == 0 else log.debug)("environment", **self.fingerprint)  # job-wide: train.py's doc
-        # The micro-batch is sized for the largest world: nodes.max nodes of this node's ranks.
-        self.layout = Layout.of(
-            spec, rank=env.rank, world_size=env.world_size, max_world_size=spec.nodes.max * env.local_world_size
-        )
+        self.layout = Layout.of(spec, env)
         self.dataset_version, self.data, self.validation = _build_data(spec, self.layout)
         self.parallel = _build_model(spec, env, self.layout, device)
         self.model = self.parallel.module
-        self.pipeline = (
-            Pipeline(
-                self.parallel.stages, parallel=spec.parallel, layout=self.layout, mesh=self.parallel.mesh, device=device
-            )
-            if self.parallel.mesh is not None and self.layout.pp > 1
-            else None
-        )
         self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel.dp_shard == "zero1")
         self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
@@ -154,14 +144,7 @@ class Trainer:
         self.clock = StepClock(device)
         self._bound_checked = False
         self.steplog = StepLog(
-            self.clock,
-            device,
-            world_size=env.world_size,
-            attempt=env.attempt,
-            restart_count=env.restart_count,
-            tokens_per_step=spec.batch_size * spec.model.seq_len,
-            micro_batch=self.layout.micro_batch,
-            accumulation=self.layout.accumulation,
+            self.clock, device, env=env, layout=self.layout, tokens_per_step=spec.batch_size * spec.model.seq_len
         )
         # ddp and zero1 all-reduce through DDP, whose comm hook can time it; fsdp cannot.
         self.comm: CommTimer | None = None
@@ -359,9 +342,10 @@ class Trainer:
         pass synchronizes the gradients. A pass can be empty (one sample per pass, and this rank
         has one sample fewer than its peers): it still runs, so the ranks' collectives match.
         """
-        if self.pipeline is not None:
+        pipeline = self.parallel.pipeline
+        if pipeline is not None:
             with self._autocast():
-                return self.pipeline.step(inputs, targets)
+                return pipeline.step(inputs, targets)
         layout = self.layout
         passes = layout.passes()
         total: torch.Tensor | None = None
@@ -399,9 +383,9 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            if self.pipeline is not None:
+            if self.parallel.pipeline is not None:
                 with self._autocast():
-                    loss = self.pipeline.evaluate(inputs, targets) / layout.pp
+                    loss = self.parallel.pipeline.evaluate(inputs, targets) / layout.pp
             else:
                 with self._autocast():
                     loss = token_loss(self.model(inputs), targets)

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from infractl.config import RunSpec, split_batch
+from trainer.distributed import DistEnv
 
 __all__ = ["Layout"]
 
@@ -49,10 +50,13 @@ class Layout:
     """Forward/backward passes per optimizer step (1 with a pipeline: it has micro-batches)."""
 
     @classmethod
-    def of(cls, spec: RunSpec, *, rank: int, world_size: int, max_world_size: int) -> Layout:
-        """The layout of ``rank`` at ``world_size``; ``max_world_size`` sizes the micro-batch.
-        The layout must fit ``world_size`` (``infractl.config.check_layout``)."""
+    def of(cls, spec: RunSpec, env: DistEnv) -> Layout:
+        """The layout of ``env.rank`` in its world; the micro-batch is sized for the largest
+        world, ``nodes.max`` nodes of this node's ranks. The layout must fit the world
+        (``infractl.config.check_layout``)."""
         parallel = spec.parallel
+        rank, world_size = env.rank, env.world_size
+        max_world_size = spec.nodes.max * env.local_world_size
         dp = parallel.dp_degree(world_size)
         pp_rank, rest = divmod(rank, dp * parallel.tp)
         dp_rank, tp_rank = divmod(rest, parallel.tp)

@@ -12,7 +12,9 @@ way torchtitan composes PyTorch's own parts:
 
 - ``tp``: DTensor ``parallelize_module`` on each block: Q, K, V and the MLP's up projection
   split by columns (each rank computes whole heads), the attention output and the MLP's down
-  projection by rows (their outputs all-reduced). Embeddings and norms stay replicated.
+  projection by rows; between them, sequence parallel: the residual stream and the norms are
+  split along the tokens (``_TP_PLAN``). Embeddings, the final norm and the output projection
+  stay replicated.
 - ``pp``: each rank keeps its stage of the model, or two with ``interleaved-1f1b``
   (``GPT.keep_stages``, ``GPT.stage``), run by a ``torch.distributed.pipelining`` schedule
   (trainer/pipeline.py). The first and last stage both hold the tied token embedding; their
@@ -41,26 +43,42 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
-from infractl.config import RunSpec
+from infractl.config import ParallelSpec, RunSpec
 from trainer.layout import Layout
 from trainer.model import GPT
+from trainer.pipeline import Pipeline
 
 __all__ = ["Precision", "Parallel", "parallelize", "compute_dtype"]
 
 Precision = Literal["fp32", "bf16"]
 
-#: Each block's tensor-parallel plan: column-wise in, row-wise out.
+#: Each block's tensor-parallel plan, with sequence parallel between the blocks: the residual
+#: stream is split along the sequence over the tp ranks, the norms run on their share of the
+#: tokens, each sub-layer gathers its input (all-gather) and its row-wise output is summed back
+#: into sequence shards (reduce-scatter): the same traffic as one all-reduce, and the stream's
+#: activations and the norms' work divided by tp.
 _TP_PLAN = {
+    "ln1": SequenceParallel(),
+    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     "attn.q": ColwiseParallel(),
     "attn.k": ColwiseParallel(),
     "attn.v": ColwiseParallel(),
-    "attn.proj": RowwiseParallel(),
+    "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+    "ln2": SequenceParallel(),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     "mlp.fc": ColwiseParallel(),
-    "mlp.proj": RowwiseParallel(),
+    "mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
 }
 
 
@@ -80,12 +98,17 @@ class Parallel:
         *,
         sharded: bool,
         stages: Sequence[nn.Module] = (),
+        parallel: ParallelSpec,
+        device: torch.device,
     ) -> None:
         self.module = module
         """What the step calls, and what optimizer and checkpoints see: under a pipeline, every
         part of the model this rank holds."""
-        self.stages = list(stages)
-        """Under a pipeline, the stage modules this rank runs (``GPT.stage`` of ``module``)."""
+        self.pipeline: Pipeline | None = None
+        """Under a pipeline, the schedule that runs this rank's stages (``GPT.stage`` of ``module``)."""
+        if stages:
+            assert mesh is not None
+            self.pipeline = Pipeline(stages, parallel=parallel, layout=layout, mesh=mesh, device=device)
         self.layout = layout
         self.mesh = mesh
         """The ``(pp, dp, tp)`` mesh; None for data parallel alone."""
@@ -98,6 +121,11 @@ class Parallel:
         the tied embedding's summed over its stages), clip them to ``max_norm`` in total, and
         return their global norm before clipping (the same tensor value on every rank)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
+        for p in params:
+            # Sequence parallel leaves the norms' gradients partial sums over the tp ranks
+            # (each saw its share of the tokens): complete them, as the weights are replicated.
+            if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if self.mesh is None:  # DDP or FSDP have reduced them already
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -146,9 +174,9 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
     if layout.pp > 1:
         model.keep_stages(layout.stage_indices, layout.stages)
     model = model.to(device)
+    stages = [model.stage(index, layout.stages) for index in layout.stage_indices] if layout.pp > 1 else []
     if mesh is not None and layout.tp > 1:
-        for block in model.blocks.values():
-            parallelize_module(block, mesh["tp"], _TP_PLAN)
+        _tensor_parallel(model, stages, mesh["tp"])
 
     # Activation checkpointing before sharding: fully_shard then treats each checkpointed
     # block as one unit, and its hooks gather the block's weights for the recompute in the
@@ -158,17 +186,33 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
         for block in model.blocks.values():
             checkpoint(block)
 
-    stages = [model.stage(index, layout.stages) for index in layout.stage_indices] if layout.pp > 1 else []
     if spec.parallel.dp_shard == "fsdp":
         dp_mesh = mesh["dp"] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         _shard(model, stages, dp_mesh, precision=spec.mixed_precision, cpu_offload=spec.cpu_offload, device=device)
-        return Parallel(model, layout, mesh, sharded=True, stages=stages)
+        return Parallel(model, layout, mesh, sharded=True, stages=stages, parallel=spec.parallel, device=device)
     if mesh is None:
         # DDP broadcasts rank 0's weights at construction, so ranks start identical
         # even if their seeds were not. zero1 differs only in its optimizer.
         device_ids = [device.index] if device.type == "cuda" else None
-        return Parallel(DistributedDataParallel(model, device_ids=device_ids), layout, None, sharded=False)
-    return Parallel(model, layout, mesh, sharded=False, stages=stages)
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        return Parallel(ddp, layout, None, sharded=False, parallel=spec.parallel, device=device)
+    return Parallel(model, layout, mesh, sharded=False, stages=stages, parallel=spec.parallel, device=device)
+
+
+def _tensor_parallel(model: GPT, stages: list[GPT], mesh: DeviceMesh) -> None:
+    """``_TP_PLAN`` on every block the model holds. The stream enters each stage's first block
+    whole and is split there; it is gathered again after the stage's last block, for the next
+    stage or the output projection."""
+    for block in model.blocks.values():
+        parallelize_module(block, mesh, _TP_PLAN)
+    split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+    gather = PrepareModuleOutput(
+        output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+    )
+    for stage in stages or [model]:
+        names = list(stage.blocks)
+        parallelize_module(stage.blocks[names[0]], mesh, split)
+        parallelize_module(stage.blocks[names[-1]], mesh, gather)
 
 
 def _shard(

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from infractl.runstore import StepRecord
+from trainer.distributed import DistEnv
+from trainer.layout import Layout
 from trainer.metrics import Mark, StepClock, peak_memory_bytes
 
 __all__ = ["PendingStep", "StepLog"]
@@ -47,21 +49,18 @@ class StepLog:
         clock: StepClock,
         device: torch.device,
         *,
-        world_size: int,
-        attempt: int,
-        restart_count: int,
+        env: DistEnv,
+        layout: Layout,
         tokens_per_step: int,
-        micro_batch: int,
-        accumulation: int,
     ) -> None:
         self.clock = clock
         self.device = device
-        self.world_size = world_size
-        self.attempt = attempt
-        self.restart_count = restart_count
+        self.world_size = env.world_size
+        self.attempt = env.attempt
+        self.restart_count = env.restart_count
         self.tokens_per_step = tokens_per_step
-        self.micro_batch = micro_batch
-        self.accumulation = accumulation
+        self.micro_batch = layout.micro_batch
+        self.accumulation = layout.accumulation
         self.pending: list[PendingStep] = []
 
     def add(self, step: PendingStep) -> None:
