@@ -43,11 +43,12 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     refused = cli("train", str(too_big), expect=2)
     assert "big.yaml: nodes.min: 3 exceeds the 2 node(s) of cluster 'local'" in refused.stderr
 
-    odd = write(cli.cwd / "odd.yaml", (RUN % {"min": 1, "max": 2}).replace("batch_size: 8", "batch_size: 9"))
+    # Tensor parallel over 2 ranks cannot go on if the elastic range lets the run shrink to 1.
+    odd = write(cli.cwd / "odd.yaml", (RUN % {"min": 1, "max": 2}) + "parallel: {tp: 2}\n")
     refused = cli("train", str(odd), expect=2)
     assert (
-        "odd.yaml: batch_size: 9 does not split evenly over 2 rank(s) (2 node(s) x 1 process(es)), as every world "
-        "size of the elastic range (nodes.min to nodes.max) must" in refused.stderr
+        "odd.yaml: parallel: tp x pp = 2 rank(s) per model copy does not divide the world size 1 "
+        "(1 node(s) x 1 process(es), in the range nodes.min to nodes.max)" in refused.stderr
     )
 
     started = json.loads(cli("train", str(run), "--detach", "--json").stdout)

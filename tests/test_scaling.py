@@ -166,7 +166,12 @@ def test_a_long_run_name_still_makes_valid_bench_names() -> None:
             "9 does not split evenly over nodes.max x processes per node (2 x 1 = 2 ranks), where the per-rank "
             "batch is taken",
         ),
-        (3, True, "3 does not split evenly over 2 rank(s) (2 node(s) x 1 process(es)), as --strong needs"),
+        (
+            1,
+            True,
+            "1 is smaller than the 2 data-parallel rank(s) of 2 node(s) x 1 process(es), as --nodes asks: "
+            "a rank would idle",
+        ),
     ],
 )
 def test_a_batch_the_rule_cannot_split_names_batch_size(batch_size: int, strong: bool, message: str) -> None:
@@ -340,12 +345,12 @@ def test_bench_refuses_what_the_cluster_cannot_run(cluster: Cli) -> None:
         f"error: {odd}: batch_size: 9 does not split evenly over nodes.max x processes per node "
         "(2 x 1 = 2 ranks), where the per-rank batch is taken"
     )
-    strong = write(cluster.cwd / "strong.yaml", QUICKSTART.read_text().replace("batch_size: 16", "batch_size: 3")
+    strong = write(cluster.cwd / "strong.yaml", QUICKSTART.read_text().replace("batch_size: 16", "batch_size: 1")
                    .replace("nodes: {min: 1, max: 2}", "nodes: {min: 1, max: 1}"))  # fmt: skip
     result = cluster("bench", str(strong), "--nodes", "1,2", "--strong", expect=2)
     assert one_line(result.stderr) == (
-        f"error: {strong}: batch_size: 3 does not split evenly over 2 rank(s) (2 node(s) x 1 process(es)), "
-        "as --strong needs"
+        f"error: {strong}: batch_size: 1 is smaller than the 2 data-parallel rank(s) of 2 node(s) x 1 "
+        "process(es), as --nodes asks: a rank would idle"
     )
     assert (bench_ids(store), runstore.list_runs(store)) == before
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from infractl.config import ModelSpec
 
@@ -97,6 +99,12 @@ class _Block(nn.Module):
 class GPT(nn.Module):
     """Pre-norm decoder-only transformer; the output projection reuses the token embedding."""
 
+    sequence_mesh: DeviceMesh | None = None
+    """Set under tensor parallel with sequence parallel (trainer/parallelize.py): the residual
+    stream is split along the tokens over this mesh before the blocks, and gathered after them.
+    In the model's forward rather than in module hooks, so activation checkpointing, which runs a
+    block's forward again, does not split an input twice."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -157,8 +165,12 @@ class GPT(nn.Module):
             if seq > self.cfg.seq_len:
                 raise ValueError(f"input has {seq} tokens; the model takes at most {self.cfg.seq_len}")
             x = self.tok_emb(tokens) + self.pos_emb(torch.arange(seq, device=tokens.device))
+        if self.sequence_mesh is not None:
+            x = _split_sequence(x, self.sequence_mesh)
         for block in self.blocks.values():
             x = block(x)
+        if self.sequence_mesh is not None:
+            x = _gather_sequence(x, self.sequence_mesh)
         if self.ln_f is None:  # a stage before the last
             return x
         assert self.tok_emb is not None
@@ -171,3 +183,14 @@ def _stage_blocks(index: int, stages: int, layers: int) -> list[str]:
     """Names of the blocks pipeline stage ``index`` of ``stages`` runs: an equal, contiguous share."""
     per_stage = layers // stages
     return [str(i) for i in range(index * per_stage, (index + 1) * per_stage)]
+
+
+def _split_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's share of the tokens of the whole ``x`` (batch, seq, hidden); no communication
+    (the backward pass gathers the gradient)."""
+    return DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def _gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The whole ``x`` from every rank's share of the tokens (an all-gather)."""
+    return DTensor.from_local(x, mesh, [Shard(1)]).redistribute(mesh, [Replicate()]).to_local()

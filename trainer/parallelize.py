@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -121,16 +120,16 @@ class Parallel:
         the tied embedding's summed over its stages), clip them to ``max_norm`` in total, and
         return their global norm before clipping (the same tensor value on every rank)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.mesh is None:  # DDP or FSDP have reduced them already
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            # fsdp's norm is a replicated DTensor: every rank holds the global value.
+            return norm.to_local() if isinstance(norm, DTensor) else norm
         for p in params:
             # Sequence parallel leaves the norms' gradients partial sums over the tp ranks
             # (each saw its share of the tokens): complete them, as the weights are replicated.
             if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        if self.mesh is None:  # DDP or FSDP have reduced them already
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            # fsdp's norm is a replicated DTensor: every rank holds the global value.
-            return norm.to_local() if isinstance(norm, DTensor) else norm
         if self._dp_group is not None:
             _all_reduce_flat(grads, self._dp_group, divide_by=self.layout.dp)
         if self._tied_group is not None:
@@ -200,19 +199,12 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
 
 
 def _tensor_parallel(model: GPT, stages: list[GPT], mesh: DeviceMesh) -> None:
-    """``_TP_PLAN`` on every block the model holds. The stream enters each stage's first block
-    whole and is split there; it is gathered again after the stage's last block, for the next
-    stage or the output projection."""
+    """``_TP_PLAN`` on every block the model holds; each stage (or the whole model) splits the
+    stream along the tokens before its blocks and gathers it after them (``GPT.sequence_mesh``)."""
     for block in model.blocks.values():
         parallelize_module(block, mesh, _TP_PLAN)
-    split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
-    gather = PrepareModuleOutput(
-        output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
-    )
-    for stage in stages or [model]:
-        names = list(stage.blocks)
-        parallelize_module(stage.blocks[names[0]], mesh, split)
-        parallelize_module(stage.blocks[names[-1]], mesh, gather)
+    for part in stages or [model]:
+        part.sequence_mesh = mesh
 
 
 def _shard(
