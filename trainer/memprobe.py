@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl import runstore
@@ -46,6 +45,7 @@ from infractl.log import get_logger
 from infractl.store import Store, StoreError
 from trainer.engine import Trainer
 from trainer.model import GPT
+from trainer.parallelize import local_tensor
 
 __all__ = ["start", "measure"]
 
@@ -104,13 +104,8 @@ class _PeakSampler:
         self.peak = max(self.peak, resident_bytes())
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (its shard, under fsdp)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _tensor_bytes(t: torch.Tensor) -> int:
-    local = _local(t)
+    local = local_tensor(t)
     return local.numel() * local.element_size()
 
 
@@ -134,14 +129,14 @@ class _SavedTensors:
     """Bytes of the distinct storages autograd saves while it is active, by kind."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.activations: dict[int, int] = {}
         self.copies: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         # Under tensor parallel autograd saves DTensors, which have no storage of their own.
         with torch.no_grad():
-            storage = _local(t).untyped_storage()
+            storage = local_tensor(t).untyped_storage()
         key = storage.data_ptr()
         if key not in self.params:
             kind = self.copies if _from_weight(t) else self.activations

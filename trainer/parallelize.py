@@ -58,7 +58,7 @@ from trainer.layout import Layout
 from trainer.model import GPT
 from trainer.pipeline import Pipeline
 
-__all__ = ["Precision", "Parallel", "parallelize", "compute_dtype"]
+__all__ = ["Precision", "Parallel", "parallelize", "compute_dtype", "local_tensor"]
 
 Precision = Literal["fp32", "bf16"]
 
@@ -129,13 +129,13 @@ class Parallel:
             # (each saw its share of the tokens): complete them, as the weights are replicated.
             if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.grad.device_mesh, p.placements)
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if self._dp_group is not None:
             _all_reduce_flat(grads, self._dp_group, divide_by=self.layout.dp)
         if self._tied_group is not None:
             emb = getattr(self.module, "tok_emb", None)
             assert emb is not None and emb.weight.grad is not None, "the first and last stage hold tok_emb"
-            _all_reduce_flat([_local(emb.weight.grad)], self._tied_group, divide_by=1)
+            _all_reduce_flat([local_tensor(emb.weight.grad)], self._tied_group, divide_by=1)
         norm = self._global_norm()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for grad in grads:
@@ -157,7 +157,7 @@ class Parallel:
                 continue  # a copy of tensor-parallel rank 0's
             if layout.pp_rank and name == "tok_emb.weight":
                 continue  # the last stage's copy of the first stage's
-            total += _local(p.grad).float().square().sum()
+            total += local_tensor(p.grad).float().square().sum()
         dist.all_reduce(total)
         return total.sqrt()
 
@@ -237,7 +237,8 @@ def _shard(
         shard(root, reshard_after_forward=False)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its shard of a DTensor (fsdp, tp), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
