@@ -41,10 +41,9 @@ from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
 from trainer.layout import Layout
 from trainer.metrics import CommTimer, MetricsWriter, StepClock
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, GPTConfig, token_loss
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import Parallel, compute_dtype, parallelize
-from trainer.pipeline import token_loss
 from trainer.preemption import PreemptionNotice
 from trainer.profiling import StepProfiler
 from trainer.saves import Saves

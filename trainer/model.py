@@ -19,9 +19,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from infractl.config import ModelSpec
 
-__all__ = ["VOCAB_SIZE", "GPTConfig", "GPT"]
+__all__ = ["VOCAB_SIZE", "GPTConfig", "GPT", "token_loss"]
 
 VOCAB_SIZE = 256
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,10 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast once: under autocast q, k and v would each cast x again and keep their own
+            # copy of it for the backward pass.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         q, k, v = self.q(x), self.k(x), self.v(x)
         # Under tensor parallel a rank computes its own heads only: a fraction of the width.
         width = q.shape[-1]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,9 @@ from torch.nn.parallel import DistributedDataParallel
 from infractl.config import ParallelSpec, RunSpec
 from trainer.layout import Layout
 from trainer.model import GPT
-from trainer.pipeline import Pipeline
+
+if TYPE_CHECKING:
+    from trainer.pipeline import Pipeline
 
 __all__ = ["Precision", "Parallel", "parallelize", "compute_dtype", "local_tensor"]
 
@@ -107,6 +109,11 @@ class Parallel:
         """Under a pipeline, the schedule that runs this rank's stages (``GPT.stage`` of ``module``)."""
         if stages:
             assert mesh is not None
+            # Imported by pipeline runs only: torch.distributed.pipelining imports torch.export
+            # and dynamo (0.7 s a rank) and sets up libtorch's CPU runtime as it does, before the
+            # baseline of `plan --measure`'s CPU peak, which would then leave that memory out.
+            from trainer.pipeline import Pipeline
+
             self.pipeline = Pipeline(stages, parallel=parallel, layout=layout, mesh=mesh, device=device)
         self.layout = layout
         self.mesh = mesh

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -25,16 +24,11 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from infractl.config import ParallelSpec
 from trainer.layout import Layout
-from trainer.model import VOCAB_SIZE
+from trainer.model import token_loss
 
-__all__ = ["Pipeline", "token_loss"]
+__all__ = ["Pipeline"]
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the tokens, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB_SIZE), targets.reshape(-1))
 
 
 class Pipeline:

@@ -37,8 +37,11 @@ pass.
 
 Tensor parallel over t ranks (parallel.tp) splits each block's q/k/v, attention output and MLP
 (their weights, the column-split biases, and the activations they save, the attention's
-log-sum-exp included) t ways; the embeddings, norms, the row-split projections' biases, the
-residual stream and the norms' outputs stay whole on every rank. Pipeline parallel over p stages
+log-sum-exp included) t ways. Sequence parallel splits the residual stream along the tokens
+inside the blocks, so the two residual-stream tensors (with activation checkpointing, the kept
+block inputs) and the norms' statistics are split t ways too. The norms' outputs, gathered whole
+for the column-split matrices that save them, stay whole on every rank, as do the embeddings, the
+norms' weights, the row-split projections' biases and the head. Pipeline parallel over p stages
 (parallel.pp) gives each stage L/p blocks; the budget is the largest stage's: the first stage's
 weights (with both embeddings) and, as an upper bound, k micro-batches of b sequences each
 through L/p blocks and the head, where k is how many micro-batches a stage holds at once
@@ -200,17 +203,22 @@ def _activation_terms(
     # fsdp gathers its weights in bf16, so the embeddings' output and the residual stream are bf16.
     r = _BF16 if precision == "bf16" and scheme == "fsdp" else _FP32
     norms = _NORM_OUT_BYTES[precision]
-    whole, parted = 2 * r + norms, _BLOCK_BYTES[precision] - norms
-    per_layer = whole * b * s * h + parted * b * s * h // t + _FP32 * (4 * b * s + b * a * s // t)
+    # Under tensor parallel only the norms' outputs stay whole (see the module docstring).
+    parted = 2 * r + _BLOCK_BYTES[precision] - norms
+    per_layer = norms * b * s * h + parted * b * s * h // t + _FP32 * (4 * b * s + b * a * s) // t
     if t == 1:
         layer_formula = (
-            f"{whole + parted}·b·s·h + 4·(4·b·s + b·a·s) = {whole + parted}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
+            f"{norms + parted}·b·s·h + 4·(4·b·s + b·a·s) = {norms + parted}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
         )
     else:
         layer_formula = (
-            f"{whole}·b·s·h + {parted}·b·s·h/t + 4·(4·b·s + b·a·s/t) = "
-            f"{whole}·{b}·{s}·{h} + {parted}·{b}·{s}·{h}/{t} + 4·(4·{b}·{s} + {b}·{a}·{s}/{t})"
+            f"{norms}·b·s·h + {parted}·b·s·h/t + 4·(4·b·s + b·a·s)/t = "
+            f"{norms}·{b}·{s}·{h} + {parted}·{b}·{s}·{h}/{t} + 4·(4·{b}·{s} + {b}·{a}·{s})/{t}"
         )
+    kept = r * b * s * h // t  # a block's input: a share of the residual stream under tensor parallel
+    kept_formula, kept_numbers = f"{r}·b·s·h", f"{r}·{b}·{s}·{h}"
+    if t > 1:
+        kept_formula, kept_numbers = f"{kept_formula}/t", f"{kept_numbers}/{t}"
     norm = r + _HEAD_NORM_BYTES[precision]
     head = Term(
         "activations",
@@ -223,14 +231,14 @@ def _activation_terms(
             Term(
                 "activations",
                 "block inputs kept by activation checkpointing",
-                f"L·{r}·b·s·h = {L}·{r}·{b}·{s}·{h}",
-                L * r * b * s * h,
+                f"L·{kept_formula} = {L}·{kept_numbers}",
+                L * kept,
             ),
             Term(
                 "activations",
                 "one block recomputed in the backward pass (its input is kept already)",
-                f"{layer_formula} − {r}·b·s·h",
-                per_layer - r * b * s * h,
+                f"{layer_formula} − {kept_formula}",
+                per_layer - kept,
             ),
             head,
         ]
