@@ -1,6 +1,6 @@
-"""trainer/ model-parallel layouts (tensor parallel, pipeline parallel, FSDP x TP) on 2 ranks:
-the same losses as one rank, bit-exact resumes in the same layout, and a checkpoint that moves
-from layout to layout.
+"""trainer/ model-parallel layouts (tensor parallel, pipeline parallel, FSDP x TP on 2 ranks, and
+all three on 4): the same losses as one rank, bit-exact resumes in the same layout, and a
+checkpoint that moves from layout to layout and to fewer data-parallel ranks.
 
 Real torchrun on gloo. The single-rank reference run is made once per session (shared by the
 xdist workers, as in test_schemes.py) and every layout is compared with it.
@@ -30,9 +30,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2-gpipe": {"pp": 2, "pp_schedule": "gpipe"},
     "pp2-1f1b": {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4},
     "fsdp-tp2": {"dp_shard": "fsdp", "tp": 2},
-    # Two stages per rank, each an FSDP root of its own.
-    "fsdp-pp2-interleaved": {"dp_shard": "fsdp", "pp": 2, "pp_schedule": "interleaved-1f1b"},
 }
+#: The interleaved schedule (four stages, two per rank, each an FSDP root) with tensor parallel
+#: on four ranks: every part of the layout code at once.
+THREE_D = {"dp_shard": "fsdp", "tp": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}
 
 
 def layout_spec(parallel: Any, **overrides: Any) -> RunSpec:
@@ -70,25 +71,37 @@ def assert_close(losses: dict[int, float], reference: dict[int, float], rel: flo
         assert loss == pytest.approx(reference[step], rel=rel), (step, loss, reference[step])
 
 
+def assert_trains_like_one_rank_and_resumes_bit_exact(
+    tmp_path: Path, reference: dict[int, float], parallel: Any, ranks: int
+) -> None:
+    spec = layout_spec(parallel)
+    first = ok(torchrun(tmp_path, spec, nproc=ranks))
+    store = store_of(tmp_path)
+    losses = attempt_losses(store, 1)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_close(losses, reference, LAYOUT_REL_TOL)
+    assert {e["world_size"] for e in first.event("rank_joined")} == {ranks}
+
+    # Killed after step 6 committed: the same layout resumes there and repeats every bit.
+    uncommit(store, 9, 12)
+    resumed = ok(torchrun(tmp_path, spec, nproc=ranks, attempt=2))
+    assert [e["step"] for e in resumed.event("resumed")] == [6]
+    assert attempt_losses(store, 2) == {s: losses[s] for s in range(7, STEPS + 1)}
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_matches_one_rank_and_resumes_bit_exact(
     name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     reference = single_rank_losses(tmp_path_factory)
-    spec = layout_spec(LAYOUTS[name])
+    assert_trains_like_one_rank_and_resumes_bit_exact(tmp_path, reference, LAYOUTS[name], 2)
 
-    first = ok(torchrun(tmp_path, spec))
-    store = store_of(tmp_path)
-    losses = attempt_losses(store, 1)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert_close(losses, reference, LAYOUT_REL_TOL)
-    assert {e["world_size"] for e in first.event("rank_joined")} == {2}
 
-    # Killed after step 6 committed: the same layout resumes there and repeats every bit.
-    uncommit(store, 9, 12)
-    resumed = ok(torchrun(tmp_path, spec, attempt=2))
-    assert [e["step"] for e in resumed.event("resumed")] == [6]
-    assert attempt_losses(store, 2) == {s: losses[s] for s in range(7, STEPS + 1)}
+def test_three_dimensions_on_four_ranks_match_one_rank_and_resume_bit_exact(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    reference = single_rank_losses(tmp_path_factory)
+    assert_trains_like_one_rank_and_resumes_bit_exact(tmp_path, reference, THREE_D, 4)
 
 
 def test_tensor_parallel_composes_with_fsdp_activation_checkpointing_and_bf16(
@@ -102,51 +115,20 @@ def test_tensor_parallel_composes_with_fsdp_activation_checkpointing_and_bf16(
     assert_close(attempt_losses(store_of(tmp_path), 1), reference, BF16_REL_TOL)
 
 
-def test_three_dimensions_on_four_ranks_match_one_rank(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    # pp 2 (interleaved: four stages, two per rank) x tp 2 (with sequence parallel), each
-    # stage an FSDP root: every part of the layout code at once.
-    reference = single_rank_losses(tmp_path_factory)
-    spec = layout_spec({"dp_shard": "fsdp", "tp": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"})
-
-    ok(torchrun(tmp_path, spec, nproc=4))
-
-    assert_close(attempt_losses(store_of(tmp_path), 1), reference, LAYOUT_REL_TOL)
-
-
-def test_a_tensor_parallel_run_goes_on_with_fewer_data_parallel_ranks(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """As after losing a node: 4 ranks (fsdp over dp 2, tp 2) stop after step 6 committed, and
-    the run resumes on 2 ranks: the mesh is rebuilt with dp 1, tp stays 2."""
-    reference = single_rank_losses(tmp_path_factory)
-    spec = layout_spec({"dp_shard": "fsdp", "tp": 2})
-    ok(torchrun(tmp_path, spec, nproc=4))
-    store = store_of(tmp_path)
-    assert_close(attempt_losses(store, 1), reference, LAYOUT_REL_TOL)
-    uncommit(store, 9, 12)
-
-    run = ok(torchrun(tmp_path, spec, nproc=2, attempt=2))
-
-    assert [e["step"] for e in run.event("resumed")] == [6]
-    after = attempt_losses(store, 2)
-    assert sorted(after) == list(range(7, STEPS + 1))
-    assert_close(after, reference, RESHARD_REL_TOL)
-
-
 def test_a_checkpoint_moves_from_fsdp_to_tp_to_pp_to_one_rank(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """fsdp on 2 ranks trains steps 1-3, tp 2 takes over from its checkpoint at step 3, pp 2
-    from step 6, and ddp on one rank from step 9: each continues the single-rank run's losses.
-    Each run trains to the end; the checkpoints after the hand-over step are uncommitted, as if
-    it had been stopped there."""
+    """fsdp x tp 2 on 4 ranks trains steps 1-3; the same layout on 2 ranks takes over from its
+    checkpoint at step 3, as after losing a node (the mesh is rebuilt: dp shrinks from 2 to 1, tp
+    stays 2); pp 2 takes over from step 6, and ddp on one rank from step 9: each continues the
+    single-rank run's losses. Each run trains to the end; the checkpoints after the hand-over
+    step are uncommitted, as if it had been stopped there."""
     reference = single_rank_losses(tmp_path_factory)
     store = store_of(tmp_path)
+    fsdp_tp2 = {"dp_shard": "fsdp", "tp": 2}
     chain: list[tuple[Any, int, int]] = [  # (parallel, ranks, the step it resumes from)
-        ("fsdp", 2, 0),
-        ({"tp": 2}, 2, 3),
+        (fsdp_tp2, 4, 0),
+        (fsdp_tp2, 2, 3),
         ({"pp": 2}, 2, 6),
         ("ddp", 1, 9),
     ]
