@@ -6,6 +6,8 @@ ranks measured."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +34,35 @@ def test_parameter_count_is_the_models(layers: int, hidden: int, heads: int, seq
     with torch.device("meta"):
         real = sum(p.numel() for p in GPT(GPTConfig.from_spec(spec)).parameters())
     assert memory.parameters(spec) == real
+
+
+def test_attention_keeps_one_bf16_copy_of_its_input_under_autocast() -> None:
+    # What the planner counts: q, k and v share one bf16 copy of the norm's output (each casting
+    # it again under autocast would keep three).
+    attn = GPT(GPTConfig.from_spec(ModelSpec(layers=1, hidden=32, heads=2, seq_len=8))).blocks["0"].attn
+    x = torch.randn(2, 8, 32)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attn(x)
+    cast = x.bfloat16()
+    copies = {
+        t.untyped_storage().data_ptr()
+        for t in saved
+        if t.dtype == cast.dtype and t.numel() == cast.numel() and torch.equal(t.reshape(cast.shape), cast)
+    }
+    assert len(copies) == 1
+
+
+def test_the_trainer_imports_pipelining_only_for_pipeline_runs() -> None:
+    # torch.distributed.pipelining sets up libtorch's CPU runtime on import: imported before the
+    # memory probe's baseline, `plan --measure` would not see that memory (trainer/parallelize.py).
+    code = "import sys, trainer.train; assert 'torch.distributed.pipelining' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
 def test_sharding_and_checkpointing_only_ever_lower_the_budget() -> None:
