@@ -67,7 +67,8 @@ def test_a_process_that_starts_inside_the_window_traces_the_steps_left(tmp_path:
     assert {"event": "profile_partial", "steps": "3:6", "tracing": "5:6", "source": "profile.steps"} in [
         {k: v for k, v in e.items() if k != "log_level"} for e in logs
     ]
-    assert not list((tmp_path / "work").rglob("*"))  # the local copy goes once uploaded
+    # The local copy goes once uploaded (its folders stay, for the node's other ranks).
+    assert not [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
 
 
 def test_a_window_already_passed_or_already_traced_is_not_traced_again(tmp_path: Path) -> None:

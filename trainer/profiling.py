@@ -32,7 +32,6 @@ a whole trace with a partial one.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import contextvars
 import sys
 import threading
@@ -265,10 +264,8 @@ class StepProfiler:
                     log.warning("profile_upload_failed", key=key, kept=str(path), error=str(exc))
                     return
                 time.sleep(delay)
+        # The folders stay: the node's other ranks may be about to write theirs into them.
         path.unlink()
-        with contextlib.suppress(OSError):  # the folders, once no other rank of this node uses them
-            for empty in (folder, folder.parent, folder.parent.parent):
-                empty.rmdir()
         log.info("profile_uploaded", key=key, traced=f"{recording.first_step}:{recording.last_step}", bytes=size)
 
     def _poll(self) -> None:
