@@ -5,6 +5,7 @@ namespace, interface, key or process. The refusals (not root, no namespaces) cha
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 import subprocess
@@ -29,8 +30,9 @@ CLUSTER = """\
 name: multi
 provider: netns
 nodes: 2
-netns: {subnet: 10.213.77.0/24}
 """
+# No netns.subnet: each cluster takes the /24 its state directory picks, so a run of this module never
+# collides with another's bridge on the same machine (a fixed subnet made a second run refuse to go up).
 
 # A partition must outlast the failure timeout (collectives: half of step_timeout_s, 4 s) by far;
 # the run must still be training when the node is back (the drill waits for the whole world).
@@ -82,10 +84,12 @@ def cluster(multi: Cli) -> Iterator[Cli]:
 def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key(multi: Cli, tmp_path: Path) -> None:
     state = multi.home / "multi"
     record = json.loads((state / "cluster.json").read_text())
-    assert record["rendezvous"]["host"] == "10.213.77.1"  # the bridge's host side, in no node
+    # The bridge's host side, in no node, is the .1 of a /24 of the default block; node i is .(i+2).
+    bridge = ipaddress.IPv4Address(record["rendezvous"]["host"])
+    assert bridge in ipaddress.IPv4Network("10.200.0.0/13") and int(bridge) % 256 == 1
     assert [(n["name"], n["address"]) for n in record["nodes"]] == [
-        ("node-0", "10.213.77.2"),
-        ("node-1", "10.213.77.3"),
+        ("node-0", str(bridge + 1)),
+        ("node-1", str(bridge + 2)),
     ]
     key = state / "ssh" / "id_ed25519"
     assert key.stat().st_mode & 0o777 == 0o600
@@ -113,6 +117,13 @@ def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key
     assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
 
     assert "no changes" in multi("up", "-c", str(multi.cwd / "cluster.yaml")).stderr
+    # A second cluster on this bridge's subnet is refused before anything is made.
+    subnet = ipaddress.IPv4Network(f"{bridge}/24", strict=False)
+    taken = write(multi.cwd / "taken.yaml", f"name: taken\nprovider: netns\nnodes: 1\nnetns: {{subnet: {subnet}}}\n")
+    refused_up = one_line(multi("up", "-c", str(taken), expect=2).stderr)
+    assert refused_up.startswith(f"error: netns.subnet: {subnet} is in use"), refused_up
+    assert f"interface ixb{record['nodes'][0]['namespace'].split('-')[1]} has {bridge}" in refused_up
+    assert not (multi.home / "taken").exists()
 
     # The handover says how to log in to each node, and that command works as written.
     multi("bundle", "-c", "multi", "--out", str(tmp_path / "bundle"))
