@@ -14,10 +14,11 @@ checkpointing; 2 ranks), bytes per device as:
 - measured: the peak a real probe run recorded on each rank (trainer/memprobe.py, what
   `infractl plan --measure` prints), the largest rank's.
 
-    python bench/planner_vs_peers.py [--steps 3] [--json results.json]
+    python bench/planner_vs_peers.py [--steps 3] [--json results.json] [RUN.yaml ...]
 
 Each probe is a standalone torchrun of 2 ranks with its own file store (about 10 s each on 2
-cores). Not a test: it asserts nothing.
+cores). RUN.yaml files replace examples/memory/ (the CI smoke test probes one; `infractl plan
+--measure` of every example is a test in tests/test_plan.py). Not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -104,9 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="Probe steps per configuration.")
     parser.add_argument("--json", type=Path, help="Also write the results here.")
+    parser.add_argument("runs", nargs="*", type=Path, help="Run files to probe (default: examples/memory/*.yaml).")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="planner-vs-peers-") as tmp:
-        results = [probe(load_run(path), path, steps=args.steps, tmp=Path(tmp)) for path in CONFIGS]
+        runs = [path.resolve() for path in args.runs] or CONFIGS
+        results = [probe(load_run(path), path, steps=args.steps, tmp=Path(tmp)) for path in runs]
     print("Peak bytes per device, MiB (error against the measured peak):\n")
     print("| run           |             ours |        DeepSpeed |       accelerate | measured |")
     print("|---------------|-----------------:|-----------------:|-----------------:|---------:|")

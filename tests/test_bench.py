@@ -56,9 +56,11 @@ def test_recovery_benchmark_a_kill_node_series_and_other_kinds(tmp_path: Path) -
     assert all(r["outcome"] == "recovered" for r in kinds.values()), kinds
 
 
-def test_planner_against_its_peers_reports_every_configuration(tmp_path: Path) -> None:
-    results = _bench("planner_vs_peers.py", "--steps", "1", out=tmp_path / "peers.json", timeout=600)
-    assert [r["run"] for r in results] == sorted(p.stem for p in (REPO / "examples" / "memory").glob("*.yaml"))
+def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:
+    # One configuration (fsdp, ZeRO-3's estimator): tests/test_plan.py measures every example.
+    run = "examples/memory/fsdp-fp32-ac.yaml"
+    results = _bench("planner_vs_peers.py", "--steps", "1", run, out=tmp_path / "peers.json", timeout=600)
+    assert [(r["run"], r["file"]) for r in results] == [("fsdp-fp32-ac", run)]
     for r in results:
         assert r["ranks"] == 2
         for field in ("ours_peak", "ours_model_states", "deepspeed", "accelerate", "measured_peak"):

@@ -34,15 +34,17 @@ nodes: 2
 # No netns.subnet: each cluster takes the /24 its state directory picks, so a run of this module never
 # collides with another's bridge on the same machine (a fixed subnet made a second run refuse to go up).
 
-# A partition must outlast the failure timeout (collectives: half of step_timeout_s, 4 s) by far;
-# the run must still be training when the node is back (the drill waits for the whole world).
+# A partition must outlast the failure timeout (collectives: half of step_timeout_s, 4 s) by far.
+# The runs are still training when the node is back (the drill waits for the whole world, then
+# stops watching); each test's fixture stops its run. The local drills (tests/test_drill.py) wait
+# for their runs' end.
 PARTITION_S = 12
 RUN = """\
 name: {name}
 model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
 data: {{max_bytes: 200000}}
 batch_size: 8
-steps: 2000
+steps: 100000
 checkpoint: {{every: 10, keep: 2}}
 nodes: {{min: 1, max: 2}}
 max_restarts: 3
@@ -141,7 +143,7 @@ def _partition(cli: Cli, name: str, node: str, kind: str) -> tuple[dict[str, Any
     wait_for_commit(store, name, at_least=10, timeout=120)
     drill = cli(
         "drill", "partition", "-c", "multi", "--node", node, "--seconds", str(PARTITION_S), "--kind", kind,
-        "--json", "--timeout", "300",
+        "--no-wait", "--json", "--timeout", "300",
     ).stdout  # fmt: skip
     return json.loads(drill), store
 
@@ -152,12 +154,12 @@ def _assert_recovered_and_whole_again(result: dict[str, Any], store: FileStore) 
     assert result["detect_s"] is not None and result["detect_s"] < PARTITION_S, result
     assert result["resumed_correctly"] and result["resumed_from_step"] >= 10, result
     assert result["world_size_at_fault"] == 2 and result["world_size_after"] == 1, result
-    # ... the node came back into the run once its link was back, and the run completed.
+    # ... the node came back into the run once its link was back, and the whole world commits again.
     assert result["rejoin_s"] is not None and result["fault"]["rejoined_by"] in ("itself", "infractl rejoin"), result
-    assert result["final_committed"] and result["final_step"] == result["steps"], result
     records = runstore.read_metrics(store, result["run_id"])
-    assert {r["world_size"] for r in records if r["time"] > result["fault_time"] + result["restart_s"]} == {1, 2}
-    assert runstore.latest_committed_step(store, result["run_id"]) == result["steps"]
+    after = [r for r in records if r["time"] > result["fault_time"] + result["restart_s"]]
+    assert {r["world_size"] for r in after} == {1, 2} and after[-1]["world_size"] == 2
+    wait_for_commit(store, result["run_id"], at_least=after[-1]["step"] + 10, timeout=120)
 
 
 def test_a_partition_of_node_1_the_run_goes_on_node_0_and_node_1_rejoins(cluster: Cli) -> None:
