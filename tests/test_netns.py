@@ -34,11 +34,14 @@ nodes: 2
 # No netns.subnet: each cluster takes the /24 its state directory picks, so a run of this module never
 # collides with another's bridge on the same machine (a fixed subnet made a second run refuse to go up).
 
-# A partition must outlast the failure timeout (collectives: half of step_timeout_s, 4 s) by far.
-# The runs are still training when the node is back (the drill waits for the whole world, then
+# A partition must outlast the survivors' restart without the node by far: the failure timeout
+# (collectives: half of step_timeout_s, 4 s), the keep-alives that drop the node (6 s), the last
+# call (3 s) and new workers' first step. That took 12-16 s alone and up to 33 s beside the
+# suite's other workers; a node back sooner joins the restart, and the run never went on without
+# it. The runs are still training when the node is back (the drill waits for the whole world, then
 # stops watching); each test's fixture stops its run. The local drills (tests/test_drill.py) wait
 # for their runs' end.
-PARTITION_S = 12
+PARTITION_S = 45
 RUN = """\
 name: {name}
 model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
