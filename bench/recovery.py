@@ -15,7 +15,7 @@ other kind.
     python bench/recovery.py [--provider local|netns] [--drills 20] [--kinds KIND,...] [--json results.json]
 
 --kinds picks the other kinds (default: all of the provider's; ``none`` for the kill-node series
-alone). The CI smoke test runs ``--drills 1 --kinds preempt,store-outage``: every kind is a test of
+alone). The CI smoke test runs ``--drills 1 --kinds store-outage``: every kind is a test of
 its own in tests/test_drill.py and tests/test_netns.py. netns needs root (see the README).
 
 Not a test: it asserts nothing. The numbers depend on the machine and its load.

@@ -197,7 +197,7 @@ def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> No
 
 def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cli, s3_store_uri: str) -> None:
     cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
-    run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=400))
+    run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=200))
     store = open_store(s3_store_uri)
     cli("up", "-c", str(cluster))
     cli("train", str(run), "-c", "s3c", "--detach")
@@ -207,7 +207,7 @@ def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cl
     assert result["fault"]["how"] == "endpoint server stopped (SIGSTOP)", result
     assert psutil.Process(result["fault"]["pid"]).status() != psutil.STATUS_STOPPED
     assert result["outcome"] == "recovered" and result["final_committed"], result
-    assert runstore.latest_committed_step(store, "drill") == 400
-    assert [r["step"] for r in runstore.read_metrics(store, "drill")] == list(range(1, 401))
+    assert runstore.latest_committed_step(store, "drill") == 200
+    assert [r["step"] for r in runstore.read_metrics(store, "drill")] == list(range(1, 201))
     cli("teardown", "-c", "s3c", "--yes")
     assert proc.find(cli.home / "s3c") == []
