@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -79,7 +80,7 @@ def probe(spec: RunSpec, path: Path, *, steps: int, tmp: Path) -> dict[str, Any]
     ranks = result.world_size
     return {
         "run": spec.name,
-        "file": str(path.relative_to(REPO)),
+        "file": os.path.relpath(path, REPO),  # a run file may lie outside the checkout
         "ranks": ranks,
         "ours_peak": result.predicted["peak"],
         "ours_model_states": sum(result.predicted[c] for c in ("parameters", "gradients", "optimizer")),
