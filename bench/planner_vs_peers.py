@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 from bench.trainer import torchrun  # noqa: E402
 from infractl.config import RunSpec, load_run  # noqa: E402
 from infractl.planning import memory  # noqa: E402
-from infractl.planning.measure import compare, read_reports  # noqa: E402
+from infractl.planning.probe import compare, read_reports  # noqa: E402
 from infractl.store import open_store  # noqa: E402
 
 CONFIGS = sorted((REPO / "examples" / "memory").glob("*.yaml"))

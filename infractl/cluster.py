@@ -11,10 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, configure, infra, proc, providers, runs, runstore
+from infractl import __version__, access, configure, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError
-from infractl.handover import access
 from infractl.output import Output
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store

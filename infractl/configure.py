@@ -67,7 +67,7 @@ def configure(
     access: dict[str, Any],
 ) -> ConfigureResult:
     """Configure ``nodes`` (base, access, runtime, network roles), then gate on a cross-node
-    health check. ``access``: the access role's variables (``infractl.handover.access.node_vars``).
+    health check. ``access``: the access role's variables (``infractl.access.node_vars``).
 
     The health check meets at ``rendezvous`` under a key made from ``nonce`` and a random suffix,
     so two runs never share keys in the long-lived rendezvous store.

@@ -29,7 +29,7 @@ from infractl.store import Store
 
 __all__ = [
     "Launch",
-    "Plan",
+    "LaunchPlan",
     "Rejoined",
     "prepare",
     "launch",
@@ -60,7 +60,7 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     """What ``launch`` will do, decided before anything is started."""
 
     store: Store
@@ -72,11 +72,11 @@ class Plan:
     replaces: bool  # `--new` over a run the store already holds: delete it first
 
 
-def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = False) -> Plan:
+def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = False) -> LaunchPlan:
     """Validate the run against the cluster, its data and the store; change nothing.
 
     With ``new``, the plan starts the run over: whatever the store holds for it is to be
-    deleted (``Plan.replaces``) rather than resumed or checked against.
+    deleted (``LaunchPlan.replaces``) rather than resumed or checked against.
     """
     cluster = state.read()
     nodes = cluster["nodes"]
@@ -87,7 +87,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     fresh = RunRecord(run_id=spec.name, cluster=state.name, dataset_version=version)
     existing = runstore.read_run_record(store, spec.name)
     if new:
-        return Plan(
+        return LaunchPlan(
             store=store,
             cluster=cluster,
             record=fresh,
@@ -99,7 +99,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     record = existing or fresh
     _check_continues(record, spec, version, run_file)
     last = runstore.latest_committed_step(store, spec.name) or 0
-    return Plan(
+    return LaunchPlan(
         store=store,
         cluster=cluster,
         record=record,
@@ -228,7 +228,7 @@ def node_log(node: dict[str, Any], run_id: str) -> Path:
 
 
 def launch(
-    state: ClusterState, spec: RunSpec, plan: Plan, *, log_format: LogFormat, trainer_args: Sequence[str] = ()
+    state: ClusterState, spec: RunSpec, plan: LaunchPlan, *, log_format: LogFormat, trainer_args: Sequence[str] = ()
 ) -> Launch:
     """Record the attempt in the store, then start one torchrun agent per node. ``trainer_args``
     go to every rank's ``trainer.train`` (``plan --measure`` asks it for a memory probe)."""
@@ -266,7 +266,7 @@ def launch(
     return Launch(spec.name, number, plan.resume_from, plan.nodes, agents)
 
 
-def finish(plan: Plan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
+def finish(plan: LaunchPlan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
     """Record how the attempt a foreground ``train`` followed ended (every agent has exited)."""
     attempt = plan.record.attempts[-1]
     attempt.ended = time.time()

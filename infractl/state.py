@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infractl.config import NAME_PATTERN, ClusterSpec, load_cluster
+from infractl.config import NAME_PATTERN, ClusterSpec, default_cluster, load_cluster, parse_cluster
 from infractl.errors import ConfigError, InfractlError, LockedError, StateError, UsageError
 
 __all__ = ["home", "ClusterState", "KnownCluster", "known_clusters", "resolve_cluster", "write_private"]
@@ -94,7 +94,7 @@ class ClusterState:
         return write_private(self.record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
     def spec(self) -> ClusterSpec:
-        return ClusterSpec.model_validate(self.read()["spec"])
+        return parse_cluster(self.read()["spec"])
 
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
@@ -184,7 +184,8 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     """Interpret ``-c/--cluster``: a cluster.yaml path, the name of a cluster in the state root, or
     nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any."""
     if option is None:
-        return ClusterState("local", home() / "local"), None
+        name = default_cluster().name
+        return ClusterState(name, home() / name), None
     path = Path(option)
     if path.suffix in (".yaml", ".yml") or _is_file(path):
         spec = load_cluster(path)

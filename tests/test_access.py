@@ -1,4 +1,4 @@
-"""Access roles (infractl/handover/access.py): the role table, its IAM policies enforced by a real
+"""Access roles (infractl/access/): the role table, its IAM policies enforced by a real
 IAM-checking S3 server, and `infractl access` on a real local cluster, enforced by the kernel
 (POSIX ACLs and groups, checked as throwaway Unix users)."""
 
@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from infractl import runstore
-from infractl.handover import access
+from infractl import access, runstore
 from infractl.state import ClusterState
 from infractl.store import Store, UnknownUser, open_store
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from infractl.cli.schema import write_schemas
-from infractl.config import ClusterSpec, RunSpec, load_cluster, load_run
+from infractl.config import RunSpec, cluster_model, default_cluster, load_cluster, load_run
 from infractl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ def test_examples_load() -> None:
     assert load_run(REPO / "examples" / "fsdp-bf16.yaml").parallel.scheme == "fsdp"
     elastic = load_run(REPO / "examples" / "elastic.yaml")
     assert (elastic.nodes.min, elastic.nodes.max, elastic.watchdog.step_timeout_s) == (1, 2, 30)
-    assert load_cluster(REPO / "examples" / "cluster-local.yaml") == ClusterSpec()
+    assert load_cluster(REPO / "examples" / "cluster-local.yaml") == default_cluster()
     tensor = load_run(REPO / "examples" / "tensor-parallel.yaml")
     assert (tensor.parallel.dp_shard, tensor.parallel.tp, tensor.parallel.pp) == ("fsdp", 2, 1)
     assert (tensor.nodes.min, tensor.nodes.max) == (2, 2)
@@ -58,7 +58,7 @@ def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
 
 def test_readme_documents_every_field() -> None:
     readme = (REPO / "README.md").read_text()
-    for model in (ClusterSpec, RunSpec):
+    for model in (cluster_model(), RunSpec):
         for name, field in model.model_fields.items():
             sub = getattr(field.annotation, "model_fields", None)
             keys = [f"{name}.{s}" for s in sub] if sub else [name]

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from infractl import infra
+from infractl import access, infra
 from infractl.config import RuntimeSpec
 from infractl.configure import ConfigureResult, configure
 from infractl.errors import ConfigureError
-from infractl.handover import access
 from infractl.infra import Node
 from infractl.state import ClusterState
 

@@ -21,8 +21,8 @@ from test_schemes import STEPS, copy_of, reference_run, scheme_spec
 
 from infractl import runstore
 from infractl.cli import model as model_cli
-from infractl.handover import export
-from infractl.handover.sample import generate
+from infractl.model import export
+from infractl.model.sample import generate
 from infractl.runstore import RunRecord, checkpoint_prefix
 from infractl.state import ClusterState
 from infractl.store import Store

@@ -19,7 +19,7 @@ import pytest
 
 from infractl import proc, runstore
 from infractl.config import RunSpec
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.handover.reference import RUNBOOKS
 from infractl.handover.runbooks import render_runbooks, section
 from infractl.runs import Attention, RunState, attention
@@ -167,7 +167,7 @@ def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_com
     store = start(cluster, "stuck", steps=steps)
     node_dir = cluster.home / "local"
     fault_time = time.time()
-    proc.kill(measure.workers(proc.find(node_dir, node="node-1")), signal.SIGSTOP)
+    proc.kill(recovery.workers(proc.find(node_dir, node="node-1")), signal.SIGSTOP)
     cluster("bundle", "--run", "stuck")  # no step completes past a stopped rank: nothing commits until the restart
     committed = runstore.latest_committed_step(store, "stuck")
     assert committed is not None

@@ -18,9 +18,9 @@ from PIL import Image
 from infractl import proc, runstore
 from infractl.config import RunSpec
 from infractl.errors import ConfigError, UsageError
-from infractl.planning import bench, plots
-from infractl.planning.bench import Bench, Measured, RankSampler
 from infractl.runstore import StepRecord
+from infractl.scaling import bench, plots
+from infractl.scaling.bench import Bench, Measured, RankSampler
 from infractl.store import FileStore
 
 from conftest import REPO, Cli, module_cluster, write

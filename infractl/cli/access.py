@@ -1,5 +1,5 @@
 """``infractl access``: grant and revoke the access roles, and list who holds them
-(infractl/handover/access.py: the roles, and how the nodes and the store enforce them)."""
+(infractl/access/: the roles, and how the nodes and the store enforce them)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from infractl import cluster
+from infractl import access, cluster
 from infractl.cli._common import ClusterOpt, JsonOpt, output
-from infractl.handover import access
 from infractl.output import Output
 from infractl.state import resolve_cluster
 

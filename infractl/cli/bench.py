@@ -17,7 +17,7 @@ from infractl.cli._common import ClusterOpt, JsonOpt, output
 from infractl.cluster import store_for
 from infractl.config import MAX_PROFILE_STEPS, load_run
 from infractl.errors import StateError
-from infractl.planning import bench
+from infractl.scaling import bench, report
 from infractl.state import ClusterState, resolve_cluster
 
 __all__ = ["register"]
@@ -80,9 +80,9 @@ def bench_command(
     store = store_for(state)
     store.ping()  # an unreachable store fails here, before any count runs
     started, bench_id = time.time(), bench.new_bench_id()
-    measured = bench.measure(state, planned, progress=out.info)
+    measured = bench.run_trials(state, planned, progress=out.info)
     baseline = bench.figures(planned, measured, cluster=state.name, bench_id=bench_id, started=started)
-    keys = bench.write_baseline(store, baseline)
+    keys = report.write_baseline(store, baseline)
     out.result(baseline | {"store": store.uri, "written": keys}, Group(*_tables(baseline), _notes(baseline)))
     out.success(
         f"baseline written to {store.uri}/{runstore.bench_prefix(bench_id)}/: baseline.json, throughput.png, split.png"

@@ -16,6 +16,7 @@ __all__ = ["register"]
 
 
 def bundle_command(
+    ctx: typer.Context,
     cluster_opt: ClusterOpt = None,
     run: RunOpt = None,
     out: Annotated[
@@ -30,7 +31,7 @@ def bundle_command(
     result = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     where = out if out is not None else Path("handover") / state.name
-    made = bundle.assemble(state, run=run, out=where)
+    made = bundle.assemble(state, run=run, out=where, cli=ctx.find_root().command)
     bundle.write(made, where)
     write_private(state.bundle_record_path, json.dumps({"out": str(where.resolve())}) + "\n")
     result.success(

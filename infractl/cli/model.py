@@ -19,7 +19,7 @@ from infractl.state import resolve_cluster
 
 __all__ = ["register"]
 
-# infractl.handover.export is imported inside the commands: it loads torch (a second or more),
+# infractl.model.export is imported inside the commands: it loads torch (a second or more),
 # which no other command should pay for. So its formats are spelled here too (a test holds them equal).
 FormatName = Literal["safetensors", "torch"]
 
@@ -47,7 +47,7 @@ def export(
 ) -> None:
     """Consolidate a committed checkpoint of RUN (any scheme, any world size) into one file of model
     weights, no optimizer state, and FILE.json: model shape, step, loss, dataset version, config hash, sha256."""
-    from infractl.handover import export as exporting
+    from infractl.model import export as exporting
 
     out_ = output(json_mode)
     exporting.check_destination(out, force=force)  # before the store: a refusal costs nothing
@@ -98,8 +98,8 @@ def sample(
     json_mode: JsonOpt = False,
 ) -> None:
     """Generate text with RUN's model at a committed step (the weights `infractl export` writes) and print it."""
-    from infractl.handover import export as exporting
-    from infractl.handover.sample import generate
+    from infractl.model import export as exporting
+    from infractl.model.sample import generate
 
     out = output(json_mode)
     try:

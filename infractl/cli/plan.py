@@ -17,7 +17,7 @@ from infractl.config import RunSpec, load_run
 from infractl.errors import UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
-from infractl.planning import measure, memory
+from infractl.planning import memory, probe
 from infractl.planning.devices import CATALOG, Device, device
 from infractl.planning.plan import Plan, plan
 from infractl.state import resolve_cluster
@@ -97,7 +97,7 @@ def _measure(
 ) -> None:
     state, _ = resolve_cluster(cluster_opt)
     out.info(f"measuring run {spec.name!r} on cluster {state.name!r}: {steps} step(s) on every node")
-    result = measure.measure(state, spec, run_file, steps=steps, log_format=log_format)
+    result = probe.run_probe(state, spec, run_file, steps=steps, log_format=log_format)
     table = Table(
         title=f"{spec.name}: {spec.parallel.label}, {spec.mixed_precision}"
         f"{', activation checkpointing' if spec.activation_checkpointing else ''}; "
@@ -105,7 +105,7 @@ def _measure(
     )
     for col in ("component", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "component" else "right")
-    for component in measure.COMPONENTS:
+    for component in probe.COMPONENTS:
         table.add_row(
             component,
             _size(result.predicted[component]),

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from infractl.cli._common import output
-from infractl.config import ClusterSpec, RunSpec
+from infractl.config import RunSpec, cluster_model
 from infractl.errors import UsageError
 
 __all__ = ["register", "write_schemas"]
@@ -19,7 +19,7 @@ def write_schemas(out_dir: Path) -> list[Path]:
     written = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name, model in (("cluster", ClusterSpec), ("run", RunSpec)):
+        for name, model in (("cluster", cluster_model()), ("run", RunSpec)):
             path = out_dir / f"{name}.schema.json"
             path.write_text(json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n")
             written.append(path)

@@ -76,7 +76,7 @@ def train(
 _POLL_S = 1.0
 
 
-def _follow(started: launcher.Launch, spec: RunSpec, plan: launcher.Plan, out: Output) -> Attempt:
+def _follow(started: launcher.Launch, spec: RunSpec, plan: launcher.LaunchPlan, out: Output) -> Attempt:
     """Show the run's progress from the store until every agent exits; record how the attempt
     ended; ``TrainingError`` unless it completed. Through a store outage the trainers go on, and
     so does following them (one warning)."""

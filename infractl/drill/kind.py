@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import psutil
 
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.errors import UsageError
 from infractl.runstore import DrillRecord
 from infractl.state import ClusterState
@@ -43,7 +43,7 @@ class Drill:
     state: ClusterState
     store: Store
     target: Target
-    commits: measure.Commits
+    commits: recovery.Commits
     workers: list[psutil.Process]  # every worker of the run at the fault
     victims: list[psutil.Process]  # the target node's processes of the run
     deadline: float  # time.monotonic() by which the drill gives up
@@ -98,7 +98,7 @@ class Kind:
 
     def recovered(self, drill: Drill, record: DrillRecord) -> bool:
         """Whether the store shows the run recovered; fill in the record's resume fields then."""
-        return measure.resumed(drill.commits, record)
+        return recovery.resumed(drill.commits, record)
 
     def on_recovered(self, drill: Drill, record: DrillRecord) -> None:
         """Once recovered: anything more to read off the store."""

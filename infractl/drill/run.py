@@ -8,7 +8,7 @@ from typing import Any
 
 from infractl import proc, runs, runstore
 from infractl.cluster import store_for
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, Progress, Target, kind_named
 from infractl.errors import StateError, UsageError
 from infractl.runstore import DrillRecord
@@ -70,7 +70,7 @@ def run_drill(
         state=state,
         store=store,
         target=target,
-        commits=measure.Commits(store, target.run_id),
+        commits=recovery.Commits(store, target.run_id),
         workers=[],
         victims=[],
         deadline=time.monotonic() + timeout,
@@ -82,10 +82,10 @@ def run_drill(
     record = _strike(drill, kind)
     try:
         kind.settle(drill)
-        measure.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
+        recovery.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
         if wait_finish and record.final_committed:
             # The last commit comes just before the processes exit: the drill ends with the run.
-            proc.wait_gone(state.dir, run=target.run_id, timeout=measure.GONE_TIMEOUT_S)
+            proc.wait_gone(state.dir, run=target.run_id, timeout=recovery.GONE_TIMEOUT_S)
     finally:
         kind.undo(drill)
     kind.finish(drill, record)
@@ -103,7 +103,7 @@ def _strike(drill: Drill, kind: Kind) -> DrillRecord:
     # strike within the moment between a step's upload and its commit.
     drill.commits.poll()
     latest = runstore.latest_metrics(drill.store, target.run_id)
-    drill.workers = measure.workers(proc.find(drill.state.dir, run=target.run_id))
+    drill.workers = recovery.workers(proc.find(drill.state.dir, run=target.run_id))
     if target.node is not None:
         drill.victims = proc.find(drill.state.dir, node=target.node, run=target.run_id)
     kind.prepare(drill)

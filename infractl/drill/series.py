@@ -9,7 +9,7 @@ from typing import Any
 
 from infractl import launcher, proc, runstore
 from infractl.cluster import store_for
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Progress, kind_named
 from infractl.drill.run import run_drill, select
 from infractl.errors import UsageError
@@ -101,7 +101,7 @@ def run_series(
 def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: float, progress: Progress) -> None:
     """Bring the drill's node back and wait until a step runs on the whole world again."""
     assert record.node is not None
-    proc.wait_gone(state.dir, node=record.node, run=record.run_id, timeout=measure.GONE_TIMEOUT_S)
+    proc.wait_gone(state.dir, node=record.node, run=record.run_id, timeout=recovery.GONE_TIMEOUT_S)
     started = time.time()
     launcher.rejoin(state, record.node, run=record.run_id)
     deadline = time.monotonic() + timeout
@@ -119,4 +119,4 @@ def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: 
             return
         if not proc.find(state.dir, run=record.run_id):
             return
-        time.sleep(measure.STORE_POLL_S)
+        time.sleep(recovery.STORE_POLL_S)

@@ -1,1 +1,2 @@
-"""What the team takes away: the bundle, access, runbooks, the exported model."""
+"""What the team takes away: the bundle (topology, configs, baselines, access, the reference and
+the page that links them) and its runbooks."""

@@ -34,8 +34,8 @@ import yaml
 from infractl import runs, runstore
 from infractl.cluster import store_for
 from infractl.errors import UsageError
-from infractl.handover import access, baseline, page, runbooks, topology
-from infractl.handover.reference import render_reference
+from infractl.handover import access_docs, baseline, page, runbooks, topology
+from infractl.handover.reference import ClickCommand, render_reference
 from infractl.runstore import RunRecord
 from infractl.state import ClusterState
 from infractl.store import Store
@@ -58,7 +58,7 @@ def _yaml(value: Any) -> bytes:
     return yaml.safe_dump(value, sort_keys=False, default_flow_style=False).encode()
 
 
-def assemble(state: ClusterState, *, run: str | None, out: Path) -> Bundle:
+def assemble(state: ClusterState, *, run: str | None, out: Path, cli: ClickCommand) -> Bundle:
     """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``; ``out`` is
     where it will be written (the runbooks' commands cd there to find ``configs/``)."""
     cluster = state.read()
@@ -72,12 +72,12 @@ def assemble(state: ClusterState, *, run: str | None, out: Path) -> Bundle:
     files: dict[str, bytes] = {
         "topology.md": topology.topology_markdown(cluster, bench[0] if bench else None).encode(),
         "topology.svg": topology.topology_svg(cluster).encode(),
-        "reference.md": render_reference().encode(),
+        "reference.md": render_reference(cli).encode(),
     }
     files |= _configs(state, cluster, store, records)
     files |= _baselines(store, records, bench)
     files |= runbooks.render_runbooks(cluster, records, bundle_dir=out)
-    files |= access.bundle_files(state)
+    files |= access_docs.bundle_files(state)
     files |= page.render(cluster["name"], [r.run_id for r in records], files)
     return Bundle(state.name, [r.run_id for r in records], files)
 

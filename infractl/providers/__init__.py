@@ -19,7 +19,9 @@ are network namespaces on this machine, each with its own address and sshd (infr
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import importlib
+import pkgutil
+from typing import Any, Protocol, cast
 
 from infractl.config import ClusterSpec
 from infractl.state import ClusterState
@@ -41,8 +43,10 @@ class Provider(Protocol):
 
 def get(name: str) -> Provider:
     """The module of provider ``name`` (one of ClusterSpec's ``provider`` values)."""
-    from infractl.providers import aws, local, netns
+    return cast(Provider, importlib.import_module(f"{__name__}.{name}"))
 
-    # mypy checks each module against Provider.
-    modules: dict[str, Provider] = {"local": local, "netns": netns, "aws": aws}
-    return modules[name]
+
+# Every provider module registers its cluster.yaml section on import (config.register_provider).
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")

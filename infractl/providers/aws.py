@@ -21,23 +21,27 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import hcl2
 from hcl2.utils import SerializationOptions
+from pydantic import Field, field_validator, model_validator
 
 from infractl import infra
-from infractl.config import ClusterSpec
+from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error, register_provider
 from infractl.errors import InfraError, UsageError
 from infractl.state import ClusterState
 
 __all__ = [
+    "AwsSpec",
     "CLUSTER_TAG",
+    "NodeGroup",
     "instance_types",
     "prices",
     "module_variables",
@@ -60,6 +64,114 @@ _HOURS_PER_MONTH = 730
 # and the instance table the locals read.
 _EVALUATED_FILES = ("variables.tf", "locals.tf", "instances.json")
 _PARSE_OPTIONS = SerializationOptions(with_comments=False, explicit_blocks=False, strip_string_quotes=True)
+
+
+_GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
+_AWS_ID = r"^{kind}-[0-9a-f]{{8,17}}$"
+
+
+class NodeGroup(Spec):
+    """Training nodes of one instance type and market."""
+
+    instance_type: str = Field(
+        description="A training instance type of infra/aws/instances.json (p5.48xlarge, g5.12xlarge, ...)."
+    )
+    nodes: int = Field(ge=1, le=64, description="Nodes of this group.")
+    spot: bool = Field(False, description="Spot instances (cheaper; may be reclaimed) instead of on-demand.")
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        known = sorted(instance_types())
+        if value not in known:
+            raise ValueError(f"{value!r} is not a training instance type infra/aws knows ({', '.join(known)})")
+        return value
+
+
+class AwsSpec(Spec):
+    """Where and how the `aws` provider creates the cluster (infra/aws's variables; its README describes them)."""
+
+    region: str = Field(pattern=r"^[a-z]{2}(-[a-z]+)+-[0-9]$", description="AWS region, e.g. us-east-1.")
+    state_bucket: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$",
+        description="Existing S3 bucket that holds the clusters' Terraform state (locked with S3 lock files).",
+    )
+    availability_zone: str | None = Field(
+        None, description="Availability zone of a new subnet; required unless subnet_id is given."
+    )
+    node_groups: dict[Annotated[str, Field(pattern=_GROUP_NAME)], NodeGroup] = Field(
+        min_length=1, max_length=8, description="Training nodes by group name; a node is named <group>-<index>."
+    )
+    vpc_id: str | None = Field(None, pattern=_AWS_ID.format(kind="vpc"), description="Existing VPC (with subnet_id).")
+    subnet_id: str | None = Field(
+        None, pattern=_AWS_ID.format(kind="subnet"), description="Existing subnet (with vpc_id)."
+    )
+    vpc_cidr: str = Field("10.42.0.0/16", description="CIDR of a new VPC (/16 to /24).")
+    create_bucket: bool = Field(False, description="Create the store's bucket with the cluster.")
+    bucket_force_destroy: bool = Field(False, description="Let `teardown --purge` delete a created bucket's objects.")
+    noncurrent_version_days: int = Field(7, ge=1, le=365, description="Days a created bucket keeps old versions.")
+    store_kms_key_arn: str | None = Field(None, description="KMS key for a created bucket (default: S3-managed).")
+    key_name: str | None = Field(None, description="EC2 key pair for SSH through Session Manager.")
+    controller_instance_type: str = Field("m7i.large", description="The controller (rendezvous) instance type.")
+    rendezvous_port: int = Field(29400, ge=1024, le=65535, description="The rendezvous endpoint's port.")
+    root_volume_gb: int = Field(200, ge=100, le=16384, description="Root volume of each node, GiB.")
+    workdir: str = Field("/opt/dlami/nvme/infractl", description="Absolute path of each node's work directory.")
+    ami_overrides: dict[str, str] = Field(default_factory=dict, description="AMI id per instance type.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags on every resource (infractl adds its own).")
+
+    @model_validator(mode="after")
+    def _network(self) -> AwsSpec:
+        if (self.vpc_id is None) != (self.subnet_id is None):
+            raise field_error("subnet_id", "vpc_id and subnet_id go together: give both, or neither")
+        if self.subnet_id is None and self.availability_zone is None:
+            raise field_error("availability_zone", "is required when the cluster creates its subnet")
+        return self
+
+
+def _ranks_per_gpu(data: dict[str, Any]) -> dict[str, Any]:
+    """processes_per_node defaults to the GPUs of the node groups' instance type."""
+    if "processes_per_node" in data:
+        return data
+    groups = (data.get("aws") or {}).get("node_groups") if isinstance(data.get("aws"), dict) else None
+    table = instance_types()
+    types = {g.get("instance_type") for g in (groups or {}).values() if isinstance(g, dict)}
+    gpus = {table[t]["gpus"] for t in types if t in table}
+    return data | {"processes_per_node": gpus.pop()} if len(gpus) == 1 else data
+
+
+def _check(spec: ClusterSpec) -> None:
+    aws = spec.settings(AwsSpec)
+    assert aws is not None  # the loader requires the section first
+    if "processes_per_node" not in spec.model_fields_set:
+        raise field_error(
+            "processes_per_node",
+            "is required when the node groups' instance types have different GPU counts (one rank per GPU)",
+        )
+    grouped = sum(g.nodes for g in aws.node_groups.values())
+    if grouped != spec.nodes:
+        raise field_error("nodes", f"{spec.nodes} differs from the {grouped} node(s) of aws.node_groups")
+    if spec.store is None or not spec.store.startswith("s3://"):
+        raise field_error("store", "provider aws needs an s3:// store (s3://bucket/prefix)")
+    image = spec.runtime.image
+    if image is None or not re.search(r"@sha256:[0-9a-f]{64}$", image):
+        raise field_error(
+            "runtime.image",
+            "provider aws runs the trainer in a container: pin the image by digest (REPO@sha256:<64 hex>); "
+            "a tag can point at other bytes tomorrow",
+        )
+
+
+register_provider(
+    ProviderConfig(
+        name="aws",
+        help="GPU instances (infra/aws), configured by Ansible, training in the pinned container image.",
+        section=AwsSpec,
+        section_help="The `aws` provider's settings; only with provider: aws.",
+        required="region, state_bucket, node_groups",
+        prepare=_ranks_per_gpu,
+        check=_check,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -91,7 +203,7 @@ def module_variables(spec: ClusterSpec) -> dict[str, object]:
     """infra/aws's variables for ``spec`` (provider aws): the ``aws:`` section, the cluster's name,
     ranks per node, and the store's bucket and prefix. Unset optional fields are left out, so the
     module's defaults apply."""
-    aws = spec.aws
+    aws = spec.settings(AwsSpec)
     if aws is None or spec.store is None:
         raise InfraError(f"cluster {spec.name!r} has no aws section or no store: not an aws cluster")
     store = urlsplit(spec.store)  # s3://bucket/prefix, perhaps with ?endpoint_url=... (not the module's business)
@@ -116,7 +228,7 @@ def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
     return {
         "provider": "aws",
         "module": "infra/aws",
-        "region": spec.aws.region if spec.aws else None,
+        "region": aws.region if (aws := spec.settings(AwsSpec)) else None,
         "variables": variables,
         "resources": planned_resources(variables),
         "cost": hourly_cost(variables),

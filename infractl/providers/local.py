@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from infractl.config import ClusterSpec
+from infractl.config import ClusterSpec, ProviderConfig, register_provider
 from infractl.state import ClusterState
 
 __all__ = ["variables", "dry_run", "leftovers", "preflight", "rendezvous_host"]
+
+register_provider(ProviderConfig(name="local", help="nodes are process trees on this machine.", default=True))
 
 
 def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:

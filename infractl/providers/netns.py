@@ -22,14 +22,16 @@ from typing import Any, Literal, get_args
 from urllib.parse import parse_qs, urlsplit
 
 import psutil
+from pydantic import Field, field_validator
 
 from infractl import proc
-from infractl.config import ClusterSpec
+from infractl.config import ClusterSpec, ProviderConfig, Spec, register_provider
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.providers import local
 from infractl.state import ClusterState
 
 __all__ = [
+    "NetnsSpec",
     "variables",
     "dry_run",
     "leftovers",
@@ -49,10 +51,49 @@ _TOOLS = {"ip": "iproute2", "ssh": "openssh-client", "ssh-keygen": "openssh-clie
 _DEFAULT_BLOCK = ipaddress.IPv4Network("10.200.0.0/13")
 
 
+class NetnsSpec(Spec):
+    """The `netns` provider's settings (infra/netns's variables; its README describes them)."""
+
+    subnet: str | None = Field(
+        None,
+        description=(
+            "Private IPv4 /24 of the cluster's bridge, e.g. 10.213.7.0/24: the host side is .1 (the rendezvous "
+            "endpoint), node i is .(i+2). Default: one of 10.200.0.0/13 picked from the cluster's state directory."
+        ),
+    )
+
+    @field_validator("subnet")
+    @classmethod
+    def _private_slash_24(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            network = ipaddress.IPv4Network(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv4 network in CIDR form (e.g. 10.213.7.0/24)") from None
+        if network.prefixlen != 24 or not network.is_private:
+            raise ValueError(f"{value!r} must be a private /24 (10.x.y.0/24, 172.16-31.x.0/24 or 192.168.x.0/24)")
+        return str(network)
+
+
+register_provider(
+    ProviderConfig(
+        name="netns",
+        help=(
+            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
+            "sshd (Linux, root)."
+        ),
+        section=NetnsSpec,
+        section_help="The `netns` provider's settings; only with provider: netns.",
+    )
+)
+
+
 def _subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
     """The cluster's /24: ``netns.subnet``, or one picked from the state directory."""
-    if spec.netns is not None and spec.netns.subnet is not None:
-        return ipaddress.IPv4Network(spec.netns.subnet)
+    settings = spec.settings(NetnsSpec)
+    if settings is not None and settings.subnet is not None:
+        return ipaddress.IPv4Network(settings.subnet)
     index = int(state.short_id, 16) % (_DEFAULT_BLOCK.num_addresses // 256)
     return ipaddress.IPv4Network((int(_DEFAULT_BLOCK.network_address) + index * 256, 24))
 

@@ -14,17 +14,18 @@ Keys are ``/``-separated relative paths. Writes are atomic (a reader sees the wh
 none) and ``put_if_absent`` is create-only, which is what the checkpoint commit marker relies on
 (S3: ``put_object(IfNoneMatch='*')``).
 
-Errors (``base.py``): every call raises only the ``StoreError`` family, never a backend's own
+Errors (``errors.py``): every call raises only the ``StoreError`` family, never a backend's own
 exceptions (OSError, botocore): ``StoreUnavailable`` when the store cannot be reached (callers
 retry later), ``StoreKeyError`` for a missing key, ``StoreError`` for anything else (access
 denied, say). Each is one line, ``store <uri>: <cause>``, which the CLI prints as it is.
 ``Store.check()`` is the preflight of ``infractl up``: it raises ``ConfigError`` naming the config
 field when the store cannot be reached or written.
 
-Access roles (``infractl access``, infractl/handover/access.py) reach the store through
+Access roles (``infractl access``, infractl/access/) reach the store through
 ``Store.apply_access`` and ``Store.remove_access``: a ``file://`` store sets POSIX ACLs for the
 roles' Unix groups (``_acl.py``), an ``s3://`` store keeps one IAM managed policy per role
-attached to the role's members (``_iam.py``, which also writes every role's policy document).
+attached to the role's members (``_iam.py``, which also writes every role's policy document). What
+a role may do is a ``RoleRights`` (``rights.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from infractl.errors import ConfigError, StoreError
-from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable, UnknownUser
+from infractl.store.base import ObjectInfo, Store
+from infractl.store.errors import StoreKeyError, StoreUnavailable, UnknownUser
 from infractl.store.file import FileStore
+from infractl.store.rights import RoleRights
 from infractl.store.s3 import S3Store, open_s3
 
 __all__ = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from infractl import proc
 from infractl.errors import StoreError
-from infractl.store.base import RoleRights
+from infractl.store.rights import RoleRights
 
 __all__ = ["apply_acls", "remove_acls"]
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infractl.errors import StoreError
-
-if TYPE_CHECKING:
-    from infractl.store.base import RoleRights
+from infractl.store.errors import StoreUnavailable, UnknownUser
+from infractl.store.rights import RoleRights
 
 __all__ = ["PLACEHOLDER_BUCKET", "POLICY_PATH", "policy_document", "apply_policies", "remove_policies"]
 
@@ -86,8 +85,6 @@ def _calling(uri: str, what: str) -> Iterator[None]:
     """IAM's errors as the store's: one line naming the store, what was being done and why."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from infractl.store.base import StoreUnavailable
-
     try:
         yield
     except ClientError as e:
@@ -151,8 +148,6 @@ def apply_policies(iam: Any, uri: str, roles: Sequence[tuple[str, dict[str, Any]
     """For each (policy name, document, members): the policy holds the document and is attached
     to exactly those IAM users (``UnknownUser`` for one that does not exist)."""
     from botocore.exceptions import ClientError
-
-    from infractl.store.base import UnknownUser
 
     existing = _existing(iam, uri)
     for name, document, members in roles:

@@ -1,4 +1,4 @@
-"""The store interface and its errors (see the package docstring)."""
+"""The store interface (see the package docstring); its errors are ``errors.py``."""
 
 from __future__ import annotations
 
@@ -9,62 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infractl.errors import StoreError
 from infractl.store import _iam
+from infractl.store.rights import RoleRights
 
-__all__ = ["ObjectInfo", "RoleRights", "Store", "StoreKeyError", "StoreUnavailable", "UnknownUser"]
-
-
-class StoreUnavailable(StoreError, OSError):
-    """The store cannot be reached at all (not: a key is missing). Callers retry later."""
-
-
-class StoreKeyError(StoreError, KeyError):
-    """The key does not exist in the store."""
-
-    def __init__(self, uri: str, key: str) -> None:
-        super().__init__(uri, f"no object {key!r}")
-        self.key = key
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.uri, self.key))
-
-
-class UnknownUser(StoreError):
-    """Access was granted to someone the store's identity service does not know (no IAM user)."""
-
-    def __init__(self, uri: str, user: str) -> None:
-        super().__init__(uri, f"no user named {user!r} (an IAM user must exist before it is granted a role)")
-        self.user = user
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.uri, self.user))
+__all__ = ["ObjectInfo", "Store"]
 
 
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
     size: int
-
-
-@dataclass(frozen=True)
-class RoleRights:
-    """What one access role may do in a store, and the names its grant goes by (built from the
-    role table in infractl/handover/access.py).
-
-    Key patterns are relative to the store's root; ``*`` matches any characters, ``/`` included
-    (IAM's rule): ``runs/*/metrics/*`` is every run's metrics, ``*`` the whole store."""
-
-    role: str
-    group: str
-    """The Unix group whose members hold the role; a file:// store's ACLs name it."""
-    policy: str
-    """The IAM managed policy that carries the role; an s3:// store attaches it to the members."""
-    read: tuple[str, ...] = ()
-    write: tuple[str, ...] = ()
-    delete: tuple[str, ...] = ()
-    grants: tuple[str, ...] = ()
-    """Policies this role may attach to users and detach from them (who runs `infractl access`)."""
 
 
 class Store(ABC):

@@ -13,7 +13,9 @@ from typing import Any
 
 from infractl.errors import ConfigError, StoreError
 from infractl.store import _acl
-from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable
+from infractl.store.base import ObjectInfo, Store
+from infractl.store.errors import StoreKeyError, StoreUnavailable
+from infractl.store.rights import RoleRights
 
 __all__ = ["FileStore"]
 

@@ -19,7 +19,9 @@ import psutil
 
 from infractl.errors import ConfigError, StoreError, UsageError
 from infractl.store import _iam
-from infractl.store.base import ObjectInfo, RoleRights, Store, StoreKeyError, StoreUnavailable
+from infractl.store.base import ObjectInfo, Store
+from infractl.store.errors import StoreKeyError, StoreUnavailable
+from infractl.store.rights import RoleRights
 
 __all__ = ["S3Store", "open_s3"]
 

@@ -8,7 +8,7 @@ import signal
 import psutil
 
 from infractl import proc
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
 
 __all__ = ["HangNode"]
@@ -20,11 +20,11 @@ class HangNode(Kind):
     help = "SIGSTOP one node's workers: the watchdog (watchdog.step_timeout_s) must turn the hang into a failure."
 
     def inject(self, drill: Drill) -> list[psutil.Process]:
-        stopped = measure.workers(drill.victims)
+        stopped = recovery.workers(drill.victims)
         proc.kill(stopped, signal.SIGSTOP)
         drill.fault |= {"signal": "SIGSTOP", "processes": len(stopped)}
         return drill.workers
 
     def undo(self, drill: Drill) -> None:
         # Whatever the watchdog did not kill must not stay stopped forever.
-        proc.kill([p for p in drill.victims if measure.alive(p)], signal.SIGCONT)
+        proc.kill([p for p in drill.victims if recovery.alive(p)], signal.SIGCONT)

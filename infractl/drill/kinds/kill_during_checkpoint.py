@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, register
 from infractl.drill.kinds.kill_node import KillNode
 from infractl.errors import StateError
@@ -28,9 +28,9 @@ class KillDuringCheckpoint(KillNode):
                 raise StateError(f"run {drill.run_id!r} uploaded no checkpoint within --timeout {drill.timeout:g}s")
             # After a first commit, so the drill shows a resume from it and not from step 0.
             if drill.commits.seen:
-                partial = measure.uploading_step(drill.store, drill.run_id, drill.commits.newest())
+                partial = recovery.uploading_step(drill.store, drill.run_id, drill.commits.newest())
             if partial is None:
-                time.sleep(measure.PROC_POLL_S)
+                time.sleep(recovery.PROC_POLL_S)
                 drill.commits.poll()
         drill.fault["partial_step"] = partial
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 
 from infractl import proc, runs
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
 from infractl.errors import StateError
 from infractl.providers import netns
@@ -34,8 +34,8 @@ class KillNode(Kind):
         return [p for p in drill.workers if p.pid not in killed]
 
     def settle(self, drill: Drill) -> None:
-        if proc.wait_gone(drill.state.dir, node=drill.target.node, run=drill.run_id, timeout=measure.GONE_TIMEOUT_S):
+        if proc.wait_gone(drill.state.dir, node=drill.target.node, run=drill.run_id, timeout=recovery.GONE_TIMEOUT_S):
             raise StateError(
                 f"node {drill.target.node!r}: processes of run {drill.run_id!r} survived SIGKILL "
-                f"for {measure.GONE_TIMEOUT_S:g}s"
+                f"for {recovery.GONE_TIMEOUT_S:g}s"
             )

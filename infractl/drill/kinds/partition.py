@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from infractl import launcher, proc, runs, runstore
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
 from infractl.errors import InfractlError, UsageError
 from infractl.providers import netns
@@ -69,7 +69,7 @@ class Partition(Kind):
             drill.progress(f"link of {self._node['name']} is back after {now - record.fault_time:.1f}s")
         if self._back is None or "rejoined_by" in drill.fault or time.monotonic() < self._next_look:
             return
-        self._next_look = time.monotonic() + measure.STORE_POLL_S
+        self._next_look = time.monotonic() + recovery.STORE_POLL_S
         live = proc.running_runs(drill.state.dir).get(drill.run_id, set())
         if live and self._node["name"] not in live:
             # The node's agent gave up while it was cut off: start it again, as on-call would.
@@ -84,7 +84,7 @@ class Partition(Kind):
 
     def recovered(self, drill: Drill, record: DrillRecord) -> bool:
         """Resumed without the node, and then a step ran on the whole world again after the link was back."""
-        if record.restart_s is None and not measure.resumed(drill.commits, record):
+        if record.restart_s is None and not recovery.resumed(drill.commits, record):
             return False
         if self._back is None:
             return False

@@ -9,7 +9,7 @@ import signal
 import psutil
 
 from infractl import proc
-from infractl.drill import measure
+from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
 from infractl.runstore import DrillRecord, SaveReason
 
@@ -23,7 +23,7 @@ class Preempt(Kind):
     node_leaves = True
 
     def inject(self, drill: Drill) -> list[psutil.Process]:
-        proc.kill(measure.agents(drill.victims), signal.SIGTERM)
+        proc.kill(recovery.agents(drill.victims), signal.SIGTERM)
         drill.fault |= {"signal": "SIGTERM", "grace_s": drill.target.spec.get("preemption", {}).get("grace_s")}
         return drill.workers
 

@@ -25,7 +25,7 @@ from infractl.planning import memory
 from infractl.state import ClusterState
 from infractl.store import Store
 
-__all__ = ["COMPONENTS", "Comparison", "compare", "measure", "read_reports"]
+__all__ = ["COMPONENTS", "Comparison", "compare", "read_reports", "run_probe"]
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "peak")
 
@@ -57,7 +57,7 @@ class Comparison:
         }
 
 
-def measure(state: ClusterState, spec: RunSpec, run_file: Path, *, steps: int, log_format: LogFormat) -> Comparison:
+def run_probe(state: ClusterState, spec: RunSpec, run_file: Path, *, steps: int, log_format: LogFormat) -> Comparison:
     """Run ``steps`` probe steps of ``spec`` on the cluster, compare, keep the comparison in the
     store (``runstore.plan_measured_key``) and delete the probe run."""
     probe = derive_run(spec, run_file, suffix="-memory", steps=steps, eval={"every": 0}, profile={"steps": None})

@@ -9,7 +9,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from infractl.planning.bench import SHARES
+from infractl.scaling.bench import SHARES
 
 __all__ = ["throughput_png", "split_png"]
 

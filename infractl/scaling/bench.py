@@ -42,7 +42,6 @@ few are still noisy):
 from __future__ import annotations
 
 import importlib
-import json
 import re
 import secrets
 import statistics
@@ -63,7 +62,6 @@ from infractl.launcher import Launch
 from infractl.planning import memory
 from infractl.runstore import StepRecord
 from infractl.state import ClusterState
-from infractl.store import Store
 
 __all__ = [
     "WARMUP_STEPS",
@@ -78,10 +76,9 @@ __all__ = [
     "parse_counts",
     "check_counts",
     "plan_bench",
-    "measure",
+    "run_trials",
     "figures",
     "new_bench_id",
-    "write_baseline",
 ]
 
 #: Steps at the start of each count left out of every figure.
@@ -290,7 +287,7 @@ class Measured:
     sampler: RankSampler
 
 
-def measure(state: ClusterState, bench: Bench, *, progress: Callable[[str], None]) -> list[Measured]:
+def run_trials(state: ClusterState, bench: Bench, *, progress: Callable[[str], None]) -> list[Measured]:
     """Run every count through the launcher, one after the other; TrainingError on a count
     that did not complete (its run and logs name it)."""
     done = []
@@ -443,20 +440,3 @@ def _iso(epoch: float) -> str:
 def new_bench_id() -> str:
     """Unique and sortable by time: ``20261201T120000Z-1a2b3c``."""
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
-def write_baseline(store: Store, baseline: dict[str, Any]) -> dict[str, str]:
-    """Put ``baseline.json`` and its two plots in the store; return each one's key."""
-    from infractl.planning import plots  # matplotlib: only when there is something to draw
-
-    prefix = runstore.bench_prefix(baseline["bench_id"])
-    keys = {
-        "baseline": f"{prefix}/baseline.json",
-        "throughput_plot": f"{prefix}/throughput.png",
-        "split_plot": f"{prefix}/split.png",
-    }
-    baseline["plots"] = {"throughput": keys["throughput_plot"], "split": keys["split_plot"]}
-    store.put_bytes(keys["throughput_plot"], plots.throughput_png(baseline))
-    store.put_bytes(keys["split_plot"], plots.split_png(baseline))
-    store.put_bytes(keys["baseline"], json.dumps(baseline, indent=1).encode())
-    return keys

@@ -1,0 +1,45 @@
+"""Layout maths the control plane and the trainer share: how a global batch splits over the
+data-parallel ranks, and whether a run's ``parallel`` layout runs on each world size it may meet."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from infractl.config.run import RunSpec
+from infractl.errors import ConfigError
+
+__all__ = ["check_layout", "split_batch"]
+
+
+def split_batch(batch_size: int, parts: int) -> list[int]:
+    """Samples each of ``parts`` data-parallel ranks takes of a global batch of ``batch_size``:
+    as even as can be, the first ``batch_size % parts`` ranks one more than the rest."""
+    if parts < 1:
+        raise ValueError("parts must be at least 1")
+    base, extra = divmod(batch_size, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def check_layout(spec: RunSpec, worlds: Iterable[tuple[int, str]], *, file: str) -> None:
+    """ConfigError naming the field unless ``spec.parallel`` runs on every world size of
+    ``worlds``: (ranks, how that many ranks arise, e.g. "3 node(s) x 1 process(es)")."""
+    parallel = spec.parallel
+    for ranks, how in worlds:
+        try:
+            dp = parallel.dp_degree(ranks)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} ({how})", file=file, field="parallel") from None
+        if spec.batch_size < dp:
+            raise ConfigError(
+                f"{spec.batch_size} is smaller than the {dp} data-parallel rank(s) of {how}: a rank would idle",
+                file=file,
+                field="batch_size",
+            )
+        micro = parallel.n_microbatches
+        if parallel.pp > 1 and spec.batch_size % (dp * micro):
+            raise ConfigError(
+                f"{spec.batch_size} does not split into {dp} data-parallel rank(s) x {micro} pipeline "
+                f"micro-batches of equal size ({how}); the pipeline needs equal micro-batches",
+                file=file,
+                field="batch_size",
+            )

@@ -1,0 +1,37 @@
+"""What every config section shares: strict pydantic models, names, and one-line cross-field errors."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+__all__ = ["NAME_PATTERN", "Name", "Spec", "field_error"]
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="Lower-case letters, digits and '-', at most 40.")]
+
+
+class Spec(BaseModel):
+    """A config section: unknown fields are refused, and values are frozen once loaded."""
+
+    # No NaN or infinity in a number, no control character in a string (names, paths, URIs,
+    # versions: none of them has one, and a NUL byte would only fail later, deep in the OS).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, str_max_length=4096)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _printable(cls, value: object) -> object:
+        if isinstance(value, str) and not value.isprintable():
+            raise ValueError("must not contain control characters (newlines, tabs, NUL, escape sequences)")
+        return value
+
+
+def field_error(field: str, message: str) -> ValidationError:
+    """A cross-field error located at ``field``: a model validator's own errors have no location,
+    and the loader reports ``<file>: <field>: <message>``."""
+    return ValidationError.from_exception_data(
+        "Spec",
+        [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=(field,), input=None)],
+    )

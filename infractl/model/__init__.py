@@ -1,0 +1,2 @@
+"""The trained model: one file of its weights from a committed checkpoint (``export``), and text
+sampled from them (``sample``)."""
