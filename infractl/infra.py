@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,9 @@ from infractl.errors import InfraError
 __all__ = ["Node", "SshLogin", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
 
 _ROOT_MODULE = "main.tf.json"
+# The provider's module, copied beside the root module that calls it: the state directory alone is
+# enough to plan and destroy, wherever infractl is installed, moved or upgraded to.
+_MODULE = "module"
 _PLAN_FILE = "tfplan"
 _STATE_FILE = "terraform.tfstate"
 _CLI_CONFIG = "terraformrc"
@@ -122,28 +126,35 @@ def module_dir(provider: str) -> Path:
 def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> ApplyResult:
     """Converge the nodes in ``tf_dir``'s state onto ``module_dir`` called with ``variables``.
 
-    Writes a root module into ``tf_dir`` that calls ``module_dir`` and re-exports ``inventory``,
-    then init, plan and, only when the plan has changes, apply.
+    Copies ``module_dir`` into ``tf_dir/module`` (anew each time: what Terraform applies is the module
+    of the infractl that runs), writes a root module into ``tf_dir`` that calls it and re-exports
+    ``inventory``, then init, plan and, only when the plan has changes, apply.
     """
     tf_dir = tf_dir.resolve()
     tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     root = tf_dir / _ROOT_MODULE
     previous = root.read_text() if root.is_file() else None
-    _write_private(root, json.dumps(_root_module(module_dir.resolve(), variables), indent=2) + "\n")
+    replaced = _replace_module(tf_dir, module_dir)
+    _write_private(root, json.dumps(_root_module(variables), indent=2) + "\n")
     with _terraform(tf_dir) as tf:
         try:
             _init(tf)
             plan = tf.plan(detailed_exitcode=True, out=_PLAN_FILE)
             _check(plan, "plan")
         except InfraError:
-            # Nothing was applied: put the previous root module back so the state still matches
-            # a valid configuration (and teardown keeps working).
+            # Nothing was applied: put the previous root module and its module back so the state
+            # still matches a valid configuration (and teardown keeps working).
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
             if previous is None:
                 root.unlink()
             else:
                 _write_private(root, previous)
+            shutil.rmtree(tf_dir / _MODULE)
+            if replaced is not None:
+                replaced.rename(tf_dir / _MODULE)
             raise
+        if replaced is not None:
+            shutil.rmtree(replaced)
         if plan.retcode == 0:
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
             return ApplyResult(changed=False, nodes=_read_nodes(tf), summary="no changes")
@@ -211,11 +222,26 @@ def _read_nodes(tf: Any) -> list[Node]:
     return [Node.from_record(item) for item in inventory]
 
 
-def _root_module(module: Path, variables: dict[str, object]) -> dict[str, Any]:
+def _replace_module(tf_dir: Path, source: Path) -> Path | None:
+    """Copy ``source`` to ``tf_dir/module``. The copy it replaces, if any, is moved aside and its new
+    place returned: the caller drops it, or puts it back when the new module fails to plan."""
+    module, staged, aside = (tf_dir / f"{_MODULE}{suffix}" for suffix in ("", ".new", ".previous"))
+    for leftover in (staged, aside):  # from a run that was killed half way
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.copytree(source, staged)
+    replaced = None
+    if module.is_dir():
+        module.rename(aside)
+        replaced = aside
+    staged.rename(module)
+    return replaced
+
+
+def _root_module(variables: dict[str, object]) -> dict[str, Any]:
     # Variable values are written into the root module itself (not passed as -var), so destroy
     # and output later evaluate exactly the configuration that was applied.
     return {
-        "module": {"cluster": {"source": str(module), **variables}},
+        "module": {"cluster": {"source": f"./{_MODULE}", **variables}},
         "output": {
             "inventory": {
                 "description": "The cluster's nodes.",

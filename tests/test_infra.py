@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import stat
 from pathlib import Path
 
@@ -88,3 +90,52 @@ def test_zero_nodes_is_refused_with_a_readable_message(tmp_path: Path) -> None:
     assert "nodes must be a whole number of at least 1" in message
     assert "Traceback" not in message and len(message.splitlines()) <= 3
     assert _node_dirs(tmp_path) == []
+
+
+def test_the_state_directory_holds_the_module_it_applied(tmp_path: Path) -> None:
+    shipped = tmp_path / "checkout" / "local"
+    shutil.copytree(infra.module_dir("local"), shipped)
+    variables = _variables(tmp_path, 2)
+    infra.apply(tmp_path / "terraform", shipped, variables)
+
+    root = json.loads((tmp_path / "terraform" / "main.tf.json").read_text())
+    assert root["module"]["cluster"]["source"] == "./module"
+    assert _tree(tmp_path / "terraform" / "module") == _tree(shipped)
+    # The checkout (or venv) it came from moves away: destroy needs only the state directory.
+    shutil.rmtree(tmp_path / "checkout")
+    infra.destroy(tmp_path / "terraform")
+
+    assert _node_dirs(tmp_path) == []
+
+
+def test_each_apply_copies_the_module_anew(tmp_path: Path) -> None:
+    shipped = tmp_path / "checkout" / "local"
+    shutil.copytree(infra.module_dir("local"), shipped)
+    infra.apply(tmp_path / "terraform", shipped, _variables(tmp_path, 2))
+    (shipped / "README.md").unlink()
+    (shipped / "notes.tf").write_text("locals {\n  upgraded = true\n}\n")
+
+    second = infra.apply(tmp_path / "terraform", shipped, _variables(tmp_path, 2))
+
+    assert second.summary == "no changes"
+    assert _tree(tmp_path / "terraform" / "module") == _tree(shipped)
+
+
+def test_a_module_that_fails_to_plan_leaves_the_applied_one_in_place(tmp_path: Path) -> None:
+    shipped = tmp_path / "checkout" / "local"
+    shutil.copytree(infra.module_dir("local"), shipped)
+    infra.apply(tmp_path / "terraform", shipped, _variables(tmp_path, 2))
+    applied = _tree(tmp_path / "terraform" / "module")
+    (shipped / "main.tf").write_text('resource "terraform_data" "node" {\n  count = var.no_such_variable\n}\n')
+
+    with pytest.raises(InfraError, match="no_such_variable"):
+        infra.apply(tmp_path / "terraform", shipped, _variables(tmp_path, 2))
+
+    assert _tree(tmp_path / "terraform" / "module") == applied
+    assert sorted(p.name for p in (tmp_path / "terraform").iterdir() if p.name.startswith("module")) == ["module"]
+    infra.destroy(tmp_path / "terraform")
+    assert _node_dirs(tmp_path) == []
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
