@@ -1,5 +1,4 @@
 export INFRACTL_HOME="$home"
-cd "$bundle"
 state=$$(infractl status -c $cluster --json | python3 -c '
 import json, sys
 print(next((r["state"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.argv[1]), "unknown"))' $run)

@@ -1,13 +1,15 @@
 """The bundle's runbooks are executable: on a real 2-node local cluster, inject a fault into a
 detached run, generate the bundle, run the ``bash`` blocks of the fault's runbook in order as
-written, and the run completes from its last committed checkpoint (never step 0). Also: every
-runbook renders for any cluster, with nothing left unfilled."""
+written, from the runbook's folder, and the run completes from its last committed checkpoint
+(never step 0), also from a copy of the bundle whose original is gone. Also: every runbook renders
+for any cluster, with nothing left unfilled."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,8 +59,9 @@ def bash_blocks(markdown: str) -> list[str]:
 
 
 def run_blocks(cli: Cli, runbook: Path) -> str:
-    """Every ``bash`` block of ``runbook`` in order, as a reader would paste it: ``bash -euo
-    pipefail``, from another directory, with no INFRACTL_HOME of its own; all must succeed."""
+    """Every ``bash`` block of ``runbook`` in order, as the runbook says to run them: ``bash -euo
+    pipefail`` from the runbook's folder (as Runme does), with no INFRACTL_HOME of its own; all
+    must succeed."""
     env = {k: v for k, v in cli.env().items() if k != "INFRACTL_HOME"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `infractl`, as installed
     blocks = bash_blocks(runbook.read_text())
@@ -67,7 +70,12 @@ def run_blocks(cli: Cli, runbook: Path) -> str:
     for block in blocks:
         assert block.startswith('export INFRACTL_HOME="'), block
         done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block], cwd="/", env=env, capture_output=True, text=True, timeout=900
+            ["bash", "-euo", "pipefail", "-c", block],
+            cwd=runbook.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         transcript.append(f"$ {block}\n{done.stdout}{done.stderr}")
         assert done.returncode == 0, "\n".join(transcript)
@@ -126,6 +134,30 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
     assert proc.wait_gone(node_dir, run="lost", timeout=60) == []
     status = json.loads(cluster("status", "--json").stdout)
     assert [(r["state"], r["attention"]) for r in status["runs"] if r["run"] == "lost"] == [("completed", None)]
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_config(
+    cluster: Cli, tmp_path: Path
+) -> None:
+    steps = 60  # two more commits after the relaunch: it resumes, it is not merely done
+    store = start(cluster, "orphan", steps=steps)
+    node_dir = cluster.home / "local"
+    fault_time = time.time()
+    proc.kill(proc.find(node_dir, run="orphan"))  # every node: no agent is left to resume it
+    assert proc.wait_gone(node_dir, run="orphan", timeout=30) == []
+    committed = runstore.latest_committed_step(store, "orphan")
+    assert committed is not None
+    # Handed over: written to one folder, copied to the ops team's share, the original deleted.
+    written = tmp_path / "written"
+    cluster("bundle", "--run", "orphan", "--out", str(written))
+    copy = Path(shutil.copytree(written, tmp_path / "ops-share" / "local"))
+    shutil.rmtree(written)
+    transcript = run_blocks(cluster, copy / "runbooks" / "node-failure.md")
+    # The stopped run is launched again from the copy's configs/runs/orphan.yaml.
+    assert "run orphan is stopped" in transcript and "run orphan recovered: " in transcript, transcript
+    assert_completed_from(store, "orphan", steps=steps, fault_time=fault_time, committed=committed)
 
 
 @pytest.mark.e2e
@@ -190,23 +222,25 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
         RunRecord("beta", "lab", spec={"name": "beta", "steps": 40, "nodes": {"min": 1, "max": 2}}),
         RunRecord("alpha", "lab", spec={"name": "alpha", "steps": 30}),
     ]
-    files = render_runbooks(cluster, records, bundle_dir=tmp_path / "handover")
+    files = render_runbooks(cluster, records)
     assert sorted(files) == sorted(f"runbooks/{name}.md" for name in RUNBOOKS)
-    assert render_runbooks(cluster, records, bundle_dir=tmp_path / "handover") == files  # deterministic
+    assert render_runbooks(cluster, records) == files  # deterministic
     for name, content in files.items():
         text = content.decode()
-        assert not re.search(r"\$(cluster|home|bundle|store|run|config|world|ckpt|commits|recover|verify)\b", text)
+        assert not re.search(r"\$(cluster|home|store|run|config|world|ckpt|commits|recover|verify|run_from)\b", text)
+        # Where the blocks run is said before the first of them, not as the summary the page shows.
+        paragraphs = text.split("\n\n")
+        assert paragraphs[2].startswith("Run the `bash` blocks below from the folder this runbook is in"), name
         for block in bash_blocks(text):
             assert block.startswith(f'export INFRACTL_HOME="{tmp_path / "state"}"\n'), (name, block)
             assert subprocess.run(["bash", "-n", "-c", block], capture_output=True).returncode == 0, (name, block)
     node_failure = files["runbooks/node-failure.md"].decode()
     assert node_failure.index("## Run `beta`") < node_failure.index("## Run `alpha`")  # the given order
-    assert "infractl rejoin" in node_failure and "infractl train configs/runs/alpha.yaml -c lab" in node_failure
+    assert "infractl rejoin" in node_failure and "infractl train ../configs/runs/alpha.yaml -c lab" in node_failure
     assert "on all 4 ranks" in node_failure  # nodes.max 2 x 2 processes per node
-    assert f'cd "{tmp_path / "handover"}"' in node_failure
     teardown = files["runbooks/teardown.md"].decode()
     assert teardown.count("infractl teardown -c lab --yes") == 1 and teardown.count("infractl export") == 2
-    empty = render_runbooks(cluster, [], bundle_dir=tmp_path / "handover")
+    empty = render_runbooks(cluster, [])
     assert "No run of this cluster" in empty["runbooks/node-failure.md"].decode()
 
 

@@ -60,7 +60,7 @@ def _yaml(value: Any) -> bytes:
 
 def assemble(state: ClusterState, *, run: str | None, out: Path, cli: ClickCommand) -> Bundle:
     """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``; ``out`` is
-    where it will be written (the runbooks' commands cd there to find ``configs/``)."""
+    where it will be written, which no file depends on (the bundle can be copied anywhere)."""
     cluster = state.read()
     store = store_for(state)
     records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
@@ -76,7 +76,7 @@ def assemble(state: ClusterState, *, run: str | None, out: Path, cli: ClickComma
     }
     files |= _configs(state, cluster, store, records)
     files |= _baselines(store, records, bench)
-    files |= runbooks.render_runbooks(cluster, records, bundle_dir=out)
+    files |= runbooks.render_runbooks(cluster, records)
     files |= access_docs.bundle_files(state)
     files |= page.render(cluster["name"], [r.run_id for r in records], files)
     return Bundle(state.name, [r.run_id for r in records], files)

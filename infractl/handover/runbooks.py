@@ -4,10 +4,12 @@ commands, one section per run.
 
 A template is a cluster-wide head, a line ``<!-- per run -->``, the part rendered once for each
 run of the bundle (in run order), and optionally a line ``<!-- after runs -->`` and a cluster-wide
-tail. Commands in the templates' ``bash`` blocks run as written: each block exports
-``INFRACTL_HOME`` and names the cluster, the run and its config in the bundle, so a test can
-execute them (tests/test_runbooks.py). Deterministic: the same cluster, runs and
-state root give the same bytes.
+tail. Commands in the templates' ``bash`` blocks run as written, from the runbook's own folder
+(the bundle's ``runbooks/``, as Runme runs them): each block exports ``INFRACTL_HOME`` and names
+the cluster, the run and its config as ``../configs/...``, so a test can execute them
+(tests/test_runbooks.py). Nothing names the folder the bundle is written to, so a copied bundle
+works where it lands. Deterministic: the same cluster, runs and state root give the same bytes,
+wherever the bundle is written.
 """
 
 from __future__ import annotations
@@ -35,16 +37,24 @@ AFTER_RUNS = "<!-- after runs -->"
 
 _NO_RUNS = "No run of this cluster was in its store when the bundle was made: regenerate it after `infractl train`.\n"
 
+#: Where the ``bash`` blocks run (``$run_from``): the state root and the store are absolute (they
+#: live on the controller), the bundle's own files relative, so the bundle can be copied anywhere.
+_RUN_FROM = (
+    "Run the `bash` blocks below from the folder this runbook is in, the bundle's `runbooks/`, wherever\n"
+    "the bundle was copied to: `cd` there before pasting one into a shell (Runme runs them there by\n"
+    "default). They find the bundle's configs as `../configs/`, the state root and the store by their\n"
+    "absolute paths."
+)
+
 
 def runbook_dir() -> Path:
     """``runbooks/`` in this checkout (infractl is installed editable, as ``playbooks/`` is found)."""
     return Path(infractl.__file__).resolve().parent.parent / "runbooks"
 
 
-def render_runbooks(cluster: dict[str, Any], records: list[RunRecord], *, bundle_dir: Path) -> dict[str, bytes]:
-    """``runbooks/<name>.md`` for every runbook, for ``cluster`` (its record) and the runs of
-    ``records``; ``bundle_dir`` is where the commands ``cd`` to find ``configs/``."""
-    common = _cluster_values(cluster, bundle_dir=bundle_dir)
+def render_runbooks(cluster: dict[str, Any], records: list[RunRecord]) -> dict[str, bytes]:
+    """``runbooks/<name>.md`` for every runbook, for ``cluster`` (its record) and the runs of ``records``."""
+    common = _cluster_values(cluster)
     per_run_values = [_with_partials(common | values) for r in records if (values := _run_values(cluster, r))]
     files: dict[str, bytes] = {}
     for name in RUNBOOKS:
@@ -64,13 +74,13 @@ def _with_partials(values: dict[str, str]) -> dict[str, str]:
     return values | {p.stem[1:]: Template(p.read_text()).substitute(values).rstrip("\n") for p in partials}
 
 
-def _cluster_values(cluster: dict[str, Any], *, bundle_dir: Path) -> dict[str, str]:
+def _cluster_values(cluster: dict[str, Any]) -> dict[str, str]:
     store = str(cluster["store"])
     return {
         "cluster": str(cluster["name"]),
         "home": str(home()),
         "exports": str(home().parent / "exports"),
-        "bundle": str(bundle_dir.absolute()),
+        "run_from": _RUN_FROM,
         "store": store,
         "store_path": _store_path(store),
         "nodes": " ".join(str(n["name"]) for n in cluster["nodes"]),
@@ -89,7 +99,7 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
     per_node = int(cluster["spec"].get("processes_per_node", 1))
     return {
         "run": record.run_id,
-        "config": f"configs/runs/{record.run_id}.yaml",
+        "config": f"../configs/runs/{record.run_id}.yaml",
         "steps": str(spec.steps),
         "every": str(spec.checkpoint.every),
         "nodes_min": str(spec.nodes.min),
