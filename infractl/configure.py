@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import infractl
+from infractl import templates
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.infra import Node
@@ -53,8 +54,8 @@ class ConfigureResult:
 
 
 def playbook_dir() -> Path:
-    """``playbooks/`` in this checkout."""
-    return Path(infractl.__file__).resolve().parent.parent / "playbooks"
+    """``playbooks/`` as infractl ships it."""
+    return templates.folder("playbooks")
 
 
 def configure(

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import infractl
+from infractl import templates
 from infractl.errors import InfraError
 
 __all__ = ["Node", "SshLogin", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
@@ -116,8 +116,8 @@ class ApplyResult:
 
 
 def module_dir(provider: str) -> Path:
-    """The Terraform module of ``provider`` in this checkout (``infra/<provider>/``)."""
-    path = Path(infractl.__file__).resolve().parent.parent / "infra" / provider
+    """The Terraform module of ``provider`` as infractl ships it (``infra/<provider>/``)."""
+    path = templates.folder("infra") / provider
     if not (path / "main.tf").is_file():
         raise InfraError(f"no Terraform module for provider {provider!r} (looked in {path})")
     return path

@@ -1,5 +1,10 @@
 """The environment a run trained in, recorded with its checkpoints and metrics so that a
-result can be traced to the software and machine that produced it."""
+result can be traced to the software and machine that produced it.
+
+The source revision is recorded when the package is built: setup.py writes ``infractl/_revision.txt``
+into every sdist and wheel, and an installed package never asks git. Only a checkout installed editable,
+which nothing built, has no record: there ``git rev-parse HEAD`` of that checkout is the revision.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import platform
 import socket
 import subprocess
+from importlib.resources import files
 from pathlib import Path
 from typing import TypedDict
 
@@ -14,11 +20,13 @@ import torch
 
 import infractl
 
-__all__ = ["Fingerprint", "RUNTIME_IMAGE_ENV", "environment_fingerprint", "git_revision"]
+__all__ = ["Fingerprint", "RUNTIME_IMAGE_ENV", "environment_fingerprint", "git_revision", "source_revision"]
 
 #: Set by the config driver on nodes that run the pinned runtime image.
 RUNTIME_IMAGE_ENV = "INFRACTL_RUNTIME_IMAGE"
 
+#: The revision record a build writes into the package (setup.py's REVISION).
+_RECORDED_REVISION = "_revision.txt"
 #: The trainer's own checkout (where ``git rev-parse`` is asked), not the working directory.
 _CHECKOUT = Path(__file__).resolve().parents[1]
 _GIT_TIMEOUT_S = 5.0
@@ -31,7 +39,7 @@ class Fingerprint(TypedDict):
     torch: str
     python: str
     infractl: str
-    git_revision: str | None  # None outside a git checkout (an installed package, say)
+    git_revision: str | None  # source_revision(): None when the source was not a git checkout
     hostname: str
     world_size: int
     runtime_image: str | None  # $INFRACTL_RUNTIME_IMAGE; None when unset
@@ -54,13 +62,22 @@ def git_revision(checkout: Path = _CHECKOUT) -> str | None:
     return revision if done.returncode == 0 and revision else None
 
 
+def source_revision() -> str | None:
+    """The revision of the source infractl was installed from: the build's record, or for an
+    editable checkout (no record) its ``git_revision``."""
+    recorded = files("infractl") / _RECORDED_REVISION
+    if recorded.is_file():
+        return recorded.read_text().strip() or None
+    return git_revision()
+
+
 def environment_fingerprint(*, world_size: int) -> Fingerprint:
-    """Collect the fingerprint; runs ``git`` once, so call it once per process."""
+    """Collect the fingerprint; may run ``git`` (see ``source_revision``), so call it once per process."""
     return Fingerprint(
         torch=torch.__version__,
         python=platform.python_version(),
         infractl=infractl.__version__,
-        git_revision=git_revision(),
+        git_revision=source_revision(),
         hostname=socket.gethostname(),
         world_size=world_size,
         runtime_image=os.environ.get(RUNTIME_IMAGE_ENV) or None,

@@ -20,7 +20,7 @@ from string import Template
 from typing import Any
 from urllib.parse import quote
 
-import infractl
+from infractl import templates
 from infractl.handover.reference import RUNBOOKS
 
 __all__ = ["render", "template_dir"]
@@ -47,8 +47,8 @@ _BENCH_HEADERS = ("nodes", "ranks", "global batch", "step time", "tokens/s", "sp
 
 
 def template_dir() -> Path:
-    """``bundle/`` in this checkout (infractl is installed editable, as ``runbooks/`` is found)."""
-    return Path(infractl.__file__).resolve().parent.parent / "bundle"
+    """``bundle/`` as infractl ships it."""
+    return templates.folder("bundle")
 
 
 def render(cluster: str, run_ids: list[str], files: Mapping[str, bytes]) -> dict[str, bytes]:

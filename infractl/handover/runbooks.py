@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 
 from pydantic import ValidationError
 
-import infractl
+from infractl import templates
 from infractl.config import RunSpec
 from infractl.handover.reference import RUNBOOKS
 from infractl.runstore import RunRecord, checkpoint_prefix
@@ -48,8 +48,8 @@ _RUN_FROM = (
 
 
 def runbook_dir() -> Path:
-    """``runbooks/`` in this checkout (infractl is installed editable, as ``playbooks/`` is found)."""
-    return Path(infractl.__file__).resolve().parent.parent / "runbooks"
+    """``runbooks/`` as infractl ships it."""
+    return templates.folder("runbooks")
 
 
 def render_runbooks(cluster: dict[str, Any], records: list[RunRecord]) -> dict[str, bytes]:
