@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ class Cli:
     """Runs the real ``infractl`` in its own process, in a private working directory."""
 
     cwd: Path
+    program: list[str] = field(default_factory=lambda: [sys.executable, "-m", "infractl"])
+    """How ``infractl`` is started: this checkout's, by default."""
 
     @property
     def home(self) -> Path:
@@ -59,7 +61,7 @@ class Cli:
         """Run ``infractl ARGS`` (``env``: extra variables) and assert its exit code (None: any);
         a failure must be one clean message."""
         result = subprocess.run(
-            [sys.executable, "-m", "infractl", *args],
+            [*self.program, *args],
             cwd=self.cwd,
             env=self.env() | (env or {}),
             capture_output=True,
