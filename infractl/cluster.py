@@ -26,6 +26,7 @@ __all__ = [
     "teardown",
     "store_for",
     "ensure_rendezvous",
+    "rendezvous_running",
     "RENDEZVOUS_NODE",
 ]
 
@@ -85,7 +86,7 @@ def ensure_rendezvous(state: ClusterState, host: str, previous: dict[str, Any] |
     a new cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
     machine comes back before the agents need it."""
     port = int(previous["rendezvous"]["port"]) if previous else _free_port(host)
-    if proc.find(state.dir, node=RENDEZVOUS_NODE) and _port_open(host, port):
+    if rendezvous_running(state) and _port_open(host, port):
         return port, False
     if _port_open(host, port):
         raise InfractlError(
@@ -105,6 +106,11 @@ def ensure_rendezvous(state: ClusterState, host: str, previous: dict[str, Any] |
             raise InfractlError(f"the rendezvous server did not start; see {state.dir / 'rendezvous.log'}")
         time.sleep(0.2)
     return port, True
+
+
+def rendezvous_running(state: ClusterState) -> bool:
+    """Whether the cluster's rendezvous server runs (on this machine: the control plane's own)."""
+    return bool(proc.find(state.dir, node=RENDEZVOUS_NODE))
 
 
 def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
@@ -139,6 +145,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     provider = providers.get(spec.provider)
     applied = infra.apply(state.terraform_dir, infra.module_dir(spec.provider), provider.variables(spec, state))
+    nodes = provider.control(state, applied.nodes)
     out.info(f"terraform: {applied.summary}")
 
     host = provider.rendezvous_host(spec, state)
@@ -148,7 +155,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     out.info("ansible: configuring nodes (base, access, runtime, network, health gate)…")
     configured = configure.configure(
         state.dir,
-        applied.nodes,
+        nodes,
         runtime=spec.runtime,
         rendezvous=(host, port),
         nonce=secrets.token_hex(4),
@@ -188,25 +195,29 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
     if access.remove_from_store(state, store_for(state)):
         out.info("access: the roles' rights in the store are taken back")
-    victims = proc.find(state.dir)
-    if victims:
-        out.info(f"stopping {len(victims)} process(es) of cluster {state.name!r}…")
-    proc.kill(victims)
+    provider = providers.of(state)
+    stopped, survived = providers.control(state).stop_all(timeout=20)
+    # What is left with the cluster's marker is the control plane's own, on this machine (the
+    # rendezvous server), and anything of a node that did not answer.
+    own = proc.find(state.dir)
+    proc.kill(own)
     leftover = proc.wait_gone(state.dir, timeout=20)
-    if leftover:
-        raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {[p.pid for p in leftover]}")
+    if stopped or own:
+        out.info(f"stopped {stopped + len(own)} process(es) of cluster {state.name!r}")
+    if survived or leftover:
+        pids = [f"{p.node}:{p.pid}" for p in survived] + [str(p.pid) for p in leftover]
+        raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {', '.join(pids)}")
 
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
-    leftovers = providers.get(record["spec"]["provider"]).leftovers(state, record)
+    leftovers = provider.leftovers(state, record)
     if leftovers:
         raise InfractlError(
             f"terraform destroy left {len(leftovers)} resource(s) of cluster {state.name!r} behind: "
             f"{'; '.join(leftovers)}; remove them (they cost money and nothing manages them), then run teardown again"
         )
-    if record["spec"]["provider"] in ("local", "netns"):
-        # The access role's groups live on the nodes; these providers' nodes share this machine's
-        # accounts. (A real node's groups go with the machine.)
+    if provider.shares_host_accounts:
+        # The access roles' groups live on the nodes, and these nodes' accounts are this machine's.
         access.remove_groups(state)
 
     purged: list[str] = []
@@ -229,7 +240,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         shutil.rmtree(state.dir)
     return TeardownResult(
         cluster=state.name,
-        processes_killed=len(victims),
+        processes_killed=stopped + len(own),
         nodes_removed=len(record["nodes"]),
         runs_purged=purged,
     )

@@ -16,7 +16,7 @@ import infractl
 from infractl import templates
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
-from infractl.infra import Node
+from infractl.providers.base import NodeControl
 
 __all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
 
@@ -28,16 +28,15 @@ _KEEP_ARTIFACTS = 10
 _RUN_TIMEOUT_S = 600
 
 
-def network_env(node: dict[str, Any]) -> dict[str, str]:
+def network_env(nodes: NodeControl, node: str) -> dict[str, str]:
     """The collective-communication variables the network role wrote for ``node`` (its
     ``env/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before Ansible ran."""
-    path = Path(node["workdir"]) / "env" / "network.env"
+    text = nodes.read_file(node, nodes.node(node).workdir / "env" / "network.env") or ""
     found: dict[str, str] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            key, sep, value = line.partition("=")
-            if sep and not key.lstrip().startswith("#"):
-                found[key.strip()] = value.strip()
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.lstrip().startswith("#"):
+            found[key.strip()] = value.strip()
     return found
 
 
@@ -60,7 +59,7 @@ def playbook_dir() -> Path:
 
 def configure(
     state_dir: Path,
-    nodes: list[Node],
+    nodes: NodeControl,
     *,
     runtime: RuntimeSpec,
     rendezvous: tuple[str, int],
@@ -82,7 +81,7 @@ def configure(
         "health_rendezvous_host": host,
         "health_rendezvous_port": port,
         "health_key": f"{nonce}-{secrets.token_hex(4)}",
-        "health_world_size": len(nodes),
+        "health_world_size": len(nodes.nodes),
         **access,
     }
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
@@ -104,7 +103,7 @@ class AccessResult:
     not empty the run stopped in the role's preflight: no node was changed."""
 
 
-def apply_access(state_dir: Path, nodes: list[Node], access: dict[str, Any]) -> AccessResult:
+def apply_access(state_dir: Path, nodes: NodeControl, access: dict[str, Any]) -> AccessResult:
     """Run the access role alone (``playbooks/access.yml``) with ``access``, its variables:
     groups, members and ACLs on every node. Raises :class:`ConfigureError` for any failure but
     missing accounts (reported in the result)."""
@@ -118,12 +117,12 @@ def apply_access(state_dir: Path, nodes: list[Node], access: dict[str, Any]) -> 
 
 
 def _run_playbook(
-    state_dir: Path, nodes: list[Node], playbook: str, extravars: dict[str, Any]
+    state_dir: Path, nodes: NodeControl, playbook: str, extravars: dict[str, Any]
 ) -> tuple[Any, list[Any]]:
     """Run ``playbook`` on ``nodes``; return the runner and its events (the caller judges them)."""
     import ansible_runner
 
-    if not nodes:
+    if not nodes.nodes:
         raise ConfigureError("no nodes to configure: the cluster has no provisioned nodes")
     data_dir = state_dir.resolve() / "ansible"
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -138,7 +137,7 @@ def _run_playbook(
         extravars=extravars,
         envvars=_environment(data_dir),
         # The health role runs one task on every node at once: it needs a fork per node.
-        forks=max(len(nodes), 5),
+        forks=max(len(nodes.nodes), 5),
         quiet=True,
         suppress_env_files=True,
         rotate_artifacts=_KEEP_ARTIFACTS,
@@ -160,35 +159,22 @@ def _changed_tasks(events: Iterable[dict[str, Any]]) -> list[str]:
     return found
 
 
-def _inventory(state_dir: Path, nodes: list[Node]) -> dict[str, Any]:
+def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
+    """Every node with how Ansible reaches it and runs Python there (its provider says), and the
+    node's facts the roles use."""
     return {
         "all": {
             "hosts": {
                 node.name: {
-                    **_connection(node),
-                    # Nodes run the controller's own environment: local and netns nodes share its filesystem.
-                    "ansible_python_interpreter": sys.executable,
+                    **nodes.ansible_host(node.name),
                     "node_workdir": str(node.workdir),
                     "node_workdir_parents": _parents_in(state_dir, node.workdir),
                     "node_address": node.address,
                     "node_index": index,
                 }
-                for index, node in enumerate(nodes)
+                for index, node in enumerate(nodes.nodes.values())
             }
         }
-    }
-
-
-def _connection(node: Node) -> dict[str, Any]:
-    """How Ansible reaches ``node``: directly (local) or over SSH, trusting only its pinned host key."""
-    if node.ssh is None:
-        return {"ansible_connection": "local"}
-    return {
-        "ansible_connection": "ssh",
-        "ansible_host": node.address,
-        "ansible_user": node.ssh.user,
-        "ansible_ssh_private_key_file": str(node.ssh.identity_file),
-        "ansible_ssh_common_args": " ".join(node.ssh.options()),
     }
 
 
@@ -209,7 +195,7 @@ def _environment(data_dir: Path) -> dict[str, str]:
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_LOCAL_TEMP": str(data_dir / "tmp"),
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
-        # SSH nodes (netns) pin their host keys (see SshLogin.options); local nodes have none to check.
+        # SSH nodes pin their host keys (see SshLogin.options); nodes that are this machine have none.
         "ANSIBLE_HOST_KEY_CHECKING": "True",
     }
 
@@ -227,13 +213,13 @@ def _facts(events: Iterable[dict[str, Any]], name: str) -> dict[str, Any]:
     return found
 
 
-def _health_reports(events: Iterable[dict[str, Any]], nodes: list[Node]) -> list[dict[str, Any]]:
+def _health_reports(events: Iterable[dict[str, Any]], nodes: NodeControl) -> list[dict[str, Any]]:
     reports: dict[str, dict[str, Any]] = _facts(events, "health_report")
-    missing = [node.name for node in nodes if node.name not in reports]
+    missing = [name for name in nodes.nodes if name not in reports]
     if missing:
         names = ", ".join(missing)
         raise ConfigureError(f"{names}: health: no health report (was the health role skipped?)")
-    return [reports[node.name] for node in nodes]
+    return [reports[name] for name in nodes.nodes]
 
 
 def _failure(runner: Any, events: list[dict[str, Any]]) -> str:

@@ -4,27 +4,24 @@ node; and ``infractl rejoin``. Following a run is the CLI's (it only reads the s
 from __future__ import annotations
 
 import os
-import re
 import secrets
-import shlex
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infractl import proc, runs, runstore
+from infractl import proc, providers, runs, runstore
 from infractl.cluster import ensure_rendezvous, store_for
 from infractl.config import RunSpec, check_layout
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
-from infractl.infra import Node
 from infractl.log import LOG_FORMAT_ENV, LogFormat
+from infractl.providers import NodeControl
 from infractl.runstore import Attempt, Rejoin, RunRecord
-from infractl.state import ClusterState, write_private
+from infractl.state import ClusterState
 from infractl.store import Store
 
 __all__ = [
@@ -46,8 +43,6 @@ __all__ = [
 # of it is a second of every restart after a node is lost.
 _LAST_CALL_S = 3
 _KEEP_ALIVE_S = 2
-# Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
-_SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass
@@ -57,6 +52,7 @@ class Launch:
     resume_from: int
     nodes: list[dict[str, Any]]
     agents: dict[str, subprocess.Popen[bytes]]
+    control: NodeControl  # how the nodes are reached
 
 
 @dataclass(frozen=True)
@@ -153,6 +149,7 @@ def _check_continues(record: RunRecord, spec: RunSpec, version: str, run_file: P
 def torchrun_argv(
     spec: RunSpec,
     *,
+    python: str,
     nnodes: int,
     processes: int,
     rendezvous: str,
@@ -164,7 +161,7 @@ def torchrun_argv(
     trainer_args: Sequence[str] = (),
 ) -> list[str]:
     return [
-        sys.executable, "-m", proc.AGENT_MODULE,  # torchrun, see trainer/agent.py
+        python, "-m", proc.AGENT_MODULE,  # torchrun, see trainer/agent.py
         f"--nnodes={min(spec.nodes.min, nnodes)}:{nnodes}",
         f"--nproc-per-node={processes}",
         "--rdzv-backend=c10d",
@@ -194,9 +191,9 @@ def torchrun_argv(
 
 
 def _node_env(
-    state: ClusterState, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat, image: str | None
+    nodes: NodeControl, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat, image: str | None
 ) -> dict[str, str]:
-    env = dict(os.environ) | network_env(node)
+    env = dict(os.environ) | network_env(nodes, node["name"])
     env.setdefault("OMP_NUM_THREADS", "1")
     if image:
         env["INFRACTL_RUNTIME_IMAGE"] = image  # recorded in every checkpoint's environment fingerprint
@@ -215,7 +212,7 @@ def _node_env(
             "PYTHONUNBUFFERED": "1",
             "INFRACTL_ATTEMPT": str(attempt),
             LOG_FORMAT_ENV: log_format,
-            proc.CLUSTER_ENV: str(state.dir),
+            proc.CLUSTER_ENV: str(nodes.state.dir),
             proc.NODE_ENV: node["name"],
             proc.RUN_ENV: run_id,
         }
@@ -248,11 +245,14 @@ def launch(
         )
     )
     runstore.write_run_record(plan.store, plan.record)
-    agents = {
-        node["name"]: _start_agent(
-            state,
+    nodes = providers.control(state)
+    by_name = {node["name"]: node for node in plan.nodes}
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return _start_agent(
+            nodes,
             spec,
-            node,
+            by_name[name],
             cluster=plan.cluster,
             store=plan.store,
             attempt=number,
@@ -261,9 +261,10 @@ def launch(
             log_format=log_format,
             trainer_args=trainer_args,
         )
-        for node in plan.nodes
-    }
-    return Launch(spec.name, number, plan.resume_from, plan.nodes, agents)
+
+    # Every node's agent at once: each start may wait on its node (an SSH session).
+    agents = dict(zip(by_name, nodes.each(by_name, start), strict=True))
+    return Launch(spec.name, number, plan.resume_from, plan.nodes, agents, nodes)
 
 
 def finish(plan: LaunchPlan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
@@ -310,7 +311,7 @@ def run_to_end(
 
 
 def _start_agent(
-    state: ClusterState,
+    nodes: NodeControl,
     spec: RunSpec,
     node: dict[str, Any],
     *,
@@ -323,14 +324,13 @@ def _start_agent(
     note: str = "",
     trainer_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
+    name = node["name"]
     workdir = Path(node["workdir"])
     spec_path = workdir / "runs" / spec.name / "spec.json"
-    write_private(spec_path, spec.model_dump_json(indent=1))
-    log_path = node_log(node, spec.name)
-    with log_path.open("a") as log:
-        log.write(f"=== infractl: attempt {attempt} of run {spec.name} on {node['name']}{note} ===\n")
+    nodes.write_file(name, spec_path, spec.model_dump_json(indent=1))
     argv = torchrun_argv(
         spec,
+        python=nodes.python(name),
         nnodes=nnodes,
         processes=int(node["processes"]),
         rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
@@ -341,32 +341,13 @@ def _start_agent(
         workdir=workdir,
         trainer_args=trainer_args,
     )
-    env = _node_env(state, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"])
-    login = Node.from_record(node).ssh
-    if login is None:
-        return proc.spawn(argv, env=env, cwd=workdir, log_path=log_path)
-    return proc.spawn(
-        login.argv(node["address"], _remote_command(argv, env, workdir, spec.name, log_path)),
-        env={k: v for k, v in os.environ.items() if k not in (proc.CLUSTER_ENV, proc.NODE_ENV, proc.RUN_ENV)},
-        cwd=workdir,
-        log_path=log_path,
-    )
-
-
-def _remote_command(argv: list[str], env: dict[str, str], workdir: Path, run_id: str, log_path: Path) -> str:
-    """The shell command that starts the agent on an SSH node (netns): sshd gives a session a clean
-    environment, so the agent's comes from a 0600 file in the node's work directory (never on a
-    command line, where every user could read its secrets). The agent writes its log itself: a
-    link that goes down must not stall it on a full SSH channel.
-
-    The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
-    node as it follows a local one; it carries none of the markers, so a node whose link is cut
-    counts as stopped once its agent has exited, whatever the client waits for."""
-    env_file = workdir / "runs" / run_id / "agent.env"
-    write_private(env_file, "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if _SHELL_NAME.match(k)))
-    return (
-        f"set -a && . {shlex.quote(str(env_file))} && set +a && cd {shlex.quote(str(workdir))} && "
-        f"exec {shlex.join(argv)} >>{shlex.quote(str(log_path))} 2>&1 </dev/null"
+    return nodes.start(
+        name,
+        argv,
+        _node_env(nodes, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"]),
+        workdir=workdir,
+        log_path=node_log(node, spec.name),
+        header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
     )
 
 
@@ -410,7 +391,7 @@ def rejoin(
             f"(max_restarts: {spec.max_restarts}); find out why it keeps failing (`infractl logs --node {node_name}`)"
         )
     agent = _start_agent(
-        state,
+        providers.control(state),
         spec,
         node,
         cluster=cluster,

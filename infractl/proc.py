@@ -1,20 +1,29 @@
 """The one subprocess runner: start node processes detached, find them again, kill whole trees;
-run a short command to its end.
+run a short command to its end. Everything here acts on *this* machine.
 
 Every process infractl starts carries marker variables in its environment (inherited by all of
 its descendants, including torchrun workers that start new sessions and survive their agent's
 process group). Finding a node's processes scans for the marker instead of trusting a PID tree
 that breaks as soon as a parent dies.
+
+A node that is another machine runs the same code there for the control plane (the providers'
+node control, over SSH): ``python -m infractl.proc list|signal|monitor`` prints what it found as
+JSON, one ``NodeProcess`` per process, so the control plane sees every node the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import grp
+import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -24,13 +33,17 @@ __all__ = [
     "CLUSTER_ENV",
     "NODE_ENV",
     "RUN_ENV",
+    "NodeProcess",
     "group_exists",
     "run",
     "spawn",
     "find",
-    "running_runs",
     "kill",
     "wait_gone",
+    "listing",
+    "signal_listed",
+    "monitor",
+    "main",
 ]
 
 CLUSTER_ENV = "INFRACTL_CLUSTER_DIR"
@@ -40,11 +53,20 @@ RUN_ENV = "INFRACTL_RUN"
 AGENT_MODULE = "trainer.agent"
 
 
-def run(argv: list[str], *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run a short command on this machine to its end (``setfacl``, ``groupdel``): stdout and
-    stderr captured as text, the exit code left to the caller. ``OSError`` when it cannot start,
-    ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+def run(argv: list[str], *, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a short command on this machine to its end (``setfacl``, ``groupdel``, ``ssh``): stdout
+    and stderr captured as text, ``input`` on its stdin (else nothing), the exit code left to the
+    caller. ``OSError`` when it cannot start, ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        errors="replace",  # a log's tail, say, may cut a character in two
+        timeout=timeout,
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        check=False,
+    )
 
 
 def group_exists(name: str) -> bool:
@@ -98,21 +120,6 @@ def find(cluster_dir: Path, *, node: str | None = None, run: str | None = None) 
     return found
 
 
-def running_runs(cluster_dir: Path) -> dict[str, set[str]]:
-    """run id -> names of the nodes that have live processes of it (processes that belong to no
-    run, such as the cluster's rendezvous server, are left out)."""
-    runs: dict[str, set[str]] = {}
-    for p in find(cluster_dir):
-        try:
-            env = p.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        run, node = env.get(RUN_ENV), env.get(NODE_ENV)
-        if run and node:
-            runs.setdefault(run, set()).add(node)
-    return runs
-
-
 def kill(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to every process (already-gone processes are ignored)."""
     for proc in procs:
@@ -132,3 +139,178 @@ def wait_gone(
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.2)
+
+
+# -- what a node reports to the control plane ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeProcess:
+    """A process of a cluster on one of its nodes, as the node reports it."""
+
+    node: str
+    pid: int
+    started: float
+    """Its start time (``psutil``'s create_time): a pid the kernel gave to another process since is
+    never signalled in its place."""
+    run: str | None
+    agent: bool
+    """The node's torchrun agent (``trainer.agent``); else a worker, or a process a worker started."""
+    cpu_s: float = 0.0
+    """User and system CPU seconds it had used when it was listed."""
+
+    @property
+    def key(self) -> tuple[str, int, float]:
+        """What names the process whenever it is listed (its CPU time changes)."""
+        return self.node, self.pid, self.started
+
+
+def _describe(process: psutil.Process) -> NodeProcess | None:
+    """``process`` as its node reports it; None when it is gone or carries no node marker."""
+    try:
+        env = process.environ()
+        node = env.get(NODE_ENV)
+        if node is None:
+            return None
+        times = process.cpu_times()
+        return NodeProcess(
+            node=node,
+            pid=process.pid,
+            started=process.create_time(),
+            run=env.get(RUN_ENV),
+            agent=AGENT_MODULE in process.cmdline(),
+            cpu_s=times.user + times.system,
+        )
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def listing(cluster_dir: Path, *, node: str | None = None, run: str | None = None) -> list[NodeProcess]:
+    """The live processes of the cluster (one node's, one run's) on this machine, by pid."""
+    found = (_describe(p) for p in find(cluster_dir, node=node, run=run))
+    return sorted((p for p in found if p is not None), key=lambda p: p.pid)
+
+
+def signal_listed(procs: Iterable[NodeProcess], sig: int) -> None:
+    """Send ``sig`` to each listed process that still runs on this machine (never to another that
+    took its pid since)."""
+    for listed in procs:
+        try:
+            process = psutil.Process(listed.pid)
+            if process.create_time() == listed.started:
+                process.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+
+
+# A full scan reads every process's environment; the processes already found are only checked
+# for life, often, so an exit is seen within _CHECK_S.
+_SCAN_S = 0.5
+_CHECK_S = 0.05
+# A monitor says it is still there this often even when nothing changes.
+_HEARTBEAT_S = 2.0
+
+
+def monitor(
+    cluster_dir: Path,
+    *,
+    run: str,
+    node: str | None,
+    emit: Callable[[list[NodeProcess] | None], None],
+    stop: threading.Event,
+) -> None:
+    """Until ``stop``: report the run's processes on this machine (one node's, or all of them)
+    through ``emit`` each time the set changes (by ``NodeProcess.key``), and ``emit(None)`` as a
+    heartbeat when nothing changed for a while. What a drill watches a run by."""
+    known: dict[tuple[str, int, float], tuple[psutil.Process, NodeProcess]] = {}
+    last: list[tuple[str, int, float]] | None = None
+    next_scan = next_beat = 0.0
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_scan:
+            known = {}
+            for process in find(cluster_dir, node=node, run=run):
+                described = _describe(process)
+                if described is not None:
+                    known[described.key] = (process, described)
+            next_scan = now + _SCAN_S
+        else:
+            known = {key: entry for key, entry in known.items() if _alive(entry[0])}
+        keys = sorted(known)
+        if keys != last:
+            emit([known[key][1] for key in keys])
+            last, next_beat = keys, now + _HEARTBEAT_S
+        elif now >= next_beat:
+            emit(None)
+            next_beat = now + _HEARTBEAT_S
+        stop.wait(_CHECK_S)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, separators=(",", ":")), flush=True)
+
+
+def _listed(text: str) -> NodeProcess:
+    """``NODE:PID:STARTED`` (a process as the control plane names it on the command line)."""
+    node, pid, started = text.rsplit(":", 2)
+    return NodeProcess(node=node, pid=int(pid), started=float(started), run=None, agent=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The node side of the control plane's node control (see the module docstring):
+
+    - ``list --cluster DIR [--node N] [--run R]``: the processes, a JSON list of ``NodeProcess``;
+    - ``signal --sig N NODE:PID:STARTED...``: signal those that still run;
+    - ``kill --cluster DIR --node N --run R``: SIGKILL the run's processes on the node;
+    - ``monitor --cluster DIR --run R [--node N]``: a JSON line for every change of the run's
+      processes (a list) and ``null`` heartbeats, until its stdin closes.
+    """
+    parser = argparse.ArgumentParser(prog="python -m infractl.proc", description="A node's processes, as JSON.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "monitor", "kill"):
+        command = commands.add_parser(name)
+        command.add_argument("--cluster", type=Path, required=True, help="the cluster's marker (its state dir)")
+        command.add_argument("--node", required=name == "kill")
+        command.add_argument("--run", required=name != "list")
+    signalling = commands.add_parser("signal")
+    signalling.add_argument("--sig", type=int, required=True)
+    signalling.add_argument("procs", nargs="*", type=_listed)
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        _print_json([asdict(p) for p in listing(args.cluster, node=args.node, run=args.run)])
+    elif args.command == "signal":
+        signal_listed(args.procs, args.sig)
+    elif args.command == "kill":
+        kill(find(args.cluster, node=args.node, run=args.run))
+    else:
+        _monitor_until_stdin_closes(args.cluster, run=args.run, node=args.node)
+    return 0
+
+
+def _monitor_until_stdin_closes(cluster_dir: Path, *, run: str, node: str | None) -> None:
+    stop = threading.Event()
+
+    def wait_for_eof() -> None:
+        # The control plane ends a monitor by closing its stdin (the SSH session ending does).
+        sys.stdin.read()
+        stop.set()
+
+    def emit(procs: list[NodeProcess] | None) -> None:
+        _print_json(None if procs is None else [asdict(p) for p in procs])
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    try:
+        monitor(cluster_dir, run=run, node=node, emit=emit, stop=stop)
+    except BrokenPipeError:
+        pass  # the control plane went away without closing stdin
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,10 +10,9 @@ run records in the store: the store is the source of truth, not files on this ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from infractl import proc, runstore
+from infractl import providers, runstore
 from infractl.config import RunSpec
 from infractl.errors import StateError, UsageError
 from infractl.runstore import RunRecord, StepRecord
@@ -21,6 +20,7 @@ from infractl.state import ClusterState
 from infractl.store import Store
 
 __all__ = [
+    "LOG_TAIL_BYTES",
     "Attention",
     "RunState",
     "attention",
@@ -47,7 +47,7 @@ def node(state: ClusterState, name: str, *, field: str) -> dict[str, Any]:
 
 def running(state: ClusterState) -> dict[str, set[str]]:
     """run id -> the nodes with live processes of it."""
-    return proc.running_runs(state.dir)
+    return providers.control(state).running_runs()
 
 
 def running_run(state: ClusterState, run: str | None, *, field: str = "--run") -> tuple[str, set[str]]:
@@ -106,7 +106,7 @@ _METRICS_DELAY_S = 10.0
 #: What a rank's error says when the device ran out of memory (trainer/train.py logs it in the
 #: `stopped reason=crashed` line). The kernel's OOM killer leaves no line: that is a node failure.
 _OOM_MARKERS = (b"OutOfMemoryError", b"out of memory")
-_LOG_TAIL_BYTES = 64 * 1024
+LOG_TAIL_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -127,16 +127,16 @@ def attention(
     cluster_nodes: int,
     processes_per_node: int,
     started: float | None,
-    logs: list[Path],
+    log_tails: list[bytes],
     now: float,
 ) -> Attention | None:
     """A failed run (its last attempt ended short of its last step), a degraded one (running on
     fewer nodes or ranks than ``nodes.max``, or than all ``cluster_nodes`` when they are fewer) or
     a stalled one (running, and no step recorded for longer than the watchdog allows one step);
-    None for a run that needs nobody. ``started``: when its last attempt started; ``logs``: its
-    node logs, read for a device out-of-memory error."""
+    None for a run that needs nobody. ``started``: when its last attempt started; ``log_tails``:
+    the end of each of its node logs (``LOG_TAIL_BYTES``), read for a device out-of-memory error."""
     if state == "failed":
-        if any(marker in _tail(log) for log in logs for marker in _OOM_MARKERS):
+        if any(marker in tail for tail in log_tails for marker in _OOM_MARKERS):
             return Attention("failed", "a rank ran out of device memory", "out-of-memory")
         return Attention("failed", "every node's agent gave up before the last step", "node-failure")
     if state != "running":
@@ -155,12 +155,3 @@ def attention(
     if since is not None and now - since > limit:
         return Attention("stalled", f"no step recorded for {now - since:.0f} s (limit {limit:.0f} s)", "hung-job")
     return None
-
-
-def _tail(path: Path) -> bytes:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - _LOG_TAIL_BYTES))
-            return f.read()
-    except OSError:
-        return b""

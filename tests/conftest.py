@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,8 +21,9 @@ import torch.distributed as dist
 import yaml
 from hypothesis import HealthCheck, settings
 
-from infractl import proc, runstore
+from infractl import proc, providers, runstore
 from infractl.cli import main
+from infractl.state import ClusterState
 from infractl.store import Store
 
 from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
@@ -157,6 +159,20 @@ def one_line(stderr: str) -> str:
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: "), stderr
     return lines[0]
+
+
+def running_runs(cluster_dir: Path) -> dict[str, set[str]]:
+    """run -> the nodes running it, as the cluster's provider sees them (what `infractl status` shows)."""
+    return providers.control(ClusterState(cluster_dir.name, cluster_dir)).running_runs()
+
+
+def stop_runs(cluster_dir: Path) -> None:
+    """SIGKILL every run's processes of the cluster on this machine: a test that leaves its run
+    going (or fails midway) must not leave it to the next test."""
+    victims = [p for p in proc.listing(cluster_dir) if p.run is not None]
+    proc.signal_listed(victims, signal.SIGKILL)
+    for run in {p.run for p in victims}:
+        assert proc.wait_gone(cluster_dir, run=run, timeout=30) == [], run
 
 
 def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float) -> int:

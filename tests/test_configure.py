@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from infractl import access, infra
+from infractl import access, infra, providers
 from infractl.config import RuntimeSpec
 from infractl.configure import ConfigureResult, configure
 from infractl.errors import ConfigureError
 from infractl.infra import Node
+from infractl.providers import NodeControl
 from infractl.state import ClusterState
 
 
@@ -75,6 +76,11 @@ def _access_groups(state_dir: Path) -> Iterator[dict[str, Any]]:
         access.remove_groups(ClusterState("test", state_dir))
 
 
+def _control(state_dir: Path, nodes: list[Node]) -> NodeControl:
+    """How the control plane reaches local nodes."""
+    return providers.get("local").control(ClusterState("test", state_dir), nodes)
+
+
 def _provision(state_dir: Path, nodes: int) -> list[Node]:
     variables = {
         "cluster_name": "test",
@@ -92,7 +98,14 @@ def configured(
     state_dir = tmp_path_factory.mktemp("cluster")
     nodes = _provision(state_dir, 2)
     with _access_groups(state_dir) as groups:
-        result = configure(state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first", access=groups)
+        result = configure(
+            state_dir,
+            _control(state_dir, nodes),
+            runtime=RuntimeSpec(),
+            rendezvous=rendezvous,
+            nonce="first",
+            access=groups,
+        )
         yield state_dir, nodes, result
 
 
@@ -130,7 +143,12 @@ def test_second_configure_changes_nothing(
     state_dir, nodes, _ = configured
 
     again = configure(
-        state_dir, nodes, runtime=RuntimeSpec(), rendezvous=rendezvous, nonce="first", access=_vars(state_dir)
+        state_dir,
+        _control(state_dir, nodes),
+        runtime=RuntimeSpec(),
+        rendezvous=rendezvous,
+        nonce="first",
+        access=_vars(state_dir),
     )
 
     assert again.changed == 0
@@ -141,7 +159,14 @@ def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendez
     nodes = _provision(tmp_path, 2)
 
     with _access_groups(tmp_path) as groups, pytest.raises(ConfigureError) as excinfo:
-        configure(tmp_path, nodes, runtime=RuntimeSpec(torch="9.9"), rendezvous=rendezvous, nonce="pin", access=groups)
+        configure(
+            tmp_path,
+            _control(tmp_path, nodes),
+            runtime=RuntimeSpec(torch="9.9"),
+            rendezvous=rendezvous,
+            nonce="pin",
+            access=groups,
+        )
 
     message = str(excinfo.value)
     assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))

@@ -15,7 +15,7 @@ import pytest
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
 
-from conftest import Cli, module_cluster, wait_for_commit, write
+from conftest import Cli, module_cluster, stop_runs, wait_for_commit, write
 
 pytestmark = pytest.mark.e2e
 
@@ -46,11 +46,7 @@ def cluster(shared: Cli) -> Iterator[Cli]:
     """The module's 2-node cluster on a file:// store: each test trains a run of its own name on
     it, and no process of that run outlives the test."""
     yield shared
-    cluster_dir = shared.home / "local"
-    # A test that leaves its run going (or fails midway) must not leave it to the next test.
-    for run in proc.running_runs(cluster_dir):
-        proc.kill(proc.find(cluster_dir, run=run))
-        assert proc.wait_gone(cluster_dir, run=run, timeout=30) == [], run
+    stop_runs(shared.home / "local")
 
 
 def start(cli: Cli, name: str, *, steps: int = 300, env: dict[str, str] | None = None) -> FileStore:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ast
 import pkgutil
+from pathlib import Path
 
+from infractl.config import cluster_model
 from infractl.drill import KINDS, kinds
 
 from conftest import REPO, Cli
@@ -42,3 +44,120 @@ def test_every_drill_kind_is_a_command(cli: Cli) -> None:
     listed = cli("drill", "--help").stdout
     for name in KINDS:
         assert f" {name} " in listed, listed
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of infractl/ and trainer/ by dotted name (a package by its own name)."""
+    found = {}
+    for folder in ("infractl", "trainer"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module and of its classes and functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that module ``name`` imports: at the top, inside functions, lazily
+    (``importlib`` by a constant name aside), but not under ``TYPE_CHECKING``. ``from a import b``
+    imports the module ``a.b`` when there is one, else ``a``."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imported = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            imported |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    inside = set()
+    for target in imported:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            inside.add(target)
+    return inside
+
+
+def test_no_import_cycle_among_the_modules() -> None:
+    """Computed from the code: every import (inside functions too; under TYPE_CHECKING aside)."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = []
+    done: set[str] = set()
+    for start in sorted(graph):
+        # Depth-first from each module, with the path so far: a module met again on it closes a cycle.
+        stack: list[tuple[str, list[str]]] = [(start, [start])]
+        while stack:
+            name, trail = stack.pop()
+            for nxt in sorted(graph[name]):
+                if nxt == start:
+                    cycles.append(" -> ".join([*trail, start]))
+                elif nxt not in trail and nxt not in done:
+                    stack.append((nxt, [*trail, nxt]))
+        done.add(start)
+    assert cycles == []
+
+
+def test_only_the_providers_name_a_provider() -> None:
+    """Outside infractl/providers/, no module imports a provider's module, and no code names a
+    provider: no attribute, imported name or string (docstrings and comments aside) is a
+    provider's name (a variable may be called ``local``). What a provider does is asked of it
+    (infractl.providers)."""
+    names = set(cluster_model().model_fields["provider"].annotation.__args__)
+    assert names == {"local", "netns", "aws"}
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        if name.startswith("infractl.providers"):
+            continue
+        tree = ast.parse(path.read_text())
+        for imported in _imports(name, path, modules):
+            if imported.rpartition(".")[2] in names and imported.startswith("infractl.providers."):
+                found.append(f"{path.relative_to(REPO)}: imports {imported}")
+        docstrings = _docstrings(tree)
+        for node in ast.walk(tree):
+            named = None
+            if isinstance(node, ast.Attribute):
+                named = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                named = node.value
+            elif isinstance(node, ast.alias):
+                named = node.asname or node.name.rpartition(".")[2]
+            if named in names:
+                found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {named!r}")
+    assert found == []
+
+
+def test_the_checks_above_catch_what_they_look_for(tmp_path: Path) -> None:
+    """The two house checks find a cycle and a provider's name when there is one."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n    return 'netns'\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    assert _imports("a", modules["a"], modules) == {"b"}
+    assert _imports("b", modules["b"], modules) == {"a"}
+    tree = ast.parse(modules["b"].read_text())
+    assert [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in _docstrings(tree)] == [
+        "netns"
+    ]

@@ -19,10 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
-from infractl import proc, runstore
+from infractl import runstore
 from infractl.store import FileStore
 
-from conftest import Cli, module_cluster, one_line, wait_for_commit, write
+from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, write
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
 
@@ -80,10 +80,7 @@ def _namespaces() -> list[str]:
 @pytest.fixture
 def cluster(multi: Cli) -> Iterator[Cli]:
     yield multi
-    state = multi.home / "multi"
-    for run in proc.running_runs(state):
-        proc.kill(proc.find(state, run=run))
-        assert proc.wait_gone(state, run=run, timeout=30) == [], run
+    stop_runs(multi.home / "multi")
 
 
 def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key(multi: Cli, tmp_path: Path) -> None:
@@ -209,7 +206,7 @@ def test_a_partition_refuses_a_fault_it_cannot_make_and_changes_nothing(cluster:
         assert "error: --kind: cannot make a 'delay' fault on node-1's link" in refused and "sch_netem" in refused
     # Nothing of a refused drill stays: no drill recorded, both nodes still training.
     assert store.list(runstore.run_prefix("refused") + "drills/") == []
-    assert proc.running_runs(cluster.home / "multi")["refused"] == {"node-0", "node-1"}
+    assert running_runs(cluster.home / "multi")["refused"] == {"node-0", "node-1"}
 
 
 @pytest.mark.parametrize("how", ["not root", "no namespaces"])

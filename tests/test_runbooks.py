@@ -199,7 +199,7 @@ def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_com
     store = start(cluster, "stuck", steps=steps)
     node_dir = cluster.home / "local"
     fault_time = time.time()
-    proc.kill(recovery.workers(proc.find(node_dir, node="node-1")), signal.SIGSTOP)
+    proc.signal_listed(recovery.workers(proc.listing(node_dir, node="node-1")), signal.SIGSTOP)
     cluster("bundle", "--run", "stuck")  # no step completes past a stopped rank: nothing commits until the restart
     committed = runstore.latest_committed_step(store, "stuck")
     assert committed is not None
@@ -247,11 +247,11 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
 def test_status_names_the_runbook_of_a_failed_degraded_or_stalled_run(tmp_path: Path) -> None:
     spec = RunSpec.model_validate({"name": "r", "nodes": {"min": 1, "max": 2}, "watchdog": {"step_timeout_s": 30}})
     newest: StepRecord = {"step": 5, "time": 1000.0, "step_time_s": 0.5, "world_size": 2}  # type: ignore[typeddict-item]
-    crashed = write(tmp_path / "node-0.log", "stopped reason=crashed error='OutOfMemoryError: CUDA out of memory'\n")
-    killed = write(tmp_path / "node-1.log", "checkpoint_committed step=4\n")
+    crashed = b"stopped reason=crashed error='OutOfMemoryError: CUDA out of memory'\n"
+    killed = b"checkpoint_committed step=4\n"
 
     def check(
-        state: RunState, *, live: int = 2, at: float = 1001.0, logs: tuple[Path, ...] = (), world: int = 2
+        state: RunState, *, live: int = 2, at: float = 1001.0, logs: tuple[bytes, ...] = (), world: int = 2
     ) -> Attention | None:
         return attention(
             spec,
@@ -261,7 +261,7 @@ def test_status_names_the_runbook_of_a_failed_degraded_or_stalled_run(tmp_path: 
             cluster_nodes=3,
             processes_per_node=1,
             started=900.0,
-            logs=list(logs),
+            log_tails=list(logs),
             now=at,
         )
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from infractl import configure, proc
+from infractl import configure, proc, providers
 from infractl.access.roles import (
     ROLE_NAMES,
     USER_PATTERN,
@@ -23,7 +23,7 @@ from infractl.access.roles import (
     save_members,
 )
 from infractl.errors import ConfigureError, InfractlError, UsageError
-from infractl.infra import Node
+from infractl.providers import NodeControl
 from infractl.state import ClusterState
 from infractl.store import Store, StoreError, UnknownUser
 
@@ -45,10 +45,6 @@ class Change:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _nodes(state: ClusterState) -> list[Node]:
-    return [Node.from_record(n) for n in state.read()["nodes"]]
 
 
 def _check(user: str, role: str) -> None:
@@ -107,7 +103,7 @@ def _apply(
 ) -> int:
     """Enforce ``after`` on the nodes, then in the store, then record it; on a failure put the
     nodes (and the store, if it was reached) back to ``before`` and leave the record as it was."""
-    nodes = _nodes(state)
+    nodes = providers.control(state)
     try:
         applied = configure.apply_access(state.dir, nodes, node_vars(state, after, require=require))
     except ConfigureError as exc:
@@ -136,7 +132,7 @@ def _rolled_back(
     exc: InfractlError,
     state: ClusterState,
     store: Store,
-    nodes: list[Node],
+    nodes: NodeControl,
     before: dict[str, list[str]],
     *,
     store_reached: bool,
@@ -173,7 +169,7 @@ _GROUPDEL_RETRY_S = 0.5
 
 
 def remove_groups(state: ClusterState) -> None:
-    """On the local provider (the nodes are this machine): take the roles' groups out of the
+    """Where the nodes' accounts are this machine's: take the roles' groups out of the
     state directory's ACL (up let members pass through it to the nodes), then delete the groups.
     Raises ``InfractlError`` if any group is left."""
     groups = [group_name(state, name) for name in ROLE_NAMES]

@@ -31,7 +31,7 @@ def bundle_command(
     result = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     where = out if out is not None else Path("handover") / state.name
-    made = bundle.assemble(state, run=run, out=where, cli=ctx.find_root().command)
+    made = bundle.assemble(state, run=run, cli=ctx.find_root().command)
     bundle.write(made, where)
     write_private(state.bundle_record_path, json.dumps({"out": str(where.resolve())}) + "\n")
     result.success(

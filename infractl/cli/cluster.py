@@ -13,12 +13,13 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, proc, providers, runs, runstore
+from infractl import cluster, providers, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
 from infractl.errors import StateError, StoreError
 from infractl.handover import runbooks
 from infractl.launcher import node_log
+from infractl.providers import NodeControl
 from infractl.state import ClusterState, known_clusters, resolve_cluster
 from infractl.store import Store
 
@@ -105,11 +106,9 @@ def teardown(
     out.result(asdict(result))
 
 
-def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
+def _run_rows(state: ClusterState, store: Store, nodes: NodeControl, live: dict[str, set[str]]) -> list[dict[str, Any]]:
     """Every run of the cluster: its state, attempts, last committed step, newest metrics, and
     the runbook section of a run that needs a person (failed, degraded or stalled)."""
-    live = runs.running(state)
-    nodes = state.read()["nodes"]
     rows = []
     for record in runs.cluster_runs(state, store):
         try:
@@ -126,10 +125,10 @@ def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
                 run_state,
                 newest=latest,
                 live_nodes=len(live.get(record.run_id, ())),
-                cluster_nodes=len(nodes),
-                processes_per_node=int(nodes[0]["processes"]),
+                cluster_nodes=len(nodes.nodes),
+                processes_per_node=next(iter(nodes.nodes.values())).processes,
                 started=record.last_attempt.started if record.last_attempt else None,
-                logs=[node_log(n, record.run_id) for n in nodes],
+                log_tails=_log_tails(nodes, record.run_id) if run_state == "failed" else [],
                 now=time.time(),
             )
             if spec
@@ -157,7 +156,14 @@ def _run_rows(state: ClusterState, store: Store) -> list[dict[str, Any]]:
     return rows
 
 
-def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
+def _log_tails(nodes: NodeControl, run: str) -> list[bytes]:
+    return [
+        nodes.tail_bytes(name, node_log(node.record(), run), size=runs.LOG_TAIL_BYTES)
+        for name, node in nodes.nodes.items()
+    ]
+
+
+def _running_rows(live: dict[str, set[str]]) -> list[dict[str, Any]]:
     """Without the store, what the processes show: each run that runs, and on which nodes."""
     return [
         {
@@ -172,7 +178,7 @@ def _running_rows(state: ClusterState) -> list[dict[str, Any]]:
             "world_size": None,
             "attention": None,
         }
-        for run_id, nodes in sorted(runs.running(state).items())
+        for run_id, nodes in sorted(live.items())
     ]
 
 
@@ -212,22 +218,23 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         return
     record = state.read()
     rdzv = record["rendezvous"]
-    nodes = [{**n, "live_processes": len(proc.find(state.dir, node=n["name"]))} for n in record["nodes"]]
+    control = providers.control(state)
+    nodes, live = _node_rows(record, control)
     store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
     try:
-        runs = _run_rows(state, cluster.store_for(state))
+        runs = _run_rows(state, cluster.store_for(state), control, live)
     except StoreError as exc:
         store_status |= {
             "reachable": False,
             "error": exc.message,
             "runbook": runbooks.section(state, "store-outage", None),
         }
-        runs = _running_rows(state)
+        runs = _running_rows(live)
     data = {
         "cluster": record["name"],
         "provider": record["spec"]["provider"],
         "store": store_status,
-        "rendezvous": {**rdzv, "running": bool(proc.find(state.dir, node=cluster.RENDEZVOUS_NODE))},
+        "rendezvous": {**rdzv, "running": cluster.rendezvous_running(state)},
         "nodes": nodes,
         "runs": runs,
     }
@@ -248,12 +255,33 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     out.result(data, Group(*parts))
 
 
+def _node_rows(record: dict[str, Any], control: NodeControl) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
+    """Each node with how many processes of the cluster it runs (None: it did not answer), and
+    run id -> the nodes running it."""
+    processes = control.processes()
+    live: dict[str, set[str]] = {}
+    for p in processes:
+        if p.run is not None:
+            live.setdefault(p.run, set()).add(p.node)
+    rows = [
+        {
+            **n,
+            "live_processes": None
+            if n["name"] in control.unreachable
+            else sum(1 for p in processes if p.node == n["name"]),
+        }
+        for n in record["nodes"]
+    ]
+    return rows, live
+
+
 def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     table = Table(title="nodes")
     for col in ("node", "address", "processes/node", "live processes"):
         table.add_column(col)
     for n in nodes:
-        table.add_row(n["name"], n["address"], str(n["processes"]), str(n["live_processes"]))
+        live = "unreachable" if n["live_processes"] is None else str(n["live_processes"])
+        table.add_row(n["name"], n["address"], str(n["processes"]), live)
     return table
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
 from infractl import drill as drills
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, finite_option, name_option, output
 from infractl.output import Output
-from infractl.providers import netns
 from infractl.runstore import DrillRecord
 from infractl.state import resolve_cluster
 
@@ -42,16 +42,6 @@ WaitOpt = Annotated[
     typer.Option(
         "--wait/--no-wait", help="Wait for the run to finish after the (last) drill recovered, or stop watching then."
     ),
-]
-LinkOpt = Annotated[
-    netns.LinkFault,
-    typer.Option(
-        "--kind",
-        help="down: the node's interface goes down; drop: its packets vanish silently; delay: netem adds --latency-ms.",
-    ),
-]
-LatencyOpt = Annotated[
-    int, typer.Option("--latency-ms", help="Latency --kind delay adds to the node's packets.", min=1, max=60_000)
 ]
 RepeatOpt = Annotated[
     int,
@@ -110,98 +100,48 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}s"
 
 
-def _node_command(kind: type[drills.Kind]) -> Callable[..., None]:
-    def command(
-        node: NodeOpt = None,
-        run: RunOpt = None,
-        cluster_opt: ClusterOpt = None,
-        timeout: TimeoutOpt = 600.0,
-        repeat: RepeatOpt = 1,
-        wait: WaitOpt = True,
-        json_mode: JsonOpt = False,
-    ) -> None:
+def _kind_option(option: drills.KindOption) -> Any:
+    """The Typer annotation of a kind's own option."""
+    if option.choices:
+        return Annotated[Literal[option.choices], typer.Option(option.flag, help=option.help)]
+    kind = int if isinstance(option.default, int) else str
+    return Annotated[kind, typer.Option(option.flag, help=option.help, min=option.minimum, max=option.maximum)]
+
+
+def _command(kind: type[drills.Kind]) -> Callable[..., None]:
+    """The command of one kind: --node for a fault of a node, --seconds for a timed one, the
+    kind's own options, then every drill's."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("node", keyword, default=None, annotation=NodeOpt)] if kind.targets_node else []
+    if kind.timed:
+        params.append(inspect.Parameter("seconds", keyword, default=kind.seconds, annotation=SecondsOpt))
+    own = [option.name for option in kind.options]
+    params += [inspect.Parameter(o.name, keyword, default=o.default, annotation=_kind_option(o)) for o in kind.options]
+    params += [
+        inspect.Parameter("run", keyword, default=None, annotation=RunOpt),
+        inspect.Parameter("cluster_opt", keyword, default=None, annotation=ClusterOpt),
+        inspect.Parameter("timeout", keyword, default=600.0, annotation=TimeoutOpt),
+        inspect.Parameter("repeat", keyword, default=1, annotation=RepeatOpt),
+        inspect.Parameter("wait", keyword, default=True, annotation=WaitOpt),
+        inspect.Parameter("json_mode", keyword, default=False, annotation=JsonOpt),
+    ]
+
+    def command(**values: Any) -> None:
+        json_mode, cluster_opt, repeat = values.pop("json_mode"), values.pop("cluster_opt"), values.pop("repeat")
+        options = {name: values.pop(name) for name in own}
+        wait = values.pop("wait")
         _drill(
-            kind.name,
-            output(json_mode),
-            json_mode,
-            cluster_opt,
-            repeat,
-            node=node,
-            run=run,
-            timeout=timeout,
-            wait_finish=wait,
+            kind.name, output(json_mode), json_mode, cluster_opt, repeat, wait_finish=wait, options=options, **values
         )
 
-    command.__doc__ = kind.help + " Then measure detection, restart, lost work and completion."
-    return command
-
-
-def _timed_command(kind: type[drills.Kind]) -> Callable[..., None]:
-    """A fault of the whole job, not of a node (the store), that lasts --seconds."""
-
-    def command(
-        seconds: SecondsOpt = 10.0,
-        run: RunOpt = None,
-        cluster_opt: ClusterOpt = None,
-        timeout: TimeoutOpt = 600.0,
-        repeat: RepeatOpt = 1,
-        wait: WaitOpt = True,
-        json_mode: JsonOpt = False,
-    ) -> None:
-        _drill(
-            kind.name,
-            output(json_mode),
-            json_mode,
-            cluster_opt,
-            repeat,
-            run=run,
-            seconds=seconds,
-            timeout=timeout,
-            wait_finish=wait,
-        )
-
-    command.__doc__ = kind.help
-    return command
-
-
-def _link_command(kind: type[drills.Kind]) -> Callable[..., None]:
-    """A fault of a node's network link that lasts --seconds."""
-
-    def command(
-        node: NodeOpt = None,
-        seconds: SecondsOpt = 30.0,
-        link: LinkOpt = "down",
-        latency_ms: LatencyOpt = 500,
-        run: RunOpt = None,
-        cluster_opt: ClusterOpt = None,
-        timeout: TimeoutOpt = 600.0,
-        repeat: RepeatOpt = 1,
-        wait: WaitOpt = True,
-        json_mode: JsonOpt = False,
-    ) -> None:
-        _drill(
-            kind.name,
-            output(json_mode),
-            json_mode,
-            cluster_opt,
-            repeat,
-            node=node,
-            run=run,
-            seconds=seconds,
-            timeout=timeout,
-            wait_finish=wait,
-            options={"link": link, "latency_ms": latency_ms},
-        )
-
-    command.__doc__ = kind.help + " Then measure detection, restart, rejoin, lost work and completion."
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # what Typer reads
+    measured = "detection, restart, " + ("rejoin, " if kind.rejoins else "") + "lost work and completion"
+    command.__doc__ = kind.help + (f" Then measure {measured}." if kind.targets_node else "")
     return command
 
 
 for _kind in drills.KINDS.values():
-    if _kind.targets_node and _kind.timed:
-        app.command(_kind.name)(_link_command(_kind))
-    else:
-        app.command(_kind.name)((_node_command if _kind.targets_node else _timed_command)(_kind))
+    app.command(_kind.name)(_command(_kind))
 
 
 def register(parent: typer.Typer) -> None:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from infractl import cluster, runs, runstore
+from infractl import cluster, providers, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, RunOpt, name_option, output
-from infractl.errors import StoreError, UsageError
+from infractl.errors import InfractlError, StoreError, UsageError
 from infractl.launcher import node_log
 from infractl.runstore import RunRecord
 from infractl.state import resolve_cluster
@@ -47,15 +46,16 @@ def logs(
         if record is None or record.cluster != state.name:
             raise UsageError(f"no run {run!r} has been launched on cluster {state.name!r}", field="--run")
         out.raw("".join(f"{line}\n" for line in _attempt_lines(record)))
+    control = providers.control(state)
     for n in nodes:
         path: Path = node_log(n, run)
         out.raw(f"==> {n['name']} · run {run} · {path}\n")
-        if not path.is_file():
-            out.raw("(no log yet)\n")
+        try:
+            lines = control.tail(n["name"], path, lines=tail)
+        except InfractlError as exc:
+            out.raw(f"(cannot read it: {exc.message})\n")
             continue
-        with path.open(errors="replace") as f:
-            lines = deque(f, maxlen=tail or None)
-        out.raw("".join(lines))
+        out.raw("(no log yet)\n" if lines is None else "".join(lines))
     if store_error is not None:
         raise store_error
 

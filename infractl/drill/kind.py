@@ -12,17 +12,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import psutil
-
 from infractl.drill import recovery
 from infractl.errors import UsageError
+from infractl.proc import NodeProcess
+from infractl.providers import NodeControl, Watch
 from infractl.runstore import DrillRecord
 from infractl.state import ClusterState
 from infractl.store import Store
 
-__all__ = ["Drill", "Kind", "KINDS", "Progress", "Target", "kind_named", "register"]
+__all__ = ["Drill", "Kind", "KindOption", "KINDS", "Progress", "Target", "kind_named", "register"]
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class KindOption:
+    """A command-line option of one kind's drill (``infractl drill KIND --flag``): its value
+    reaches the kind as ``drill.options[name]``."""
+
+    name: str
+    flag: str
+    help: str
+    default: str | int
+    choices: tuple[str, ...] = ()
+    """The values a text option takes (none: any)."""
+    minimum: int | None = None
+    maximum: int | None = None
 
 
 @dataclass(frozen=True)
@@ -44,15 +59,17 @@ class Drill:
     store: Store
     target: Target
     commits: recovery.Commits
-    workers: list[psutil.Process]  # every worker of the run at the fault
-    victims: list[psutil.Process]  # the target node's processes of the run
+    nodes: NodeControl
+    watch: Watch  # the run's processes on every node, from before the fault
+    workers: list[NodeProcess]  # every worker of the run at the fault
+    victims: list[NodeProcess]  # the target node's processes of the run
     deadline: float  # time.monotonic() by which the drill gives up
     timeout: float
     seconds: float  # how long a timed fault lasts (store-outage, partition)
     progress: Progress
     options: dict[str, Any] = field(default_factory=dict)  # the kind's own (partition: link, latency_ms)
     fault: dict[str, Any] = field(default_factory=dict)
-    watched: list[psutil.Process] = field(default_factory=list)  # whose exit means the job noticed
+    watched: list[NodeProcess] = field(default_factory=list)  # whose exit means the job noticed
 
     @property
     def run_id(self) -> str:
@@ -77,11 +94,15 @@ class Kind:
     #: The drill brings the struck node back itself and records ``rejoin_s`` (a series has
     #: nothing to rejoin between drills).
     rejoins: ClassVar[bool] = False
+    #: Options of this kind alone, besides every drill's.
+    options: ClassVar[tuple[KindOption, ...]] = ()
+    #: How long a timed fault lasts unless ``--seconds`` says otherwise.
+    seconds: ClassVar[float] = 10.0
 
     def prepare(self, drill: Drill) -> None:
         """Before the fault: validate and look up whatever the fault needs (may wait)."""
 
-    def inject(self, drill: Drill) -> list[psutil.Process]:
+    def inject(self, drill: Drill) -> list[NodeProcess]:
         """Strike; record what was done in ``drill.fault``. Return the processes whose exit is
         the first sign that the job noticed (detect_s), if any."""
         raise NotImplementedError

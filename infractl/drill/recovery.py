@@ -1,13 +1,15 @@
 """What a drill watches, and how it turns that into measurements.
 
-A drill watches only what an operator could: the nodes' processes and the run's objects in
-the store (metrics records, committed checkpoints and their manifests). Times are unix seconds;
-``fault_time`` is taken just before the fault.
+A drill watches only what an operator could: the nodes' processes (through the provider's
+``Watch``: a monitor on each node reports the run's processes as they change) and the run's
+objects in the store (metrics records, committed checkpoints and their manifests). Times are unix
+seconds; ``fault_time`` is taken just before the fault.
 
 ``detect_s``
     fault -> the first worker that was running at the fault (and that the drill did not kill
-    itself) is gone: the first sign that the job noticed. Polled every ``PROC_POLL_S`` s, so an
-    upper bound by that much. None when no process needs to die (store-outage).
+    itself) is gone: the first sign that the job noticed. Each node's monitor sees an exit within
+    50 ms and the drill reads its reports every ``PROC_POLL_S`` s, so an upper bound by that much
+    (and by the report's way from the node). None when no process needs to die (store-outage).
 ``restart_s``
     fault -> the ``time`` of the first step completed by a restarted worker group (the first
     metrics record after the fault that starts a process, ``runstore.starts_a_process``).
@@ -31,9 +33,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import psutil
-
-from infractl import proc, runstore
+from infractl import runstore
+from infractl.proc import NodeProcess
 from infractl.runstore import DrillRecord, Manifest
 from infractl.store import Store
 
@@ -46,14 +47,13 @@ __all__ = [
     "PROC_POLL_S",
     "STORE_POLL_S",
     "agents",
-    "alive",
     "observe",
     "resumed",
     "uploading_step",
     "workers",
 ]
 
-PROC_POLL_S = 0.05  # held process handles: cheap liveness checks
+PROC_POLL_S = 0.05  # the watch: reading it costs nothing
 _COMMIT_POLL_S = 0.2  # committed steps and their manifests
 STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
 GONE_TIMEOUT_S = 30.0
@@ -98,28 +98,13 @@ def uploading_step(store: Store, run_id: str, after: int) -> int | None:
 # -- processes ---------------------------------------------------------------------------------
 
 
-def workers(procs: list[psutil.Process]) -> list[psutil.Process]:
+def workers(procs: list[NodeProcess]) -> list[NodeProcess]:
     """The training workers among a node's processes (not its torchrun agent)."""
-
-    def is_agent(p: psutil.Process) -> bool:
-        try:
-            return proc.AGENT_MODULE in p.cmdline()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return True  # gone: not a worker to watch
-
-    return [p for p in procs if not is_agent(p)]
+    return [p for p in procs if not p.agent]
 
 
-def agents(procs: list[psutil.Process]) -> list[psutil.Process]:
-    working = {p.pid for p in workers(procs)}
-    return [p for p in procs if p.pid not in working]
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
+def agents(procs: list[NodeProcess]) -> list[NodeProcess]:
+    return [p for p in procs if p.agent]
 
 
 # -- recovery ----------------------------------------------------------------------------------
@@ -146,14 +131,14 @@ def resumed(commits: Commits, record: DrillRecord) -> bool:
     return True
 
 
-def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psutil.Process], wait_finish: bool) -> None:
+def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[NodeProcess], wait_finish: bool) -> None:
     """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
     recovered = False
     next_commits = next_metrics = 0.0
     while time.monotonic() < drill.deadline:
         kind.tick(drill, record)
         holding = kind.holds_store(drill, record)
-        if record.detect_s is None and watched and not all(alive(p) for p in watched):
+        if record.detect_s is None and watched and not drill.watch.all_alive(watched):
             record.detect_s = round(time.time() - record.fault_time, 3)
         if time.monotonic() < next_commits or holding:
             time.sleep(PROC_POLL_S)
@@ -166,7 +151,7 @@ def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psut
             return
         if time.monotonic() < next_metrics:
             continue
-        # Metrics records and the /proc scan cost more than a listing of commits: less often.
+        # Metrics records cost more than a listing of commits: less often.
         next_metrics = time.monotonic() + STORE_POLL_S
         if not recovered:
             recovered = kind.recovered(drill, record)
@@ -174,7 +159,7 @@ def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[psut
                 kind.on_recovered(drill, record)
                 drill.progress(f"recovered: {kind.describe(record)}, {record.restart_s}s after the fault")
                 continue
-        if not proc.find(drill.state.dir, run=drill.run_id):
+        if drill.watch.gone():
             drill.commits.poll()
             record.final_committed = drill.commits.newest() >= record.steps
             record.outcome = "recovered" if recovered and record.final_committed else "failed"

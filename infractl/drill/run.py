@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
-from infractl import proc, runs, runstore
+from infractl import providers, runs, runstore
 from infractl.cluster import store_for
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, Progress, Target, kind_named
@@ -15,6 +16,9 @@ from infractl.runstore import DrillRecord
 from infractl.state import ClusterState
 
 __all__ = ["run_drill", "select"]
+
+# Seconds the nodes' monitors may take to make their first report (an SSH login each).
+_REPORTED_TIMEOUT_S = 60.0
 
 
 def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -> Target:
@@ -66,34 +70,49 @@ def run_drill(
     kind = kind_named(kind_name)
     target = select(state, kind, node, run)
     store = store_for(state)
-    drill = Drill(
-        state=state,
-        store=store,
-        target=target,
-        commits=recovery.Commits(store, target.run_id),
-        workers=[],
-        victims=[],
-        deadline=time.monotonic() + timeout,
-        timeout=timeout,
-        seconds=seconds,
-        progress=progress,
-        options=options or {},
-    )
-    record = _strike(drill, kind)
-    try:
-        kind.settle(drill)
-        recovery.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
-        if wait_finish and record.final_committed:
-            # The last commit comes just before the processes exit: the drill ends with the run.
-            proc.wait_gone(state.dir, run=target.run_id, timeout=recovery.GONE_TIMEOUT_S)
-    finally:
-        kind.undo(drill)
+    nodes = providers.control(state)
+    with nodes.watch(target.run_id) as watch:
+        if not watch.wait_reported(_REPORTED_TIMEOUT_S):
+            raise StateError(
+                f"not every node of cluster {state.name!r} reported the processes of run {target.run_id!r} "
+                f"within {_REPORTED_TIMEOUT_S:g}s: a drill needs to see every node (`infractl status`)"
+            )
+        drill = Drill(
+            state=state,
+            store=store,
+            target=target,
+            commits=recovery.Commits(store, target.run_id),
+            nodes=nodes,
+            watch=watch,
+            workers=[],
+            victims=[],
+            deadline=time.monotonic() + timeout,
+            timeout=timeout,
+            seconds=seconds,
+            progress=progress,
+            options=options or {},
+        )
+        record = _strike(drill, kind)
+        try:
+            kind.settle(drill)
+            recovery.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
+            if wait_finish and record.final_committed:
+                # The last commit comes just before the processes exit: the drill ends with the run.
+                _wait(watch.gone, timeout=recovery.GONE_TIMEOUT_S)
+        finally:
+            kind.undo(drill)
     kind.finish(drill, record)
     newest = runstore.latest_metrics(store, target.run_id)
     record.final_step = newest["step"] if newest else None
     record.finished_time = time.time()
     runstore.write_drill_record(store, record)
     return record
+
+
+def _wait(done: Callable[[], bool], *, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(recovery.PROC_POLL_S)
 
 
 def _strike(drill: Drill, kind: Kind) -> DrillRecord:
@@ -103,9 +122,9 @@ def _strike(drill: Drill, kind: Kind) -> DrillRecord:
     # strike within the moment between a step's upload and its commit.
     drill.commits.poll()
     latest = runstore.latest_metrics(drill.store, target.run_id)
-    drill.workers = recovery.workers(proc.find(drill.state.dir, run=target.run_id))
-    if target.node is not None:
-        drill.victims = proc.find(drill.state.dir, node=target.node, run=target.run_id)
+    running = drill.nodes.processes(run=target.run_id)
+    drill.workers = recovery.workers(running)
+    drill.victims = [p for p in running if p.node == target.node]
     kind.prepare(drill)
     last_committed = drill.commits.newest()
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import launcher, proc, runstore
+from infractl import launcher, providers, runstore
 from infractl.cluster import store_for
 from infractl.drill import recovery
 from infractl.drill.kind import Progress, kind_named
@@ -101,22 +101,25 @@ def run_series(
 def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: float, progress: Progress) -> None:
     """Bring the drill's node back and wait until a step runs on the whole world again."""
     assert record.node is not None
-    proc.wait_gone(state.dir, node=record.node, run=record.run_id, timeout=recovery.GONE_TIMEOUT_S)
+    nodes = providers.control(state)
+    nodes.wait_gone(node=record.node, run=record.run_id, timeout=recovery.GONE_TIMEOUT_S)
     started = time.time()
     launcher.rejoin(state, record.node, run=record.run_id)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        grown = [
-            r
-            for r in runstore.read_metrics(store, record.run_id)
-            if r["time"] > started and r["world_size"] == record.world_size_at_fault
-        ]
-        if grown:
-            record.rejoin_s = round(min(r["time"] for r in grown) - started, 3)
-            progress(
-                f"node {record.node!r} rejoined: world size {record.world_size_at_fault} again after {record.rejoin_s}s"
-            )
-            return
-        if not proc.find(state.dir, run=record.run_id):
-            return
-        time.sleep(recovery.STORE_POLL_S)
+    with nodes.watch(record.run_id) as watch:
+        while time.monotonic() < deadline:
+            grown = [
+                r
+                for r in runstore.read_metrics(store, record.run_id)
+                if r["time"] > started and r["world_size"] == record.world_size_at_fault
+            ]
+            if grown:
+                record.rejoin_s = round(min(r["time"] for r in grown) - started, 3)
+                progress(
+                    f"node {record.node!r} rejoined: world size {record.world_size_at_fault} again "
+                    f"after {record.rejoin_s}s"
+                )
+                return
+            if watch.gone():
+                return
+            time.sleep(recovery.STORE_POLL_S)

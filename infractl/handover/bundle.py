@@ -31,8 +31,9 @@ from typing import Any
 
 import yaml
 
-from infractl import runs, runstore
+from infractl import providers, runs, runstore
 from infractl.cluster import store_for
+from infractl.configure import network_env
 from infractl.errors import UsageError
 from infractl.handover import access_docs, baseline, page, runbooks, topology
 from infractl.handover.reference import ClickCommand, render_reference
@@ -58,9 +59,10 @@ def _yaml(value: Any) -> bytes:
     return yaml.safe_dump(value, sort_keys=False, default_flow_style=False).encode()
 
 
-def assemble(state: ClusterState, *, run: str | None, out: Path, cli: ClickCommand) -> Bundle:
-    """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``; ``out`` is
-    where it will be written, which no file depends on (the bundle can be copied anywhere)."""
+def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bundle:
+    """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``. No file
+    depends on where the bundle is written: it can be copied anywhere. ``cli``: the root command
+    of infractl's command line, for the reference."""
     cluster = state.read()
     store = store_for(state)
     records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
@@ -69,9 +71,11 @@ def assemble(state: ClusterState, *, run: str | None, out: Path, cli: ClickComma
         if not records:
             raise UsageError(f"no run {run!r} of cluster {state.name!r} in its store", field="--run")
     bench = baseline.newest_bench(store, state.name)
+    nodes = providers.control(state)
+    interfaces = {name: network_env(nodes, name).get("GLOO_SOCKET_IFNAME") for name in nodes.nodes}
     files: dict[str, bytes] = {
-        "topology.md": topology.topology_markdown(cluster, bench[0] if bench else None).encode(),
-        "topology.svg": topology.topology_svg(cluster).encode(),
+        "topology.md": topology.topology_markdown(cluster, interfaces, bench[0] if bench else None).encode(),
+        "topology.svg": topology.topology_svg(cluster, interfaces).encode(),
         "reference.md": render_reference(cli).encode(),
     }
     files |= _configs(state, cluster, store, records)

@@ -1,8 +1,9 @@
 """The bundle's topology.md and topology.svg: nodes and their ranks, the addresses collectives
 use, the rendezvous endpoint, the store, the measured bottleneck, and how to grow the cluster.
 
-Both are drawn from the cluster record (``.infractl/<cluster>/cluster.json``), each node's
-network environment (written by Ansible's network role) and the newest bench baseline."""
+Both are drawn from the cluster record (``.infractl/<cluster>/cluster.json``), the interface each
+node's collectives use (``interfaces``: from the network environment Ansible's network role wrote
+there) and the newest bench baseline."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import shlex
 from html import escape
 from typing import Any
 
-from infractl.configure import network_env
 from infractl.infra import Node
 
 __all__ = ["topology_markdown", "topology_svg"]
@@ -27,7 +27,7 @@ def _bottleneck(bench: dict[str, Any] | None) -> str:
     )
 
 
-def topology_markdown(cluster: dict[str, Any], bench: dict[str, Any] | None) -> str:
+def topology_markdown(cluster: dict[str, Any], interfaces: dict[str, str | None], bench: dict[str, Any] | None) -> str:
     spec, nodes = cluster["spec"], cluster["nodes"]
     rdzv = cluster["rendezvous"]
     processes = int(spec["processes_per_node"])
@@ -45,9 +45,8 @@ def topology_markdown(cluster: dict[str, Any], bench: dict[str, Any] | None) -> 
         "|---|---|---|---|---|",
     ]
     for i, node in enumerate(nodes):
-        env = network_env(node)
         ranks = ", ".join(str(i * processes + r) for r in range(processes))
-        iface = env.get("GLOO_SOCKET_IFNAME", "not configured yet")
+        iface = interfaces.get(node["name"]) or "not configured yet"
         lines.append(f"| {node['name']} | {node['address']} | {ranks} | {iface} | `{node['workdir']}` |")
     logins = [Node.from_record(node) for node in nodes if node.get("ssh")]
     if logins:
@@ -77,7 +76,7 @@ def topology_markdown(cluster: dict[str, Any], bench: dict[str, Any] | None) -> 
 _NODE_W, _NODE_H, _GAP, _TOP = 220, 120, 40, 150
 
 
-def topology_svg(cluster: dict[str, Any]) -> str:
+def topology_svg(cluster: dict[str, Any], interfaces: dict[str, str | None]) -> str:
     """A drawing: the rendezvous server and the store above, one box per node with its ranks."""
     nodes, processes = cluster["nodes"], int(cluster["spec"]["processes_per_node"])
     width = max(len(nodes) * (_NODE_W + _GAP) + _GAP, 2 * (_NODE_W + _GAP) + _GAP)
@@ -97,7 +96,7 @@ def topology_svg(cluster: dict[str, Any]) -> str:
             f'<line x1="{width - _GAP - _NODE_W // 2}" y1="80" x2="{x + _NODE_W // 2}" y2="{_TOP}" '
             'stroke="#f9ab00" stroke-dasharray="4 3"/>'
         )
-        iface = network_env(node).get("GLOO_SOCKET_IFNAME", "?")
+        iface = interfaces.get(node["name"]) or "?"
         parts.append(_box(x, _TOP, _NODE_W, _NODE_H, "#e6f4ea", node["name"], f"{node['address']} ({iface})"))
         for r in range(processes):
             cx = x + 30 + r * 36

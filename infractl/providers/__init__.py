@@ -1,52 +1,46 @@
-"""Providers: where a cluster's nodes come from (cluster.yaml's ``provider``). One module per
-provider, each with the same three functions, so ``up``, ``teardown`` and ``up --dry-run`` never
-branch on the provider themselves:
+"""Providers: where a cluster's nodes come from (cluster.yaml's ``provider``) and how the control
+plane reaches them. One module per provider, each a ``base.Provider`` registered with its
+cluster.yaml section (``base.register``), so ``up``, ``teardown``, the launcher, status and the
+drills never branch on the provider themselves, and nothing outside this package names one.
 
-- ``variables(spec, state)``: the Terraform variables of ``infra/<provider>/`` for the cluster;
-- ``dry_run(spec, state)``: what ``up`` would create (variables, resource addresses, hourly cost or
-  None), computed offline and changing nothing;
-- ``leftovers(state, record)``: after ``terraform destroy``, what of the cluster still exists (empty
-  when teardown left nothing), one line each;
-- ``preflight(spec, state)``: what this machine must offer before ``up`` changes anything (a
-  ``UsageError`` or ``ConfigError`` naming the field otherwise);
-- ``rendezvous_host(spec, state)``: the address the cluster's rendezvous endpoint listens on,
-  reachable from every node.
+- ``local.py``: nodes are work directories and process trees on this machine.
+- ``netns.py``: nodes are network namespaces on this machine, each with its own address and sshd
+  (infra/netns), reached over SSH.
+- ``aws.py``: GPU instances (infra/aws), swept by the cluster's tag after destroy.
 
-``local.py``: nodes are work directories and process trees on this machine. ``netns.py``: nodes
-are network namespaces on this machine, each with its own address and sshd (infra/netns).
-``aws.py``: GPU instances (infra/aws), swept by the cluster's tag after destroy.
+``base.py`` is the interface (``Provider``, ``NodeControl``, ``Watch``); ``remote.py`` is node
+control over SSH, for providers whose nodes are other machines. Adding a provider is one module
+here that implements ``Provider`` and calls ``register`` (plus its Terraform module in
+``infra/<name>/`` and its tests); importing this package imports every module in it.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Protocol, cast
 
-from infractl.config import ClusterSpec
+from infractl.infra import Node
+from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, provider_named
 from infractl.state import ClusterState
 
-__all__ = ["Provider", "get"]
-
-
-class Provider(Protocol):
-    def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]: ...
-
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]: ...
-
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]: ...
-
-    def preflight(self, spec: ClusterSpec, state: ClusterState) -> None: ...
-
-    def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str: ...
+__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "get", "of"]
 
 
 def get(name: str) -> Provider:
-    """The module of provider ``name`` (one of ClusterSpec's ``provider`` values)."""
-    return cast(Provider, importlib.import_module(f"{__name__}.{name}"))
+    """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
+    return provider_named(name)
 
 
-# Every provider module registers its cluster.yaml section on import (config.register_provider).
+def of(state: ClusterState) -> Provider:
+    """The provider of a cluster that is up (``StateError`` otherwise)."""
+    return get(str(state.read()["spec"]["provider"]))
+
+
+def control(state: ClusterState) -> NodeControl:
+    """How the control plane reaches the nodes of a cluster that is up."""
+    record = state.read()
+    return get(str(record["spec"]["provider"])).control(state, [Node.from_record(n) for n in record["nodes"]])
+
+
 for _module in pkgutil.iter_modules(__path__):
-    if not _module.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_module.name}")
+    importlib.import_module(f"{__name__}.{_module.name}")

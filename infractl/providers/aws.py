@@ -23,7 +23,7 @@ import functools
 import json
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,22 +34,21 @@ from hcl2.utils import SerializationOptions
 from pydantic import Field, field_validator, model_validator
 
 from infractl import infra
-from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error, register_provider
+from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.errors import InfraError, UsageError
+from infractl.infra import Node
+from infractl.providers.base import NodeControl, Provider, register
+from infractl.providers.remote import SshNodes
 from infractl.state import ClusterState
 
 __all__ = [
+    "Aws",
     "AwsSpec",
     "CLUSTER_TAG",
     "NodeGroup",
     "instance_types",
     "prices",
     "module_variables",
-    "variables",
-    "dry_run",
-    "leftovers",
-    "preflight",
-    "rendezvous_host",
     "planned_resources",
     "hourly_cost",
     "sweep",
@@ -161,19 +160,6 @@ def _check(spec: ClusterSpec) -> None:
         )
 
 
-register_provider(
-    ProviderConfig(
-        name="aws",
-        help="GPU instances (infra/aws), configured by Ansible, training in the pinned container image.",
-        section=AwsSpec,
-        section_help="The `aws` provider's settings; only with provider: aws.",
-        required="region, state_bucket, node_groups",
-        prepare=_ranks_per_gpu,
-        check=_check,
-    )
-)
-
-
 @dataclass(frozen=True)
 class _ResourceBlock:
     address: str
@@ -214,24 +200,6 @@ def module_variables(spec: ClusterSpec) -> dict[str, object]:
         "store_bucket": store.netloc,
         "store_prefix": store.path.strip("/"),
         **settings,
-    }
-
-
-def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
-    return module_variables(spec)
-
-
-def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
-    """What ``infractl up`` would do for ``spec``, computed offline: the module's variables, the
-    resources it would create, and the hourly cost at prices.json's list prices."""
-    variables = module_variables(spec)
-    return {
-        "provider": "aws",
-        "module": "infra/aws",
-        "region": aws.region if (aws := spec.settings(AwsSpec)) else None,
-        "variables": variables,
-        "resources": planned_resources(variables),
-        "cost": hourly_cost(variables),
     }
 
 
@@ -303,11 +271,6 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
         "total": round(fixed + sum(group["hourly"] for group in groups.values()), 4),
         "total_on_demand": round(fixed + sum(group["on_demand"] for group in groups.values()), 4),
     }
-
-
-def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
-    """What EC2 still holds with the cluster's tag (see ``sweep``)."""
-    return sweep(record["name"], record["spec"]["aws"]["region"])
 
 
 def sweep(cluster: str, region: str) -> list[str]:
@@ -446,10 +409,51 @@ _NOT_WIRED = (
 )
 
 
-def preflight(spec: ClusterSpec, state: ClusterState) -> None:
-    raise UsageError(_NOT_WIRED, field="provider")
+class Aws(Provider):
+    name = "aws"
+
+    def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+        return module_variables(spec)
+
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+        """What ``infractl up`` would do for ``spec``, computed offline: the module's variables, the
+        resources it would create, and the hourly cost at prices.json's list prices."""
+        variables = module_variables(spec)
+        return {
+            "provider": self.name,
+            "module": f"infra/{self.name}",
+            "region": aws.region if (aws := spec.settings(AwsSpec)) else None,
+            "variables": variables,
+            "resources": planned_resources(variables),
+            "cost": hourly_cost(variables),
+        }
+
+    def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
+        raise UsageError(_NOT_WIRED, field="provider")
+
+    def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
+        """The controller instance's private address, once `up` provisions on aws (see preflight)."""
+        raise UsageError(_NOT_WIRED, field="provider")
+
+    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+        """What EC2 still holds with the cluster's tag (see ``sweep``)."""
+        return sweep(record["name"], record["spec"][self.name]["region"])
+
+    def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
+        """Instances are reached over SSH, and run infractl's node side with the system Python (no
+        cluster gets this far until ``up`` provisions on aws: see ``preflight``)."""
+        return SshNodes(state, nodes, python="python3")
 
 
-def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
-    """The controller instance's private address, once `up` provisions on aws (see preflight)."""
-    raise UsageError(_NOT_WIRED, field="provider")
+register(
+    Aws(),
+    ProviderConfig(
+        name=Aws.name,
+        help="GPU instances (infra/aws), configured by Ansible, training in the pinned container image.",
+        section=AwsSpec,
+        section_help="The `aws` provider's settings; only with provider: aws.",
+        required="region, state_bucket, node_groups",
+        prepare=_ranks_per_gpu,
+        check=_check,
+    ),
+)

@@ -1,10 +1,15 @@
 """The ``netns`` provider: a multi-host cluster on one Linux machine. A node is a network namespace
 (``infractl-<id>-<i>``) plugged into the cluster's bridge (``ixb<id>``) by a veth pair
 (``ixv<id>-<i>``, ``eth0`` inside), with its own address on a private /24 and its own sshd that
-accepts only the cluster's key; infra/netns makes them. Ansible and the launcher reach the nodes
-over SSH, collectives run between the nodes' addresses, and the rendezvous endpoint listens on
-the bridge's host side (.1), outside every node. The filesystem is shared: a node's work
-directory is under the state directory as on ``local``.
+accepts only the cluster's key; infra/netns makes them. Ansible and the control plane reach the
+nodes over SSH, as they would reach other machines (``remote.SshNodes``), collectives run between
+the nodes' addresses, and the rendezvous endpoint listens on the bridge's host side (.1), outside
+every node. The filesystem is shared: a node's work directory is under the state directory as on
+``local``, and its Python is this machine's.
+
+Faults a real machine gets from its hypervisor come from this machine, which holds the
+namespaces: a killed node loses every process in its namespace but its sshd (so it can be
+reached again), and its link is cut on the bridge or inside the namespace.
 
 ``<id>`` is the state directory's ``short_id``: interface names may have 15 characters at most.
 """
@@ -16,33 +21,26 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import psutil
 from pydantic import Field, field_validator
 
 from infractl import proc
-from infractl.config import ClusterSpec, ProviderConfig, Spec, register_provider
+from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
-from infractl.providers import local
+from infractl.infra import Node
+from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, register
+from infractl.providers.local import node_directories
+from infractl.providers.remote import SshNodes
 from infractl.state import ClusterState
 
-__all__ = [
-    "NetnsSpec",
-    "variables",
-    "dry_run",
-    "leftovers",
-    "preflight",
-    "rendezvous_host",
-    "node_processes",
-    "LINK_FAULTS",
-    "LinkFault",
-    "cut_link",
-    "restore_link",
-]
+__all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
 _SSHD = "/usr/sbin/sshd"
 # Commands the module's provisioners and the launcher run, and the Debian package of each.
@@ -76,19 +74,6 @@ class NetnsSpec(Spec):
         return str(network)
 
 
-register_provider(
-    ProviderConfig(
-        name="netns",
-        help=(
-            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
-            "sshd (Linux, root)."
-        ),
-        section=NetnsSpec,
-        section_help="The `netns` provider's settings; only with provider: netns.",
-    )
-)
-
-
 def _subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
     """The cluster's /24: ``netns.subnet``, or one picked from the state directory."""
     settings = spec.settings(NetnsSpec)
@@ -96,11 +81,6 @@ def _subnet(spec: ClusterSpec, state: ClusterState) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(settings.subnet)
     index = int(state.short_id, 16) % (_DEFAULT_BLOCK.num_addresses // 256)
     return ipaddress.IPv4Network((int(_DEFAULT_BLOCK.network_address) + index * 256, 24))
-
-
-def rendezvous_host(spec: ClusterSpec, state: ClusterState) -> str:
-    """The bridge's host-side address: reachable from every node, and in none of them."""
-    return str(_subnet(spec, state).network_address + 1)
 
 
 def _bridge(state: ClusterState) -> str:
@@ -118,145 +98,165 @@ def _namespaces(state: ClusterState) -> list[str]:
     return sorted(e["name"] for e in _ip_json("netns", "list") if e["name"].startswith(f"infractl-{state.short_id}-"))
 
 
-def node_processes(node: dict[str, Any]) -> list[psutil.Process]:
-    """Every process in the node's namespace but its sshd listener (the node's own: it stays so the
-    node can be reached again): what ``drill kill-node`` kills there besides the run's processes."""
-    listed = proc.run(["ip", "netns", "pids", str(node["namespace"])])
-    pids = {int(pid) for pid in listed.stdout.split()} if listed.returncode == 0 else set()
-    pid_file = Path(str(node["ssh"]["known_hosts"])).with_name("sshd.pid")
-    listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
-    found = []
-    for pid in sorted(pids - {listener}):
-        try:
-            found.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
-# -- link faults (``infractl drill partition``) ---------------------------------------------------
-
-#: How a node's link can fail: ``down`` (the node's interface goes down: its sockets see the
-#: network vanish), ``drop`` (the bridge port stops forwarding: packets vanish silently both
-#: ways, the link still up), ``delay`` (netem adds latency to everything the node sends).
-LinkFault = Literal["down", "drop", "delay"]
-LINK_FAULTS: tuple[str, ...] = get_args(LinkFault)
-
-
 def _last_line(stderr: str) -> str:
     """What a failed command said last (the reason, for ip, tc and unshare)."""
     return (stderr.strip().splitlines() or ["no output"])[-1]
 
 
-def _veth(namespace: str) -> str:
-    """The host side of a node's veth pair (infra/netns names both from the cluster id and index)."""
-    cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
-    return f"ixv{cluster_id}-{index}"
+class Netns(Provider):
+    name = "netns"
+    # The nodes are namespaces of this machine: its accounts are theirs.
+    shares_host_accounts = True
+
+    def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+        return {
+            "cluster_name": spec.name,
+            "cluster_id": state.short_id,
+            "nodes": spec.nodes,
+            "processes_per_node": spec.processes_per_node,
+            "state_dir": str(state.dir),
+            "subnet": str(_subnet(spec, state)),
+            "sshd": _SSHD,
+        }
+
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+        """infra/netns makes the key pair, the bridge and one ``terraform_data.node`` per node."""
+        return {
+            "provider": self.name,
+            "module": f"infra/{self.name}",
+            "region": None,
+            "variables": self.variables(spec, state),
+            "resources": [
+                "terraform_data.keys",
+                "terraform_data.bridge",
+                *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
+            ],
+            "cost": None,
+        }
+
+    def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
+        """The bridge's host-side address: reachable from every node, and in none of them."""
+        return str(_subnet(spec, state).network_address + 1)
+
+    def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
+        """What a netns cluster needs of this machine, checked before anything changes: Linux, root,
+        network namespaces, sshd and iproute2, a subnet nothing else uses, a store the nodes reach."""
+        if not sys.platform.startswith("linux"):
+            raise UsageError(f"provider netns needs Linux network namespaces; this is {sys.platform}", field="provider")
+        if os.geteuid() != 0:
+            raise UsageError(
+                "provider netns needs root (it creates network namespaces, a bridge and an sshd per node); "
+                "run `infractl up` as root, or use provider: local",
+                field="provider",
+            )
+        missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if shutil.which(tool) is None]
+        if not Path(_SSHD).is_file():
+            missing.append(f"{_SSHD} (openssh-server)")
+        if missing:
+            raise UsageError(
+                f"provider netns needs {', '.join(missing)}: install them "
+                "(scripts/bootstrap.sh does, as root on Debian)",
+                field="provider",
+            )
+        probe = proc.run(["unshare", "--net", "true"], timeout=30)
+        if probe.returncode != 0:
+            why = _last_line(probe.stderr)
+            raise UsageError(f"provider netns: this machine cannot create network namespaces ({why})", field="provider")
+        _check_subnet_free(spec, state)
+        self._check_store_reachable(spec, state)
+
+    def _check_store_reachable(self, spec: ClusterSpec, state: ClusterState) -> None:
+        """Nodes have their own loopback: an S3 endpoint on this machine's 127.0.0.1 is not theirs."""
+        if not (spec.store or "").startswith("s3://"):
+            return
+        endpoint = (parse_qs(urlsplit(spec.store or "").query).get("endpoint_url") or [""])[0]
+        host = urlsplit(endpoint).hostname or ""
+        if host in ("localhost", "::1") or host.startswith("127."):
+            raise ConfigError(
+                f"the nodes of a netns cluster cannot reach {endpoint} (each has its own loopback); serve the "
+                f"endpoint on an address they route to, such as the bridge's {self.rendezvous_host(spec, state)}",
+                field="store",
+            )
+
+    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+        """Namespaces, interfaces, sshd processes and keys ``terraform destroy`` left behind."""
+        found = [f"network namespace {name}" for name in _namespaces(state)]
+        found += [
+            f"interface {link['ifname']}"
+            for link in _ip_json("link", "show")
+            if link.get("ifname", "").startswith((_bridge(state), f"ixv{state.short_id}-"))
+        ]
+        found += [f"process {p.pid}" for p in proc.find(state.dir)]
+        found += [f"sshd process {p.pid}" for p in _sshds(state)]
+        ssh_dir = state.dir / "ssh"
+        if ssh_dir.exists():
+            found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
+        return found + node_directories(state)  # node directories, as on local
+
+    def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
+        return NetnsNodes(state, nodes, python=sys.executable)
 
 
-def _link_commands(namespace: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
-    """The command that makes ``fault`` on the node's link, and the one that undoes it."""
-    if fault == "down":
+class NetnsNodes(SshNodes):
+    """SSH nodes whose faults come from the machine that holds their namespaces."""
+
+    link_faults = LINK_FAULTS
+
+    def kill_node(self, node: str, run: str) -> None:
+        """Every process in the node's namespace but its sshd listener (the node's own: it stays so
+        the node can be reached again), the run's among them."""
+        entry = self.node(node)
+        listed = proc.run(["ip", "netns", "pids", str(entry.namespace)])
+        pids = {int(pid) for pid in listed.stdout.split()} if listed.returncode == 0 else set()
+        assert entry.ssh is not None
+        pid_file = entry.ssh.known_hosts.with_name("sshd.pid")
+        listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
+        for pid in sorted(pids - {listener}):
+            try:
+                psutil.Process(pid).send_signal(signal.SIGKILL)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+
+    def _link_commands(self, node: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
+        """The command that makes ``fault`` on the node's link, and the one that undoes it."""
+        namespace = str(self.node(node).namespace)
+        if fault == "down":
+            return (
+                ["ip", "-n", namespace, "link", "set", "eth0", "down"],
+                ["ip", "-n", namespace, "link", "set", "eth0", "up"],
+            )
+        if fault == "drop":
+            # The host side of the node's veth pair (infra/netns names both from the cluster id and index).
+            cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
+            veth = f"ixv{cluster_id}-{index}"
+            return (
+                ["bridge", "link", "set", "dev", veth, "state", "0"],
+                ["bridge", "link", "set", "dev", veth, "state", "3"],
+            )
+        tc = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
         return (
-            ["ip", "-n", namespace, "link", "set", "eth0", "down"],
-            ["ip", "-n", namespace, "link", "set", "eth0", "up"],
-        )
-    if fault == "drop":
-        veth = _veth(namespace)
-        return (
-            ["bridge", "link", "set", "dev", veth, "state", "0"],
-            ["bridge", "link", "set", "dev", veth, "state", "3"],
-        )
-    tc = ["ip", "netns", "exec", namespace, "tc", "qdisc"]
-    return (
-        [*tc, "add", "dev", "eth0", "root", "netem", "delay", f"{latency_ms}ms"],
-        [*tc, "del", "dev", "eth0", "root"],
-    )
-
-
-def cut_link(node: dict[str, Any], fault: str, *, latency_ms: int = 0) -> dict[str, Any]:
-    """Make ``fault`` (one of ``LINK_FAULTS``) on ``node``'s link; what was done, for the drill's
-    record. ``UsageError`` when the node has no link to cut or this machine cannot make the fault
-    (nothing changed then)."""
-    namespace = node.get("namespace")
-    if not namespace:
-        raise UsageError(
-            f"node {node['name']!r} has no network link of its own to cut: partition needs provider netns",
-            field="--node",
-        )
-    make, _ = _link_commands(namespace, fault, latency_ms)
-    done = proc.run(make, timeout=30)
-    if done.returncode != 0:
-        why = _last_line(done.stderr)
-        hint = " (netem: this kernel lacks the sch_netem qdisc)" if fault == "delay" else ""
-        raise UsageError(f"cannot make a {fault!r} fault on {node['name']}'s link: {why}{hint}", field="--kind")
-    return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
-
-
-def restore_link(node: dict[str, Any], fault: str) -> None:
-    """Undo ``cut_link``; ``InfractlError`` if the link could not be restored."""
-    _, undo = _link_commands(str(node["namespace"]), fault, 0)
-    done = proc.run(undo, timeout=30)
-    if done.returncode != 0:
-        why = _last_line(done.stderr)
-        raise InfractlError(
-            f"could not restore {node['name']}'s link after a {fault!r} fault: {why}; run {shlex.join(undo)}"
+            [*tc, "add", "dev", "eth0", "root", "netem", "delay", f"{latency_ms}ms"],
+            [*tc, "del", "dev", "eth0", "root"],
         )
 
+    def cut_link(self, node: str, fault: str, *, latency_ms: int = 0) -> dict[str, Any]:
+        make, _ = self._link_commands(node, fault, latency_ms)
+        done = proc.run(make, timeout=30)
+        if done.returncode != 0:
+            why = _last_line(done.stderr)
+            hint = " (netem: this kernel lacks the sch_netem qdisc)" if fault == "delay" else ""
+            raise UsageError(f"cannot make a {fault!r} fault on {node}'s link: {why}{hint}", field="--kind")
+        namespace = str(self.node(node).namespace)
+        return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
 
-def variables(spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
-    return {
-        "cluster_name": spec.name,
-        "cluster_id": state.short_id,
-        "nodes": spec.nodes,
-        "processes_per_node": spec.processes_per_node,
-        "state_dir": str(state.dir),
-        "subnet": str(_subnet(spec, state)),
-        "sshd": _SSHD,
-    }
-
-
-def dry_run(spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
-    """infra/netns makes the key pair, the bridge and one ``terraform_data.node`` per node."""
-    return {
-        "provider": "netns",
-        "module": "infra/netns",
-        "region": None,
-        "variables": variables(spec, state),
-        "resources": [
-            "terraform_data.keys",
-            "terraform_data.bridge",
-            *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
-        ],
-        "cost": None,
-    }
-
-
-def preflight(spec: ClusterSpec, state: ClusterState) -> None:
-    """What a netns cluster needs of this machine, checked before anything changes: Linux, root,
-    network namespaces, sshd and iproute2, a subnet nothing else uses, a store the nodes reach."""
-    if not sys.platform.startswith("linux"):
-        raise UsageError(f"provider netns needs Linux network namespaces; this is {sys.platform}", field="provider")
-    if os.geteuid() != 0:
-        raise UsageError(
-            "provider netns needs root (it creates network namespaces, a bridge and an sshd per node); "
-            "run `infractl up` as root, or use provider: local",
-            field="provider",
-        )
-    missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if shutil.which(tool) is None]
-    if not Path(_SSHD).is_file():
-        missing.append(f"{_SSHD} (openssh-server)")
-    if missing:
-        raise UsageError(
-            f"provider netns needs {', '.join(missing)}: install them (scripts/bootstrap.sh does, as root on Debian)",
-            field="provider",
-        )
-    probe = proc.run(["unshare", "--net", "true"], timeout=30)
-    if probe.returncode != 0:
-        why = _last_line(probe.stderr)
-        raise UsageError(f"provider netns: this machine cannot create network namespaces ({why})", field="provider")
-    _check_subnet_free(spec, state)
-    _check_store_reachable(spec, state)
+    def restore_link(self, node: str, fault: str) -> None:
+        _, undo = self._link_commands(node, fault, 0)
+        done = proc.run(undo, timeout=30)
+        if done.returncode != 0:
+            why = _last_line(done.stderr)
+            raise InfractlError(
+                f"could not restore {node}'s link after a {fault!r} fault: {why}; run {shlex.join(undo)}"
+            )
 
 
 def _check_subnet_free(spec: ClusterSpec, state: ClusterState) -> None:
@@ -273,36 +273,6 @@ def _check_subnet_free(spec: ClusterSpec, state: ClusterState) -> None:
                 )
 
 
-def _check_store_reachable(spec: ClusterSpec, state: ClusterState) -> None:
-    """Nodes have their own loopback: an S3 endpoint on this machine's 127.0.0.1 is not theirs."""
-    if not (spec.store or "").startswith("s3://"):
-        return
-    endpoint = (parse_qs(urlsplit(spec.store or "").query).get("endpoint_url") or [""])[0]
-    host = urlsplit(endpoint).hostname or ""
-    if host in ("localhost", "::1") or host.startswith("127."):
-        raise ConfigError(
-            f"the nodes of a netns cluster cannot reach {endpoint} (each has its own loopback); serve the "
-            f"endpoint on an address they route to, such as the bridge's {rendezvous_host(spec, state)}",
-            field="store",
-        )
-
-
-def leftovers(state: ClusterState, record: dict[str, Any]) -> list[str]:
-    """Namespaces, interfaces, sshd processes and keys ``terraform destroy`` left behind."""
-    found = [f"network namespace {name}" for name in _namespaces(state)]
-    found += [
-        f"interface {link['ifname']}"
-        for link in _ip_json("link", "show")
-        if link.get("ifname", "").startswith((_bridge(state), f"ixv{state.short_id}-"))
-    ]
-    found += [f"process {p.pid}" for p in proc.find(state.dir)]
-    found += [f"sshd process {p.pid}" for p in _sshds(state)]
-    ssh_dir = state.dir / "ssh"
-    if ssh_dir.exists():
-        found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
-    return found + local.leftovers(state, record)  # node directories, as on local
-
-
 def _sshds(state: ClusterState) -> list[psutil.Process]:
     """The nodes' sshd processes, by their config path: sshd overwrites its environment with its
     process title, so the cluster's marker does not find them."""
@@ -315,3 +285,17 @@ def _sshds(state: ClusterState) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+register(
+    Netns(),
+    ProviderConfig(
+        name=Netns.name,
+        help=(
+            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
+            "sshd (Linux, root)."
+        ),
+        section=NetnsSpec,
+        section_help="The `netns` provider's settings; only with provider: netns.",
+    ),
+)

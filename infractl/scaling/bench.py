@@ -34,8 +34,9 @@ few are still noisy):
   evaluation, logging; approximate, never below 0).
 - the dominant idle cause: the largest share but compute.
 - CPU utilization of the ranks: CPU seconds of every process under each node's agent (the
-  workers and what they start), sampled every 0.1 s while the run trains, over the measured
-  steps' wall time and the ranks (above 1 when a rank runs more than one busy thread). GPU
+  workers and what they start), sampled every 0.1 s (or as often as the nodes answer) while
+  the run trains, over the measured steps' wall time and the ranks (above 1 when a rank runs
+  more than one busy thread). GPU
   utilization: NVML's, where the ``pynvml`` module and a device are present; else None.
 """
 
@@ -51,8 +52,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
-
-import psutil
 
 from infractl import launcher, runstore
 from infractl.cluster import store_for
@@ -218,12 +217,13 @@ def plan_bench(
 @dataclass
 class RankSampler:
     """Called at every poll while a count trains (``launcher.run_to_end(watch=...)``): the CPU
-    seconds of every process under each agent, summed over every process seen (one that
-    exited keeps its last reading), and NVML's GPU utilization where present."""
+    seconds of the run's processes but the agents (the workers and what they start) on every
+    node, summed over every process seen (one that exited keeps its last reading), and NVML's
+    GPU utilization where present."""
 
     cpu: list[tuple[float, float]] = field(default_factory=list)  # (time, cumulative CPU seconds)
     gpu: list[tuple[float, float]] = field(default_factory=list)  # (time, mean utilization 0..1)
-    _seen: dict[tuple[int, float], float] = field(default_factory=dict)
+    _seen: dict[tuple[str, int, float], float] = field(default_factory=dict)
     _nvml: Any = None
 
     def __post_init__(self) -> None:
@@ -231,17 +231,9 @@ class RankSampler:
 
     def __call__(self, launch: Launch) -> None:
         now = time.time()
-        for agent in launch.agents.values():
-            try:
-                workers = psutil.Process(agent.pid).children(recursive=True)
-            except psutil.Error:
-                continue  # the agent exited
-            for worker in workers:
-                try:
-                    times = worker.cpu_times()
-                    self._seen[(worker.pid, worker.create_time())] = times.user + times.system
-                except psutil.Error:
-                    continue
+        for p in launch.control.processes(run=launch.run_id):
+            if not p.agent:
+                self._seen[p.key] = p.cpu_s
         self.cpu.append((now, sum(self._seen.values())))
         if self._nvml is not None:
             self.gpu.append((now, _gpu_utilization(self._nvml)))

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import signal
 
-import psutil
-
-from infractl import proc
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
+from infractl.proc import NodeProcess
 
 __all__ = ["HangNode"]
 
@@ -19,12 +17,12 @@ class HangNode(Kind):
     name = "hang-node"
     help = "SIGSTOP one node's workers: the watchdog (watchdog.step_timeout_s) must turn the hang into a failure."
 
-    def inject(self, drill: Drill) -> list[psutil.Process]:
+    def inject(self, drill: Drill) -> list[NodeProcess]:
         stopped = recovery.workers(drill.victims)
-        proc.kill(stopped, signal.SIGSTOP)
+        drill.nodes.signal(stopped, signal.SIGSTOP)
         drill.fault |= {"signal": "SIGSTOP", "processes": len(stopped)}
         return drill.workers
 
     def undo(self, drill: Drill) -> None:
         # Whatever the watchdog did not kill must not stay stopped forever.
-        proc.kill([p for p in drill.victims if recovery.alive(p)], signal.SIGCONT)
+        drill.nodes.signal(drill.victims, signal.SIGCONT)

@@ -1,7 +1,8 @@
-"""``partition``: cut one node's network link for ``--seconds`` (netns provider), then restore it.
+"""``partition``: cut one node's network link for ``--seconds`` (on a provider whose nodes have
+links of their own), then restore it.
 
-``--kind down`` takes the node's interface down, ``drop`` makes the bridge drop its packets
-silently, ``delay`` adds ``--latency-ms`` with netem (see ``providers.netns.LINK_FAULTS``). The
+``--kind down`` takes the node's interface down, ``drop`` drops its packets silently, ``delay``
+adds ``--latency-ms`` (see ``providers.LINK_FAULTS``; the provider makes them). The
 other nodes' collectives time out (half the step timeout), their agents re-rendezvous without the
 node (the rendezvous endpoint is on the host, outside every node, so the cut node can never form
 a world of its own) and the run goes on from the last committed step. Once the link is back the
@@ -15,15 +16,13 @@ only then.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import psutil
-
-from infractl import launcher, proc, runs, runstore
+from infractl import launcher, runstore
 from infractl.drill import recovery
-from infractl.drill.kind import Drill, Kind, register
+from infractl.drill.kind import Drill, Kind, KindOption, register
 from infractl.errors import InfractlError, UsageError
-from infractl.providers import netns
+from infractl.proc import NodeProcess
+from infractl.providers import LINK_FAULTS
 from infractl.runstore import DrillRecord
 
 __all__ = ["Partition"]
@@ -33,15 +32,34 @@ __all__ = ["Partition"]
 class Partition(Kind):
     name = "partition"
     help = (
-        "Cut one node's network link (--kind down|drop|delay; provider netns) for --seconds, then restore it: "
-        "the others must go on without it, and the node must come back into the run once its link is."
+        "Cut one node's network link (--kind down|drop|delay; on a provider whose nodes have links of their "
+        "own) for --seconds, then restore it: the others must go on without it, and the node must come back "
+        "into the run once its link is."
     )
     timed = True
+    seconds = 30.0
     node_leaves = True
     rejoins = True
+    options = (
+        KindOption(
+            "link",
+            "--kind",
+            "down: the node's interface goes down; drop: its packets vanish silently; delay: latency of --latency-ms.",
+            default="down",
+            choices=LINK_FAULTS,
+        ),
+        KindOption(
+            "latency_ms",
+            "--latency-ms",
+            "Latency --kind delay adds to the node's packets.",
+            500,
+            minimum=1,
+            maximum=60_000,
+        ),
+    )
 
     def __init__(self) -> None:
-        self._node: dict[str, Any] = {}
+        self._node = ""
         self._fault = "down"
         self._cut = False
         self._back: float | None = None
@@ -49,15 +67,20 @@ class Partition(Kind):
 
     def prepare(self, drill: Drill) -> None:
         assert drill.target.node is not None
-        self._node = runs.node(drill.state, drill.target.node, field="--node")
+        self._node = drill.target.node
         self._fault = str(drill.options.get("link", "down"))
-        if self._fault not in netns.LINK_FAULTS:
-            faults = ", ".join(netns.LINK_FAULTS)
-            raise UsageError(f"{self._fault!r} is not a link fault (one of: {faults})", field="--kind")
+        if self._fault not in LINK_FAULTS:
+            raise UsageError(f"{self._fault!r} is not a link fault (one of: {', '.join(LINK_FAULTS)})", field="--kind")
+        if self._fault not in drill.nodes.link_faults:
+            raise UsageError(
+                f"node {self._node!r} has no network link of its own to cut: partition needs a provider whose "
+                "nodes have links",
+                field="--node",
+            )
 
-    def inject(self, drill: Drill) -> list[psutil.Process]:
+    def inject(self, drill: Drill) -> list[NodeProcess]:
         latency = int(drill.options.get("latency_ms", 0))
-        drill.fault |= netns.cut_link(self._node, self._fault, latency_ms=latency) | {"seconds": drill.seconds}
+        drill.fault |= drill.nodes.cut_link(self._node, self._fault, latency_ms=latency) | {"seconds": drill.seconds}
         self._cut = True
         return drill.workers
 
@@ -66,15 +89,15 @@ class Partition(Kind):
         if self._cut and now - record.fault_time >= drill.seconds:
             self.undo(drill)
             self._back = now
-            drill.progress(f"link of {self._node['name']} is back after {now - record.fault_time:.1f}s")
+            drill.progress(f"link of {self._node} is back after {now - record.fault_time:.1f}s")
         if self._back is None or "rejoined_by" in drill.fault or time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + recovery.STORE_POLL_S
-        live = proc.running_runs(drill.state.dir).get(drill.run_id, set())
-        if live and self._node["name"] not in live:
+        # Rejoin only a node that reported it has nothing of the run left, while others still run it.
+        if drill.watch.reported(self._node) == [] and drill.watch.nodes():
             # The node's agent gave up while it was cut off: start it again, as on-call would.
             try:
-                rejoined = launcher.rejoin(drill.state, self._node["name"], run=drill.run_id)
+                rejoined = launcher.rejoin(drill.state, self._node, run=drill.run_id)
             except InfractlError as exc:
                 drill.fault["rejoined_by"] = f"nobody: `infractl rejoin` failed: {exc}"
                 drill.progress(drill.fault["rejoined_by"])
@@ -101,7 +124,7 @@ class Partition(Kind):
 
     def undo(self, drill: Drill) -> None:
         if self._cut:
-            netns.restore_link(self._node, self._fault)
+            drill.nodes.restore_link(self._node, self._fault)
             self._cut = False
 
     def describe(self, record: DrillRecord) -> str:

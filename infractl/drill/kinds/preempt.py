@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import signal
 
-import psutil
-
-from infractl import proc
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, register
+from infractl.proc import NodeProcess
 from infractl.runstore import DrillRecord, SaveReason
 
 __all__ = ["Preempt"]
@@ -22,8 +20,8 @@ class Preempt(Kind):
     help = "SIGTERM one node's agent: an emergency checkpoint must commit within preemption.grace_s."
     node_leaves = True
 
-    def inject(self, drill: Drill) -> list[psutil.Process]:
-        proc.kill(recovery.agents(drill.victims), signal.SIGTERM)
+    def inject(self, drill: Drill) -> list[NodeProcess]:
+        drill.nodes.signal(recovery.agents(drill.victims), signal.SIGTERM)
         drill.fault |= {"signal": "SIGTERM", "grace_s": drill.target.spec.get("preemption", {}).get("grace_s")}
         return drill.workers
 

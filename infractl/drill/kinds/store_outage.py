@@ -9,9 +9,8 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any
 
-import psutil
-
 from infractl.drill.kind import Drill, Kind, register
+from infractl.proc import NodeProcess
 from infractl.runstore import DrillRecord
 
 __all__ = ["StoreOutage"]
@@ -35,7 +34,7 @@ class StoreOutage(Kind):
     def prepare(self, drill: Drill) -> None:
         self._take_down = drill.store.outage()  # refused here when this store cannot be taken down
 
-    def inject(self, drill: Drill) -> list[psutil.Process]:
+    def inject(self, drill: Drill) -> list[NodeProcess]:
         assert self._take_down is not None
         drill.fault |= self._down.enter_context(self._take_down) | {"seconds": drill.seconds}
         return []

@@ -1,0 +1,250 @@
+"""Node control over SSH, for providers whose nodes are other machines (or stand in for them, as a
+netns node does): every command runs in a session on the node, logged in with the node's
+``SshLogin`` (its host key pinned), and what the control plane asks of a node's processes is
+answered by infractl's node side there (``python -m infractl.proc``), as JSON.
+
+A node that does not answer (its link is down, say) is left out of a listing and named in
+``unreachable``; its processes are not known, not gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from infractl import proc
+from infractl.errors import InfractlError
+from infractl.infra import Node, SshLogin
+from infractl.proc import NodeProcess
+from infractl.providers.base import NodeControl, Watch
+from infractl.state import ClusterState
+
+__all__ = ["SshNodes"]
+
+# Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
+_SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Seconds one question to a node may take (a node whose link is down never answers).
+_ASK_TIMEOUT_S = 20.0
+# ssh's own exit code when it could not connect (or the session broke).
+_SSH_FAILED = 255
+
+
+class SshNodes(NodeControl):
+    """Nodes reached over SSH; ``python`` is the interpreter infractl runs with on them."""
+
+    def __init__(self, state: ClusterState, nodes: Sequence[Node], *, python: str) -> None:
+        super().__init__(state, nodes)
+        self._python = python
+
+    def python(self, node: str) -> str:
+        return self._python
+
+    def _login(self, node: str) -> tuple[SshLogin, str]:
+        entry = self.node(node)
+        if entry.ssh is None:
+            raise InfractlError(f"node {node!r} has no SSH login in the cluster record")
+        return entry.ssh, entry.address
+
+    def _session(self, node: str, command: str) -> list[str]:
+        login, address = self._login(node)
+        return login.argv(address, command)
+
+    def _ask(
+        self, node: str, command: str, *, timeout: float = _ASK_TIMEOUT_S, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the shell ``command`` on ``node``; a node that does not answer counts as unreachable."""
+        argv = self._session(node, command)
+        try:
+            done = proc.run(argv, timeout=timeout, input=input)
+        except subprocess.TimeoutExpired:
+            done = subprocess.CompletedProcess(argv, _SSH_FAILED, "", f"no answer within {timeout:g}s")
+        if done.returncode == _SSH_FAILED:
+            self.unreachable.add(node)
+        return done
+
+    def _node_side(self, node: str, *args: str) -> list[str]:
+        return [self.python(node), "-m", "infractl.proc", *args]
+
+    # -- commands and files ---------------------------------------------------------------------
+
+    def run(self, node: str, argv: Sequence[str], *, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return self._ask(node, shlex.join(argv), timeout=timeout)
+
+    def write_file(self, node: str, path: Path, text: str) -> None:
+        part = path.with_name(f".{path.name}.part")
+        command = (
+            f"umask 077 && mkdir -p {shlex.quote(str(path.parent))} && cat >{shlex.quote(str(part))} && "
+            f"mv -f {shlex.quote(str(part))} {shlex.quote(str(path))}"
+        )
+        done = self._ask(node, command, input=text)
+        if done.returncode != 0:
+            raise InfractlError(f"cannot write {path} on {node}: {_last_line(done.stderr)}")
+
+    def _read(self, node: str, command: str, path: Path) -> str | None:
+        quoted = shlex.quote(str(path))
+        done = self._ask(node, f"test -f {quoted} || exit 3; {command} {quoted}")
+        if done.returncode == 3:
+            return None
+        if done.returncode != 0:
+            raise InfractlError(f"cannot read {path} on {node}: {_last_line(done.stderr)}")
+        return done.stdout
+
+    def read_file(self, node: str, path: Path) -> str | None:
+        return self._read(node, "cat --", path)
+
+    def tail(self, node: str, path: Path, *, lines: int) -> list[str] | None:
+        text = self._read(node, f"tail -n {lines} --" if lines else "cat --", path)
+        return None if text is None else text.splitlines(keepends=True)
+
+    def tail_bytes(self, node: str, path: Path, *, size: int) -> bytes:
+        try:
+            text = self._read(node, f"tail -c {size} --", path)
+        except InfractlError:
+            return b""
+        return (text or "").encode()
+
+    # -- the agent ------------------------------------------------------------------------------
+
+    def start(
+        self, node: str, argv: Sequence[str], env: Mapping[str, str], *, workdir: Path, log_path: Path, header: str
+    ) -> subprocess.Popen[bytes]:
+        """sshd gives a session a clean environment, so the agent's comes from a 0600 file on the
+        node (never a command line, where every user could read its secrets). The agent writes its
+        log itself: a link that goes down must not stall it on a full SSH channel.
+
+        The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
+        node as it follows a local one; it carries none of the markers, so a node whose link is cut
+        counts as stopped once its agent has exited, whatever the client waits for."""
+        env_file = workdir / "runs" / env[proc.RUN_ENV] / "agent.env"
+        self.write_file(
+            node, env_file, "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if _SHELL_NAME.match(k))
+        )
+        log = shlex.quote(str(log_path))
+        command = (
+            f"mkdir -p {shlex.quote(str(log_path.parent))} && echo {shlex.quote(header)} >>{log} && "
+            f"set -a && . {shlex.quote(str(env_file))} && set +a && cd {shlex.quote(str(workdir))} && "
+            f"exec {shlex.join(argv)} >>{log} 2>&1 </dev/null"
+        )
+        markers = (proc.CLUSTER_ENV, proc.NODE_ENV, proc.RUN_ENV)
+        return proc.spawn(
+            self._session(node, command),
+            env={k: v for k, v in os.environ.items() if k not in markers},
+            cwd=self.state.dir,
+            # The session's own messages (a refused login, a broken link); the agent's are on the node.
+            log_path=self.state.dir / "sessions" / f"{env[proc.RUN_ENV]}-{node}.log",
+        )
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def processes(self, *, node: str | None = None, run: str | None = None) -> list[NodeProcess]:
+        def ask(name: str) -> list[NodeProcess]:
+            args = ["list", "--cluster", str(self.state.dir), "--node", name, *(["--run", run] if run else [])]
+            done = self._ask(name, shlex.join(self._node_side(name, *args)))
+            if done.returncode != 0:
+                self.unreachable.add(name)
+                return []
+            self.unreachable.discard(name)
+            return [NodeProcess(**item) for item in json.loads(done.stdout)]
+
+        listed = self.each([node] if node is not None else self.nodes, ask)
+        return [p for procs in listed for p in procs]
+
+    def signal(self, procs: Iterable[NodeProcess], sig: int) -> None:
+        by_node: dict[str, list[NodeProcess]] = {}
+        for p in procs:
+            by_node.setdefault(p.node, []).append(p)
+
+        def ask(name: str) -> None:
+            named = [f"{p.node}:{p.pid}:{p.started!r}" for p in by_node[name]]
+            self._ask(name, shlex.join(self._node_side(name, "signal", "--sig", str(sig), *named)))
+
+        self.each(by_node, ask)
+
+    def watch(self, run: str) -> Watch:
+        return _SshWatch(self, run)
+
+    def kill_node(self, node: str, run: str) -> None:
+        """The run's processes on the node, found and SIGKILLed by the node itself (one session:
+        not a listing's round trip late)."""
+        args = ["kill", "--cluster", str(self.state.dir), "--node", node, "--run", run]
+        self._ask(node, shlex.join(self._node_side(node, *args)))
+
+    # -- configuration --------------------------------------------------------------------------
+
+    def ansible_host(self, node: str) -> dict[str, Any]:
+        login, address = self._login(node)
+        return {
+            "ansible_connection": "ssh",
+            "ansible_host": address,
+            "ansible_user": login.user,
+            "ansible_ssh_private_key_file": str(login.identity_file),
+            "ansible_ssh_common_args": " ".join(login.options()),
+            "ansible_python_interpreter": self.python(node),
+        }
+
+
+class _SshWatch(Watch):
+    """One monitor per node, each in its own SSH session, read by a thread per node. A session
+    that ends while the watch is open (the node was killed, its link broke) is opened again."""
+
+    # Seconds between attempts to open a node's monitor again.
+    _RETRY_S = 1.0
+
+    def __init__(self, nodes: SshNodes, run: str) -> None:
+        super().__init__(nodes.nodes)
+        self._control, self._run = nodes, run
+        self._closing = threading.Event()
+        self._sessions_lock = threading.Lock()
+        self._sessions: dict[str, subprocess.Popen[str]] = {}
+        self._threads = [threading.Thread(target=self._follow, args=(name,), daemon=True) for name in nodes.nodes]
+        for thread in self._threads:
+            thread.start()
+
+    def _follow(self, node: str) -> None:
+        args = ["monitor", "--cluster", str(self._control.state.dir), "--node", node, "--run", self._run]
+        command = self._control._session(node, shlex.join(self._control._node_side(node, *args)))
+        while not self._closing.is_set():
+            with self._sessions_lock:
+                if self._closing.is_set():
+                    return
+                session = subprocess.Popen(
+                    command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                )
+                self._sessions[node] = session
+            assert session.stdout is not None
+            for line in session.stdout:
+                try:
+                    reported = json.loads(line)
+                except ValueError:
+                    continue
+                if reported is not None:
+                    self.report(node, [NodeProcess(**item) for item in reported])
+            session.wait()
+            self._closing.wait(self._RETRY_S)
+
+    def close(self) -> None:
+        with self._sessions_lock:
+            self._closing.set()
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            if session.stdin is not None:
+                session.stdin.close()  # the monitor on the node ends with its stdin
+        for session in sessions:
+            try:
+                session.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                session.kill()  # a node that does not answer: its monitor ends with the session
+                session.wait()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+def _last_line(stderr: str) -> str:
+    return (stderr.strip().splitlines() or ["no output"])[-1]
