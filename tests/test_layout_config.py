@@ -3,7 +3,7 @@ field, before anything is written: at every command that loads run.yaml (the lay
 model), at `infractl train` on an up cluster (the layout against every world size of the node
 range), and by the trainer itself (the layout against the world it was started on).
 
-The model-level rules (infractl/config.py: ``ParallelSpec``, ``RunSpec._layout_fits_model``) go
+The model-level rules (infractl/config/run.py: ``ParallelSpec``, ``RunSpec._layout_fits_model``) go
 through `infractl train` with no cluster up: the run file is loaded first, so these need none.
 The world-size rules (``check_layout``) go through `infractl train` on one module-scoped
 2-node x 1-process local cluster, and are unit-tested directly.

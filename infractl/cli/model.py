@@ -1,6 +1,6 @@
 """``infractl export`` and ``infractl sample``: the trained model as one file the team takes away,
 and text from it, to see what the run learned. Both read the run's committed checkpoint from the
-cluster's store (infractl/handover/export.py); export records there what it wrote and how
+cluster's store (infractl/model/export.py); export records there what it wrote and how
 (``runs/<run>/exports/``), so the handover bundle can name the file."""
 
 from __future__ import annotations
