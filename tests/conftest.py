@@ -175,6 +175,19 @@ def stop_runs(cluster_dir: Path) -> None:
         assert proc.wait_gone(cluster_dir, run=run, timeout=30) == [], run
 
 
+def wait_for_world(store: Store, run_id: str, *, size: int, since: float, timeout: float) -> int:
+    """Poll until the run records a step on ``size`` ranks after ``since``; return that step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = [
+            r["step"] for r in runstore.read_metrics(store, run_id) if r["time"] > since and r["world_size"] == size
+        ]
+        if steps:
+            return min(steps)
+        time.sleep(1)
+    raise AssertionError(f"{run_id} ran no step on {size} ranks within {timeout}s")
+
+
 def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float) -> int:
     """Poll until the run has a committed checkpoint at ``at_least`` or later; return its step."""
     deadline = time.monotonic() + timeout

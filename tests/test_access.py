@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from infractl import access, runstore
+from infractl.handover import access_docs
 from infractl.state import ClusterState
 from infractl.store import Store, UnknownUser, open_store
 
@@ -327,9 +328,9 @@ def test_grant_is_enforced_on_the_nodes_and_in_the_store(team: Team) -> None:
 @pytest.mark.e2e
 @pytest.mark.xdist_group("access")
 def test_the_bundle_describes_the_roles_and_their_members(team: Team) -> None:
-    files = access.bundle_files(team.state)
+    files = access_docs.bundle_files(team.state)
 
-    assert files == access.bundle_files(team.state)
+    assert files == access_docs.bundle_files(team.state)
     assert sorted(files) == sorted(
         [f"access/{role}.iam.json" for role in access.ROLE_NAMES] + ["access/README.md", "access/members.json"]
     )

@@ -15,7 +15,7 @@ import pytest
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
 
-from conftest import Cli, module_cluster, stop_runs, wait_for_commit, write
+from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 
 pytestmark = pytest.mark.e2e
 
@@ -101,15 +101,8 @@ def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     rejoined = time.time()
     joined = json.loads(cluster("rejoin", "node-0", "--json").stdout)
     assert joined["node"] == "node-0" and joined["rejoins"] == 1 and joined["budget"] == 3
-    deadline = time.monotonic() + 120
-    while not (
-        whole := [
-            r["step"] for r in runstore.read_metrics(store, "kill0") if r["time"] > rejoined and r["world_size"] == 2
-        ]
-    ):
-        assert time.monotonic() < deadline, "node-0 did not rejoin within 120 s"
-        time.sleep(1)
-    wait_for_commit(store, "kill0", at_least=whole[0] + 10, timeout=120)
+    whole = wait_for_world(store, "kill0", size=2, since=rejoined, timeout=120)
+    wait_for_commit(store, "kill0", at_least=whole + 10, timeout=120)
 
 
 @pytest.mark.xdist_group("drill")

@@ -22,7 +22,7 @@ import pytest
 from infractl import runstore
 from infractl.store import FileStore
 
-from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, write
+from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, wait_for_world, write
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
 
@@ -188,10 +188,7 @@ def test_kill_node_empties_the_namespace_but_its_sshd_and_the_node_rejoins_over_
     assert left == [sshd]
     rejoined = time.time()
     cluster("rejoin", "node-1", "-c", "multi")
-    deadline = time.monotonic() + 120
-    while not [r for r in runstore.read_metrics(store, "kill") if r["time"] > rejoined and r["world_size"] == 2]:
-        assert time.monotonic() < deadline, "node-1 did not rejoin within 120 s"
-        time.sleep(1)
+    wait_for_world(store, "kill", size=2, since=rejoined, timeout=120)
 
 
 def test_a_partition_refuses_a_fault_it_cannot_make_and_changes_nothing(cluster: Cli) -> None:

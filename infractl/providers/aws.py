@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-import hcl2
-from hcl2.utils import SerializationOptions
 from pydantic import Field, field_validator, model_validator
 
 from infractl import infra
@@ -62,7 +60,6 @@ _HOURS_PER_MONTH = 730
 # Copied unchanged into the evaluation: the variables with their validations, the provider-free locals,
 # and the instance table the locals read.
 _EVALUATED_FILES = ("variables.tf", "locals.tf", "instances.json")
-_PARSE_OPTIONS = SerializationOptions(with_comments=False, explicit_blocks=False, strip_string_quotes=True)
 
 
 _GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
@@ -363,10 +360,15 @@ def _parse(path: Path) -> dict[str, Any]:
 @functools.lru_cache(maxsize=32)
 def _parse_version(path: Path, mtime_ns: int) -> dict[str, Any]:
     # Parsing is the slow half of an evaluation; a file is parsed again only when it changes (mtime_ns is
-    # part of the cache key). Callers only read the result.
+    # part of the cache key). Callers only read the result. The parser is imported here: every command
+    # imports the providers, and only a dry run on aws parses a module.
+    import hcl2
+    from hcl2.utils import SerializationOptions
+
+    options = SerializationOptions(with_comments=False, explicit_blocks=False, strip_string_quotes=True)
     with path.open() as f:
         try:
-            return hcl2.load(f, serialization_options=_PARSE_OPTIONS)
+            return hcl2.load(f, serialization_options=options)
         except Exception as e:  # the parser raises lark's errors, which name the line and column
             raise InfraError(f"cannot parse {path}: {e}") from e
 
