@@ -53,6 +53,23 @@ def test_unknown_cluster_field_names_field_and_file(cli: Cli) -> None:
     assert not (cli.home / "c1").exists()
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "provider: {}",
+        "provider: [local]",
+        "provider: aws\naws: {node_groups: [1]}",
+        "provider: aws\naws: {node_groups: {g: {instance_type: [x]}}}",
+    ],
+)
+def test_a_provider_or_node_group_of_the_wrong_shape_names_the_field(cli: Cli, body: str) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", f"name: c1\nnodes: 2\n{body}\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert result.stderr.startswith(f"error: {cluster}: ") and "internal error" not in result.stderr
+    assert ("provider:" if "{}" in body or "[local]" in body else "aws.") in result.stderr
+    assert not (cli.home / "c1").exists()
+
+
 def test_missing_cluster_file(cli: Cli) -> None:
     result = cli("up", "-c", "missing.yaml", expect=2)
     assert "cluster file not found: missing.yaml" in result.stderr

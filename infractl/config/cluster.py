@@ -114,7 +114,8 @@ class ClusterSpec(Spec):
         if not isinstance(data, dict):
             return data
         providers = _providers()
-        own = providers.get(data.get("provider", _default(providers).name))
+        name = data.get("provider", _default(providers).name)
+        own = providers.get(name) if isinstance(name, str) else None
         return own.prepare(data) if own is not None and own.prepare is not None else data
 
     @model_validator(mode="after")

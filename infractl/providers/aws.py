@@ -128,10 +128,13 @@ def _ranks_per_gpu(data: dict[str, Any]) -> dict[str, Any]:
     """processes_per_node defaults to the GPUs of the node groups' instance type."""
     if "processes_per_node" in data:
         return data
-    groups = (data.get("aws") or {}).get("node_groups") if isinstance(data.get("aws"), dict) else None
+    aws = data.get("aws")
+    groups = aws.get("node_groups") if isinstance(aws, dict) else None
+    if not isinstance(groups, dict):
+        return data
     table = instance_types()
-    types = {g.get("instance_type") for g in (groups or {}).values() if isinstance(g, dict)}
-    gpus = {table[t]["gpus"] for t in types if t in table}
+    types = [g.get("instance_type") for g in groups.values() if isinstance(g, dict)]
+    gpus = {table[t]["gpus"] for t in types if isinstance(t, str) and t in table}
     return data | {"processes_per_node": gpus.pop()} if len(gpus) == 1 else data
 
 
