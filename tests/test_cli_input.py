@@ -70,6 +70,25 @@ def test_a_provider_or_node_group_of_the_wrong_shape_names_the_field(cli: Cli, b
     assert not (cli.home / "c1").exists()
 
 
+@pytest.mark.parametrize("provider", ["local", "netns"])
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("registry.example/trainer:latest", "is not pinned by digest: write REPOSITORY@sha256:<64 hex>"),
+        ("trainer:1@sha256:" + "a" * 64, "is not REPOSITORY@sha256:<64 lower-case hex> (no tag before the digest)"),
+        ("trainer@sha256:" + "A" * 64, "is not REPOSITORY@sha256:<64 lower-case hex>"),
+    ],
+)
+def test_an_image_not_pinned_by_digest_is_refused_on_every_provider(
+    cli: Cli, provider: str, image: str, message: str
+) -> None:
+    cluster = write(cli.cwd / "cluster.yaml", f"name: c1\nprovider: {provider}\nruntime: {{image: '{image}'}}\n")
+    result = cli("up", "-c", str(cluster), expect=2)
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {cluster}: runtime.image: {image!r} {message}"), result.stderr
+    assert not (cli.home / "c1").exists()
+
+
 def test_missing_cluster_file(cli: Cli) -> None:
     result = cli("up", "-c", "missing.yaml", expect=2)
     assert "cluster file not found: missing.yaml" in result.stderr

@@ -9,6 +9,7 @@ splits and layout checks the trainer shares). The names below are the public API
 from __future__ import annotations
 
 from infractl.config.cluster import (
+    IMAGE_REFERENCE,
     ClusterSpec,
     ProviderConfig,
     RuntimeSpec,
@@ -60,6 +61,7 @@ __all__ = [
     "ProviderConfig",
     "RunSpec",
     "RuntimeSpec",
+    "IMAGE_REFERENCE",
     "Spec",
     "WatchdogSpec",
     "check_layout",

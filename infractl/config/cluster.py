@@ -10,18 +10,20 @@ default provider also names the built-in cluster.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
 from infractl.config.loader import load
 from infractl.config.spec import Name, Spec, field_error
 
 __all__ = [
+    "IMAGE_REFERENCE",
     "ClusterSpec",
     "ProviderConfig",
     "RuntimeSpec",
@@ -40,13 +42,39 @@ _PROVIDERS_PACKAGE = "infractl.providers"
 _S = TypeVar("_S", bound=Spec)
 
 
+#: A container image pinned by digest: ``[HOST[:PORT]/]PATH@sha256:<64 hex>`` (the distribution
+#: spec's reference grammar, without a tag: a tag names whatever was pushed under it last).
+IMAGE_REFERENCE = re.compile(
+    r"^(?:(?P<host>[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"(?::[0-9]+)?)/)?"
+    r"(?P<path>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"@(?P<digest>sha256:[0-9a-f]{64})$"
+)
+
+
 class RuntimeSpec(Spec):
     """The pinned runtime every node must have; `up` refuses nodes that differ."""
 
     torch: str = Field("2.13.0", description="torch version every node must run (prefix match, e.g. 2.13.0).")
     image: str | None = Field(
-        None, description="Container image pinned by digest for providers that run containers; unused on `local`."
+        None,
+        description=(
+            "Trainer image pinned by digest, REPOSITORY@sha256:<64 hex> (a tag is refused): the trainer runs in it "
+            "on providers with hosts (netns, aws); `infractl image build` prints one. Unused on `local`."
+        ),
     )
+
+    @field_validator("image")
+    @classmethod
+    def _pinned_by_digest(cls, value: str | None) -> str | None:
+        if value is None or IMAGE_REFERENCE.match(value):
+            return value
+        if "@" not in value:
+            raise ValueError(
+                f"{value!r} is not pinned by digest: write REPOSITORY@sha256:<64 hex> "
+                "(a tag names whatever was pushed under it last; `infractl image build` prints the digest)"
+            )
+        raise ValueError(f"{value!r} is not REPOSITORY@sha256:<64 lower-case hex> (no tag before the digest)")
 
 
 @dataclass(frozen=True)

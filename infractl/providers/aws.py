@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -151,12 +150,10 @@ def _check(spec: ClusterSpec) -> None:
         raise field_error("nodes", f"{spec.nodes} differs from the {grouped} node(s) of aws.node_groups")
     if spec.store is None or not spec.store.startswith("s3://"):
         raise field_error("store", "provider aws needs an s3:// store (s3://bucket/prefix)")
-    image = spec.runtime.image
-    if image is None or not re.search(r"@sha256:[0-9a-f]{64}$", image):
+    if spec.runtime.image is None:
         raise field_error(
             "runtime.image",
-            "provider aws runs the trainer in a container: pin the image by digest (REPO@sha256:<64 hex>); "
-            "a tag can point at other bytes tomorrow",
+            "is required with provider aws (the trainer runs in a container): REPOSITORY@sha256:<64 hex>",
         )
 
 
