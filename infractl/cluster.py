@@ -13,7 +13,8 @@ from typing import Any
 
 from infractl import __version__, access, configure, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import ConfigError, InfractlError
+from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.image import registry
 from infractl.output import Output
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 RENDEZVOUS_NODE = "rendezvous"
+# Debian's docker-registry package: the CNCF distribution registry.
+_REGISTRY = "docker-registry"
 # `up` names the changed tasks when there are this few (a re-run that should change nothing did).
 _NAMED_CHANGES = 4
 
@@ -45,10 +48,14 @@ class UpResult:
     rendezvous_started: bool
     ansible_changed: int
     health: list[dict[str, Any]] = field(default_factory=list)
+    image: str | None = None
+    """What the nodes pulled and run: the pinned image at the cluster's registry (None: no image)."""
+    image_changed: bool = False
+    """The registry was started, or the image copied into it, by this ``up``."""
 
     @property
     def changed(self) -> bool:
-        return self.terraform_changed or self.rendezvous_started or self.ansible_changed > 0
+        return self.terraform_changed or self.rendezvous_started or self.image_changed or self.ansible_changed > 0
 
 
 @dataclass
@@ -81,31 +88,46 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def _keep_serving(state: ClusterState, what: str, node: str, argv: list[str], host: str, port: int) -> bool:
+    """Keep the control plane's server ``node`` (``argv``, with the cluster's markers, its log in the
+    state directory) listening on ``host:port``; return whether it was started now."""
+    if proc.find(state.dir, node=node) and _port_open(host, port):
+        return False
+    if _port_open(host, port):
+        raise InfractlError(
+            f"the {what} port {host}:{port} of cluster {state.name!r} is taken by "
+            "another process; stop it, or run `infractl teardown` and `infractl up`"
+        )
+    env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: node}
+    log = state.dir / f"{node}.log"
+    child = proc.spawn(argv, env=env, cwd=state.dir, log_path=log)
+    deadline = time.monotonic() + 60
+    while not _port_open(host, port):
+        if child.poll() is not None or time.monotonic() > deadline:
+            raise InfractlError(f"the {what} did not start; see {log}")
+        time.sleep(0.2)
+    return True
+
+
 def ensure_rendezvous(state: ClusterState, host: str, previous: dict[str, Any] | None) -> tuple[int, bool]:
     """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
     a new cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
     machine comes back before the agents need it."""
     port = int(previous["rendezvous"]["port"]) if previous else _free_port(host)
-    if rendezvous_running(state) and _port_open(host, port):
-        return port, False
-    if _port_open(host, port):
-        raise InfractlError(
-            f"the rendezvous port {host}:{port} of cluster {state.name!r} is taken by "
-            "another process; stop it, or run `infractl teardown` and `infractl up`"
-        )
-    env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: RENDEZVOUS_NODE}
-    child = proc.spawn(
-        [sys.executable, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)],
-        env=env,
-        cwd=state.dir,
-        log_path=state.dir / "rendezvous.log",
-    )
-    deadline = time.monotonic() + 60
-    while not _port_open(host, port):
-        if child.poll() is not None or time.monotonic() > deadline:
-            raise InfractlError(f"the rendezvous server did not start; see {state.dir / 'rendezvous.log'}")
-        time.sleep(0.2)
-    return port, True
+    argv = [sys.executable, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)]
+    return port, _keep_serving(state, "rendezvous server", RENDEZVOUS_NODE, argv, host, port)
+
+
+def _ensure_registry(state: ClusterState, host: str, previous: dict[str, Any] | None) -> tuple[registry.Registry, bool]:
+    """Keep the cluster's image registry running on ``host`` at its recorded port (a new one for a
+    cluster that had none); return it and whether it was started now."""
+    recorded = (previous or {}).get("registry")
+    port = int(recorded["port"]) if recorded else _free_port(host)
+    ca, _, _ = registry.certificate_authority(state.dir, host)
+    config = registry.write_config(state.dir, host, port)
+    argv = [_REGISTRY, "serve", str(config)]
+    started = _keep_serving(state, "image registry", registry.REGISTRY_NODE, argv, host, port)
+    return registry.Registry(host=host, port=port, ca=ca), started
 
 
 def rendezvous_running(state: ClusterState) -> bool:
@@ -132,7 +154,41 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
                 field="cluster.store",
             ) from None
     store.check(create_ok=previous is None or previous.get("store") != uri)
+    _check_image_cached(state, spec)
     return store
+
+
+def _check_image_cached(state: ClusterState, spec: ClusterSpec) -> None:
+    """A cluster whose nodes pull from its own registry gets the pinned image from this machine's
+    build cache: it must be there before ``up`` starts anything."""
+    from infractl import image
+
+    pinned = spec.runtime.image
+    if pinned is None or providers.get(spec.provider).image_registry_host(spec, state) is None:
+        return
+    digest = pinned.rpartition("@")[2]
+    if image.locate(digest) is None:
+        raise UsageError(
+            f"image {digest} is not in this machine's image cache: build it with `infractl image build`, "
+            "then pin the digest it prints",
+            field="runtime.image",
+        )
+
+
+def _serve_image(
+    state: ClusterState, spec: ClusterSpec, previous: dict[str, Any] | None, out: Output
+) -> tuple[registry.Registry | None, str | None, bool]:
+    """For a pinned image on a provider whose nodes pull from the cluster's own registry: keep
+    that registry running and the image in it. (The registry, what the nodes pull, whether
+    anything changed); Nones when the nodes pull no image from the cluster."""
+    host = providers.get(spec.provider).image_registry_host(spec, state)
+    if spec.runtime.image is None or host is None:
+        return None, None, False
+    served, started = _ensure_registry(state, host, previous)
+    out.info(f"registry: {served.address} ({'started' if started else 'already running'})")
+    pulled, pushed = registry.publish(served, spec.runtime.image, progress=out.info)
+    out.info(f"image: {pulled} ({'pushed' if pushed else 'already in the registry'})")
+    return served, pulled, started or pushed
 
 
 def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
@@ -152,6 +208,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     port, started = ensure_rendezvous(state, host, previous)
     out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
+    served, pulled, image_changed = _serve_image(state, spec, previous, out)
+
     out.info("ansible: configuring nodes (base, access, runtime, network, health gate)…")
     configured = configure.configure(
         state.dir,
@@ -160,6 +218,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         rendezvous=(host, port),
         nonce=secrets.token_hex(4),
         access=access.node_vars(state, access.load_members(state)),
+        image=pulled,
+        registry_ca=served.ca if served is not None else None,
     )
     out.info(f"ansible: {configured.changed} task(s) changed")
     if 0 < configured.changed <= _NAMED_CHANGES:
@@ -174,6 +234,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
             "rendezvous": {"host": host, "port": port},
             "nodes": [n.record() for n in applied.nodes],
         }
+        | ({"registry": {"host": served.host, "port": served.port}, "image": pulled} if served is not None else {})
     )
     return UpResult(
         cluster=spec.name,
@@ -182,6 +243,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         terraform_changed=applied.changed,
         rendezvous=f"{host}:{port}",
         rendezvous_started=started,
+        image=pulled,
+        image_changed=image_changed,
         ansible_changed=configured.changed,
         health=configured.health,
     )
@@ -208,6 +271,8 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         pids = [f"{p.node}:{p.pid}" for p in survived] + [str(p.pid) for p in leftover]
         raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {', '.join(pids)}")
 
+    if record.get("image") is not None and (cleaned := providers.control(state).remove_containers()):
+        out.info(f"containers: removed the containers and images of {', '.join(cleaned)}")
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
     leftovers = provider.leftovers(state, record)

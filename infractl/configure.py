@@ -16,7 +16,7 @@ import infractl
 from infractl import templates
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
-from infractl.providers.base import NodeControl
+from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
 
 __all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
 
@@ -65,9 +65,13 @@ def configure(
     rendezvous: tuple[str, int],
     nonce: str,
     access: dict[str, Any],
+    image: str | None = None,
+    registry_ca: Path | None = None,
 ) -> ConfigureResult:
     """Configure ``nodes`` (base, access, runtime, network roles), then gate on a cross-node
     health check. ``access``: the access role's variables (``infractl.access.node_vars``).
+    ``image``: the trainer image each node pulls by digest and verifies (the container_runtime and
+    trainer_image roles), from a registry whose CA is ``registry_ca`` when the cluster has its own.
 
     The health check meets at ``rendezvous`` under a key made from ``nonce`` and a random suffix,
     so two runs never share keys in the long-lived rendezvous store.
@@ -82,6 +86,9 @@ def configure(
         "health_rendezvous_port": port,
         "health_key": f"{nonce}-{secrets.token_hex(4)}",
         "health_world_size": len(nodes.nodes),
+        "trainer_image_ref": image,
+        "trainer_image_python": IMAGE_PYTHON,
+        "container_runtime_registry_ca": registry_ca.read_text() if registry_ca is not None else None,
         **access,
     }
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
@@ -167,6 +174,7 @@ def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
             "hosts": {
                 node.name: {
                     **nodes.ansible_host(node.name),
+                    **_container_vars(nodes.containers(node.name)),
                     "node_workdir": str(node.workdir),
                     "node_workdir_parents": _parents_in(state_dir, node.workdir),
                     "node_address": node.address,
@@ -175,6 +183,18 @@ def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
                 for index, node in enumerate(nodes.nodes.values())
             }
         }
+    }
+
+
+def _container_vars(engine: ContainerEngine) -> dict[str, Any]:
+    """The node's container engine as the roles take it: its command, its own store, and the
+    command line before the image that runs a container as the node's processes run."""
+    home = str(engine.home) if engine.home is not None else None
+    return {
+        "container_runtime_cli": list(engine.argv),
+        "container_runtime_home": home,
+        "container_runtime_runroot": str(engine.runroot) if engine.runroot is not None else None,
+        "container_runtime_run": engine.run_prefix(),
     }
 
 

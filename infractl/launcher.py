@@ -20,9 +20,10 @@ from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.providers import NodeControl
+from infractl.providers.base import IMAGE_PYTHON
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState
-from infractl.store import Store
+from infractl.store import FileStore, Store
 
 __all__ = [
     "Launch",
@@ -191,12 +192,10 @@ def torchrun_argv(
 
 
 def _node_env(
-    nodes: NodeControl, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat, image: str | None
+    nodes: NodeControl, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat
 ) -> dict[str, str]:
     env = dict(os.environ) | network_env(nodes, node["name"])
     env.setdefault("OMP_NUM_THREADS", "1")
-    if image:
-        env["INFRACTL_RUNTIME_IMAGE"] = image  # recorded in every checkpoint's environment fingerprint
     env.update(
         {
             # The agent runs torchrun's file-timer watchdog: a worker whose step deadline
@@ -328,9 +327,11 @@ def _start_agent(
     workdir = Path(node["workdir"])
     spec_path = workdir / "runs" / spec.name / "spec.json"
     nodes.write_file(name, spec_path, spec.model_dump_json(indent=1))
+    # The image a cluster pulled and verified at `up` (None: the trainer is the node's own Python).
+    image = cluster.get("image")
     argv = torchrun_argv(
         spec,
-        python=nodes.python(name),
+        python=IMAGE_PYTHON if image else nodes.python(name),
         nnodes=nnodes,
         processes=int(node["processes"]),
         rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
@@ -344,11 +345,22 @@ def _start_agent(
     return nodes.start(
         name,
         argv,
-        _node_env(nodes, node, spec.name, attempt, log_format, cluster["spec"]["runtime"]["image"]),
+        _node_env(nodes, node, spec.name, attempt, log_format),
         workdir=workdir,
         log_path=node_log(node, spec.name),
         header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
+        image=image,
+        mounts=_mounts(spec, store),
     )
+
+
+def _mounts(spec: RunSpec, store: Store) -> list[Path]:
+    """The folders of a node beside its work directory that a containerized trainer reads or
+    writes: a ``file://`` store, a prepared dataset."""
+    found = [store.root] if isinstance(store, FileStore) else []
+    if spec.data.path is not None and Path(spec.data.path).is_absolute():
+        found.append(Path(spec.data.path))
+    return found
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,18 @@ fi
   -c "$repo/constraints.txt" -e "$repo[test]"
 # Debian packages the tests and the providers need on this machine, installed when missing:
 # acl (setfacl: the access roles are POSIX ACLs on the nodes, and local nodes are this machine),
-# openssh-server and iproute2 (sshd and ip: the netns provider's nodes), util-linux (unshare).
+# openssh-server and iproute2 (sshd and ip: the netns provider's nodes), util-linux (unshare,
+# nsenter); the trainer image's build and its cluster registry: mmdebstrap, buildah and skopeo (build,
+# push), podman with runc (the netns nodes' engine), docker-registry (the CNCF distribution registry).
 missing=""
 command -v setfacl >/dev/null || missing="$missing acl"
 [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
 command -v ssh >/dev/null || missing="$missing openssh-client"
 command -v ip >/dev/null && command -v bridge >/dev/null || missing="$missing iproute2"
-command -v unshare >/dev/null || missing="$missing util-linux"
+command -v unshare >/dev/null && command -v nsenter >/dev/null || missing="$missing util-linux"
+for tool in mmdebstrap buildah skopeo podman runc docker-registry; do
+  command -v "$tool" >/dev/null || missing="$missing $tool"
+done
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
     export DEBIAN_FRONTEND=noninteractive

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -369,3 +370,39 @@ def store_down_cluster(cwd: Path, backend: str) -> Iterator[Outage]:
         cli("train", str(run_file), "-c", name)
         take_down()
         yield Outage(cli, name, uri, run_file)
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    """The cpu trainer image as ``infractl image build --json`` reported it."""
+
+    digest: str
+    layout: Path
+    lock: Path
+    build: dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> BuiltImage:
+    """The cpu trainer image, built once per test session by the real CLI into an image cache the
+    session's workers share (a file lock makes the first build it and the others wait, then find
+    it cached); every ``infractl`` the tests start finds it there ($INFRACTL_IMAGE_CACHE).
+    A cache named in $INFRACTL_IMAGE_CACHE already is used as it is (a developer's, across runs)."""
+    base = tmp_path_factory.getbasetemp()
+    session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = Path(os.environ.get("INFRACTL_IMAGE_CACHE") or session / "image-cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["INFRACTL_IMAGE_CACHE"] = str(cache)
+    lock = cache / "cpu.lock.json"
+    with (cache / ".build.lock").open("w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        built = subprocess.run(
+            [sys.executable, "-m", "infractl", "image", "build", "--json", "--lock", str(lock)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+    assert built.returncode == 0, built.stderr
+    result = json.loads(built.stdout)
+    return BuiltImage(digest=result["digest"], layout=Path(result["layout"]), lock=lock, build=result)

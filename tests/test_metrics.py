@@ -4,6 +4,7 @@ event files in the store, and the environment fingerprint (unit, and one torchru
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from test_trainer import Run, store_of, tiny_spec, torchrun
 import infractl
 from infractl.runstore import StepRecord, read_metrics, verify_checkpoint
 from infractl.store import Store
-from trainer.fingerprint import RUNTIME_IMAGE_ENV, environment_fingerprint, git_revision
+from trainer.fingerprint import environment_fingerprint, git_revision, running_image
 from trainer.metrics import MetricsWriter, peak_memory_bytes, tensorboard_prefix
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,15 +54,33 @@ def test_peak_memory_is_reported_in_bytes() -> None:
     assert peak_memory_bytes(torch.device("cpu")) > 20 * 2**20
 
 
-def test_fingerprint_names_the_software_and_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(RUNTIME_IMAGE_ENV, "registry.example/infractl:1")
+def test_fingerprint_names_the_software_the_checkout_and_the_host_runtime() -> None:
     fingerprint = environment_fingerprint(world_size=4)
     assert fingerprint["torch"] == torch.__version__
     assert fingerprint["infractl"] == infractl.__version__
     assert fingerprint["world_size"] == 4
-    assert fingerprint["runtime_image"] == "registry.example/infractl:1"
+    # This test runs on the host: no container, so no image is claimed.
+    assert (fingerprint["runtime"], fingerprint["image"], fingerprint["image_digest"]) == ("host", None, None)
+    assert fingerprint["interpreter"] == sys.executable
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     assert fingerprint["git_revision"] == (head.stdout.strip() if head.returncode == 0 else None)
+
+
+def test_the_running_image_is_what_the_container_engine_says(tmp_path: Path) -> None:
+    digest = "sha256:" + "ab" * 32
+    containerenv = tmp_path / ".containerenv"
+    containerenv.write_text(
+        f'engine="podman-4.3.1"\nname="infractl-r-node-0"\nimage="10.200.3.1:5000/infractl/trainer@{digest}"\n'
+        'imageid="0123"\nrootless=0\n'
+    )
+    assert running_image(containerenv) == {
+        "engine": "podman-4.3.1",
+        "name": "infractl-r-node-0",
+        "image": f"10.200.3.1:5000/infractl/trainer@{digest}",
+        "imageid": "0123",
+        "rootless": "0",
+    }
+    assert running_image(tmp_path / "absent") is None
 
 
 def test_git_revision_is_none_outside_a_checkout(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 import infractl
 from infractl import proc
+from infractl.image import infractl_wheel
 
 from conftest import REPO, Cli, write
 
@@ -34,19 +35,6 @@ nodes: {min: 1, max: 1}
 """
 # One node: the test is about what the package carries, and a second node would double up's and train's time.
 CLUSTER = "name: wheel\nnodes: 1\n"
-
-
-def build_wheel(out: Path) -> Path:
-    """An sdist of the checkout, then the wheel from it, as ``python -m build`` makes them (with this
-    venv's setuptools, offline): the wheel holds what the sdist ships, built in a clean directory."""
-    sdist = "import sys, setuptools.build_meta as backend; backend.build_sdist(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", sdist, str(out)], cwd=REPO, capture_output=True, check=True)
-    (tarball,) = out.glob("infractl-*.tar.gz")
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(tarball)],
-                   cwd=out, capture_output=True, check=True)  # fmt: skip
-    (wheel,) = out.glob("infractl-*.whl")
-    return wheel
 
 
 def install(wheel: Path, venv: Path) -> Path:
@@ -94,7 +82,8 @@ class Installed:
 def installed(tmp_path: Path) -> Iterator[Installed]:
     (tmp_path / "dist").mkdir()
     venv = tmp_path / "venv"
-    site = install(build_wheel(tmp_path / "dist"), venv)
+    # An sdist of the checkout, then the wheel from it, as the trainer image gets it.
+    site = install(infractl_wheel(tmp_path / "dist"), venv)
     (tmp_path / "work").mkdir()
     cli = InstalledCli(tmp_path / "work", program=[str(venv / "bin" / "infractl")])
     yield Installed(cli, site)

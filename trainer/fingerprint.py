@@ -8,10 +8,10 @@ which nothing built, has no record: there ``git rev-parse HEAD`` of that checkou
 
 from __future__ import annotations
 
-import os
 import platform
 import socket
 import subprocess
+import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import TypedDict
@@ -20,10 +20,18 @@ import torch
 
 import infractl
 
-__all__ = ["Fingerprint", "RUNTIME_IMAGE_ENV", "environment_fingerprint", "git_revision", "source_revision"]
+__all__ = [
+    "CONTAINER_ENV",
+    "Fingerprint",
+    "environment_fingerprint",
+    "git_revision",
+    "running_image",
+    "source_revision",
+]
 
-#: Set by the config driver on nodes that run the pinned runtime image.
-RUNTIME_IMAGE_ENV = "INFRACTL_RUNTIME_IMAGE"
+#: What podman tells every process of a container about it (``key="value"`` lines: ``image``, the
+#: reference the container was made from, pinned by digest; ``imageid``). Absent on a host.
+CONTAINER_ENV = Path("/run/.containerenv")
 
 #: The revision record a build writes into the package (setup.py's REVISION).
 _RECORDED_REVISION = "_revision.txt"
@@ -42,7 +50,10 @@ class Fingerprint(TypedDict):
     git_revision: str | None  # source_revision(): None when the source was not a git checkout
     hostname: str
     world_size: int
-    runtime_image: str | None  # $INFRACTL_RUNTIME_IMAGE; None when unset
+    runtime: str  # "container" (in an image) or "host" (the node's own Python)
+    interpreter: str  # the Python that ran, as a path in its runtime
+    image: str | None  # the reference the container was made from (None on a host)
+    image_digest: str | None  # that reference's manifest digest, sha256:... (None on a host)
 
 
 def git_revision(checkout: Path = _CHECKOUT) -> str | None:
@@ -71,8 +82,26 @@ def source_revision() -> str | None:
     return git_revision()
 
 
+def running_image(container_env: Path = CONTAINER_ENV) -> dict[str, str] | None:
+    """What the engine says, inside a container, about the container (``CONTAINER_ENV``'s keys and
+    values); None on a host."""
+    try:
+        text = container_env.read_text()
+    except FileNotFoundError:
+        return None
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            found[key.strip()] = value.strip().strip('"')
+    return found
+
+
 def environment_fingerprint(*, world_size: int) -> Fingerprint:
-    """Collect the fingerprint; may run ``git`` (see ``source_revision``), so call it once per process."""
+    """Collect the fingerprint; may run ``git`` (see ``source_revision``), so call it once per process.
+    The image is what the container engine says ran, read here, never what a config asked for."""
+    container = running_image()
+    image = (container or {}).get("image") or None
     return Fingerprint(
         torch=torch.__version__,
         python=platform.python_version(),
@@ -80,5 +109,8 @@ def environment_fingerprint(*, world_size: int) -> Fingerprint:
         git_revision=source_revision(),
         hostname=socket.gethostname(),
         world_size=world_size,
-        runtime_image=os.environ.get(RUNTIME_IMAGE_ENV) or None,
+        runtime="host" if container is None else "container",
+        interpreter=sys.executable,
+        image=image,
+        image_digest=image.rpartition("@")[2] if image and "@sha256:" in image else None,
     )

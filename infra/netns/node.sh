@@ -35,8 +35,10 @@ Subsystem sftp internal-sftp
 CONF
   # sshd's privilege-separation directory (the openssh-server package's service makes it at boot).
   mkdir -p /run/sshd
-  # sshd binds its port before it daemonizes: once this returns, the node accepts logins.
-  ip netns exec "$NAMESPACE" "$SSHD" -f "$NODE_SSH_DIR/sshd_config" -E "$NODE_SSH_DIR/sshd.log"
+  # sshd binds its port before it daemonizes: once this returns, the node accepts logins. It enters
+  # the namespace's network only: `ip netns exec` would also remount /sys, hiding the cgroup mounts
+  # that every command arriving over SSH (a container engine among them) needs.
+  nsenter --net="/run/netns/$NAMESPACE" "$SSHD" -f "$NODE_SSH_DIR/sshd_config" -E "$NODE_SSH_DIR/sshd.log"
   # Pin the host key: clients check it (StrictHostKeyChecking=yes) against this file only.
   printf '%s %s\n' "$ADDRESS" "$(cut -d' ' -f1,2 "$key.pub")" >"$KNOWN_HOSTS"
 }

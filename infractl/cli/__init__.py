@@ -10,7 +10,21 @@ import typer
 from typer._click import exceptions as click_errors
 
 from infractl import __version__
-from infractl.cli import access, bench, bundle, cluster, data, drill, model, observe, plan, profile, schema, train
+from infractl.cli import (
+    access,
+    bench,
+    bundle,
+    cluster,
+    data,
+    drill,
+    image,
+    model,
+    observe,
+    plan,
+    profile,
+    schema,
+    train,
+)
 from infractl.cli._common import current_output, debug_requested, reset_output, set_debug
 from infractl.errors import InfractlError
 from infractl.output import Output
@@ -47,7 +61,7 @@ def _root(
     set_debug(debug)
 
 
-for module in (cluster, train, observe, plan, bench, profile, model, bundle, data, schema, drill, access):
+for module in (cluster, train, observe, plan, bench, profile, model, bundle, data, image, schema, drill, access):
     module.register(app)
 
 

@@ -43,10 +43,12 @@ _S = TypeVar("_S", bound=Spec)
 
 
 #: A container image pinned by digest: ``[HOST[:PORT]/]PATH@sha256:<64 hex>`` (the distribution
-#: spec's reference grammar, without a tag: a tag names whatever was pushed under it last).
+#: spec's reference grammar, without a tag: a tag names whatever was pushed under it last). As
+#: there, a first component is a host only with a dot or a port, or as ``localhost``.
 IMAGE_REFERENCE = re.compile(
-    r"^(?:(?P<host>[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-    r"(?::[0-9]+)?)/)?"
+    r"^(?:(?P<host>localhost(?::[0-9]+)?"
+    r"|[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+(?::[0-9]+)?"
+    r"|[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?:[0-9]+)/)?"
     r"(?P<path>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
     r"@(?P<digest>sha256:[0-9a-f]{64})$"
 )

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -26,12 +27,24 @@ from infractl.infra import Node
 from infractl.proc import NodeProcess
 from infractl.state import ClusterState
 
-__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "provider_named", "register"]
+__all__ = [
+    "IMAGE_PYTHON",
+    "LINK_FAULTS",
+    "ContainerEngine",
+    "NodeControl",
+    "Provider",
+    "Watch",
+    "provider_named",
+    "register",
+]
 
 #: How a node's link can fail (``drill partition --kind``): ``down`` (the node's interface goes
 #: down: its sockets see the network vanish), ``drop`` (packets vanish silently both ways, the link
 #: still up), ``delay`` (latency on everything the node sends). A provider makes those it can.
 LINK_FAULTS = ("down", "drop", "delay")
+
+#: The trainer image's Python, first on its PATH (images/trainer/README.md's contract).
+IMAGE_PYTHON = "python"
 
 _T = TypeVar("_T")
 
@@ -64,6 +77,12 @@ class Provider(ABC):
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The address the cluster's rendezvous endpoint listens on, reachable from every node."""
 
+    def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
+        """Where the cluster's own image registry listens (``infractl.image.registry``), reachable
+        from every node; None where the nodes run no image (``local``) or pull from a registry
+        that is not the cluster's."""
+        return None
+
     @abstractmethod
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """After ``terraform destroy`` (and after every node process was stopped): what of the
@@ -89,6 +108,56 @@ def register(provider: Provider, config: ProviderConfig) -> None:
 def provider_named(name: str) -> Provider:
     """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
     return _PROVIDERS[name]
+
+
+@dataclass(frozen=True)
+class ContainerEngine:
+    """How a node runs containers (the ``container_runtime`` and ``trainer_image`` roles, and the
+    launcher, run ``argv`` on the node)."""
+
+    argv: tuple[str, ...]
+    """The engine's command with the node's own options (its image store, runtime, cgroup manager)."""
+    home: Path | None
+    """The node's own image store and trusted registry CAs (``storage/``, ``certs/``); None where
+    the engine keeps its system-wide ones (a Docker daemon)."""
+    runroot: Path | None = None
+    """The node's own run state (podman's ``--runroot``: a short path, sockets live there)."""
+    run_options: tuple[str, ...] = ()
+    """What ``run`` needs on this node besides the launcher's options (limits, privileges)."""
+    named_options: tuple[str, ...] = ()
+    """What ``run`` needs for a named container (replacing one that a killed node left behind)."""
+
+    def run_prefix(
+        self,
+        *,
+        name: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        env: Iterable[str] = (),
+        volumes: Iterable[Path] = (),
+        workdir: Path | None = None,
+    ) -> list[str]:
+        """The command line before the image and its command that runs a container as a process
+        of the node would run: in the node's network, PID and IPC namespaces (collectives bind the
+        node's address; status, drills and ``kill`` find and signal its processes as the node's),
+        as root (the node's folders are root's), never pulling (``up`` pulled and verified the
+        image). ``env``: names of variables passed from the caller's environment; ``volumes``:
+        folders at the same paths inside."""
+        return [
+            *self.argv,
+            "run",
+            "--rm",
+            *([f"--name={name}", *self.named_options] if name else []),
+            "--pull=never",
+            "--network=host",
+            "--pid=host",
+            "--ipc=host",
+            "--user=root",
+            *([f"--workdir={workdir}"] if workdir else []),
+            *self.run_options,
+            *(f"--label={key}={value}" for key, value in (labels or {}).items()),
+            *(f"--env={variable}" for variable in env),
+            *(f"--volume={path}:{path}" for path in volumes),
+        ]
 
 
 class NodeControl(ABC):
@@ -149,11 +218,23 @@ class NodeControl(ABC):
 
     @abstractmethod
     def start(
-        self, node: str, argv: Sequence[str], env: Mapping[str, str], *, workdir: Path, log_path: Path, header: str
+        self,
+        node: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        workdir: Path,
+        log_path: Path,
+        header: str,
+        image: str | None = None,
+        mounts: Sequence[Path] = (),
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``node`` detached, in ``workdir``, with ``env`` (the cluster's markers
         included), its output and first ``header`` line appended to ``log_path`` on the node. The
-        handle exits with the command's exit code (a local process, or the session that runs it)."""
+        handle exits with the command's exit code (a local process, or the session that runs it).
+        With ``image`` (pulled and verified by ``up``), ``argv`` runs in a container of it, in the
+        node's network, with ``workdir`` and ``mounts`` (folders of the node, a ``file://`` store
+        say) at the same paths in it."""
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -214,6 +295,18 @@ class NodeControl(ABC):
     def restore_link(self, node: str, fault: str) -> None:
         """Undo ``cut_link``; ``InfractlError`` if the link could not be restored."""
         raise InfractlError(f"node {node!r} has no link to restore")
+
+    # -- containers -----------------------------------------------------------------------------
+
+    def containers(self, node: str) -> ContainerEngine:
+        """How ``node`` runs containers: the Docker daemon of a GPU host, unless the provider says."""
+        return ContainerEngine(argv=("docker",), home=None)
+
+    def remove_containers(self) -> list[str]:
+        """Remove the cluster's containers and images from every node (``teardown``, after every
+        process of the cluster stopped); the nodes whose stores were removed. Nothing to do where a
+        node's disk goes with the node."""
+        return []
 
     # -- configuration --------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig
+from infractl.errors import InfractlError
 from infractl.infra import Node
 from infractl.proc import NodeProcess
 from infractl.providers.base import NodeControl, Provider, Watch, register
@@ -104,8 +105,19 @@ class LocalNodes(NodeControl):
             return b""
 
     def start(
-        self, node: str, argv: Sequence[str], env: Mapping[str, str], *, workdir: Path, log_path: Path, header: str
+        self,
+        node: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        workdir: Path,
+        log_path: Path,
+        header: str,
+        image: str | None = None,
+        mounts: Sequence[Path] = (),
     ) -> subprocess.Popen[bytes]:
+        if image is not None:
+            raise InfractlError(f"{node}: a local node runs no image (its trainer is this machine's Python)")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("a") as log:
             log.write(header + "\n")

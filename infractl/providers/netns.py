@@ -7,6 +7,11 @@ the nodes' addresses, and the rendezvous endpoint listens on the bridge's host s
 every node. The filesystem is shared: a node's work directory is under the state directory as on
 ``local``, and its Python is this machine's.
 
+With ``runtime.image`` the trainer runs in that image: the cluster's registry (``infractl.image.
+registry``) listens beside the rendezvous endpoint, and each node runs podman (daemonless) with
+its own image store under ``<state>/containers/<node>/``, so every node truly pulls and keeps its
+own copy although the nodes share this machine's disk.
+
 Faults a real machine gets from its hypervisor come from this machine, which holds the
 namespaces: a killed node loses every process in its namespace but its sshd (so it can be
 reached again), and its link is cut on the bridge or inside the namespace.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -35,7 +41,7 @@ from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, register
+from infractl.providers.base import LINK_FAULTS, ContainerEngine, NodeControl, Provider, register
 from infractl.providers.local import node_directories
 from infractl.providers.remote import SshNodes
 from infractl.state import ClusterState
@@ -44,7 +50,19 @@ __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
 _SSHD = "/usr/sbin/sshd"
 # Commands the module's provisioners and the launcher run, and the Debian package of each.
-_TOOLS = {"ip": "iproute2", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "unshare": "util-linux"}
+_TOOLS = {
+    "ip": "iproute2",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "unshare": "util-linux",
+    "nsenter": "util-linux",
+}
+# What a cluster with runtime.image needs besides: the nodes' engine, the registry, the copy into it.
+_IMAGE_TOOLS = {"podman": "podman", "runc": "runc", "docker-registry": "docker-registry", "skopeo": "skopeo"}
+# Where the nodes' container engines keep their run state.
+_RUNROOTS = Path("/run/infractl")
+# The most processes a container may have (RLIMIT_NPROC) that runc accepted on this machine.
+_MAX_NPROC = 32768
 # A default subnet is one of the /24s of 10.200.0.0/13, picked by the state directory's hash.
 _DEFAULT_BLOCK = ipaddress.IPv4Network("10.200.0.0/13")
 
@@ -138,6 +156,10 @@ class Netns(Provider):
         """The bridge's host-side address: reachable from every node, and in none of them."""
         return str(_subnet(spec, state).network_address + 1)
 
+    def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
+        """Beside the rendezvous endpoint: on the bridge, outside every node."""
+        return self.rendezvous_host(spec, state)
+
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """What a netns cluster needs of this machine, checked before anything changes: Linux, root,
         network namespaces, sshd and iproute2, a subnet nothing else uses, a store the nodes reach."""
@@ -149,7 +171,8 @@ class Netns(Provider):
                 "run `infractl up` as root, or use provider: local",
                 field="provider",
             )
-        missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if shutil.which(tool) is None]
+        tools = _TOOLS | (_IMAGE_TOOLS if spec.runtime.image is not None else {})
+        missing = [f"{tool} ({package})" for tool, package in tools.items() if shutil.which(tool) is None]
         if not Path(_SSHD).is_file():
             missing.append(f"{_SSHD} (openssh-server)")
         if missing:
@@ -191,6 +214,7 @@ class Netns(Provider):
         ssh_dir = state.dir / "ssh"
         if ssh_dir.exists():
             found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
+        found += _container_leftovers(state)
         return found + node_directories(state)  # node directories, as on local
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
@@ -201,6 +225,65 @@ class NetnsNodes(SshNodes):
     """SSH nodes whose faults come from the machine that holds their namespaces."""
 
     link_faults = LINK_FAULTS
+
+    def containers(self, node: str) -> ContainerEngine:
+        """podman with the node's own store; runc and cgroupfs (there is no systemd, and crun
+        refuses this machine's hybrid cgroup mounts), events in a file (no journald)."""
+        home, runroot = _container_home(self.state, node), _container_runroot(self.state, node)
+        return ContainerEngine(
+            argv=(
+                "podman",
+                "--root",
+                str(home / "storage"),
+                "--runroot",
+                str(runroot),
+                # libpod's own state (its "alive" lock among it), else shared by every node in /run/libpod.
+                "--tmpdir",
+                str(runroot / "libpod"),
+                "--storage-driver",
+                "overlay",
+                "--runtime",
+                "runc",
+                "--cgroup-manager",
+                "cgroupfs",
+                "--events-backend",
+                "file",
+            ),
+            home=home,
+            runroot=runroot,
+            # A container of a run that a killed node left behind has the name the next start takes.
+            named_options=("--replace",),
+            run_options=(
+                # Privileged: podman then tells the container which image it runs (/run/.containerenv:
+                # the checkpoints' fingerprint reads it there). It shares the node's namespaces and runs
+                # as root anyway.
+                "--privileged",
+                # podman raises the limits past the hard ones by default, which this machine refuses
+                # without CAP_SYS_RESOURCE: the node's own hard limits, as its processes have them.
+                *(f"--ulimit={name}={hard}:{hard}" for name, hard in _hard_limits().items()),
+            ),
+        )
+
+    def remove_containers(self) -> list[str]:
+        """Every container and image of each node's store, then the store itself, by the node's
+        engine run from this machine (which holds the nodes' disks: a node whose link is cut is
+        cleaned all the same); the engine unmounts what it mounted."""
+        homes = [name for name in self.nodes if _container_home(self.state, name).exists()]
+
+        def remove(name: str) -> None:
+            engine = self.containers(name)
+            assert engine.home is not None
+            done = proc.run([*engine.argv, "system", "reset", "--force"], timeout=120)
+            if done.returncode != 0:
+                raise InfractlError(
+                    f"{name}: could not remove its containers and images: {_last_line(done.stderr)}; run teardown again"
+                )
+            shutil.rmtree(engine.home, ignore_errors=True)
+            if engine.runroot is not None:
+                shutil.rmtree(engine.runroot, ignore_errors=True)
+
+        self.each(homes, remove)
+        return homes
 
     def kill_node(self, node: str, run: str) -> None:
         """Every process in the node's namespace but its sshd listener (the node's own: it stays so
@@ -271,6 +354,37 @@ def _check_subnet_free(spec: ClusterSpec, state: ClusterState) -> None:
                     "choose another netns.subnet",
                     field="netns.subnet",
                 )
+
+
+def _hard_limits() -> dict[str, int]:
+    """The hard limits on open files and processes on this machine (the nodes'), processes at most
+    ``_MAX_NPROC``: runc refused more here (40000 of a hard limit of 96362)."""
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    return {
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
+        "nproc": _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC),
+    }
+
+
+def _container_home(state: ClusterState, node: str) -> Path:
+    return state.dir / "containers" / node
+
+
+def _container_runroot(state: ClusterState, node: str) -> Path:
+    """Under /run (podman refuses a run root longer than 50 characters), per cluster and node."""
+    return _RUNROOTS / f"{state.short_id}-{node}"
+
+
+def _container_leftovers(state: ClusterState) -> list[str]:
+    """The nodes' image stores and run roots, and anything still mounted from them."""
+    root = state.dir / "containers"
+    found = [f"image store {home}" for home in sorted(root.iterdir())] if root.is_dir() else []
+    runroots = sorted(_RUNROOTS.glob(f"{state.short_id}-*")) if _RUNROOTS.is_dir() else []
+    found += [f"container run root {path}" for path in runroots]
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4] for line in mounts]
+    found += [f"mount {point}" for point in points if point.startswith((f"{root}/", f"{_RUNROOTS}/{state.short_id}-"))]
+    return found
 
 
 def _sshds(state: ClusterState) -> list[psutil.Process]:

@@ -32,6 +32,11 @@ __all__ = ["SshNodes"]
 _SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Seconds one question to a node may take (a node whose link is down never answers).
 _ASK_TIMEOUT_S = 20.0
+# Variables of the session that describe the node's own system, not the run: a container keeps the
+# image's (its PATH finds the image's Python).
+_HOST_ONLY = frozenset(
+    {"PATH", "HOME", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH"}
+)
 # ssh's own exit code when it could not connect (or the session broke).
 _SSH_FAILED = 255
 
@@ -113,7 +118,16 @@ class SshNodes(NodeControl):
     # -- the agent ------------------------------------------------------------------------------
 
     def start(
-        self, node: str, argv: Sequence[str], env: Mapping[str, str], *, workdir: Path, log_path: Path, header: str
+        self,
+        node: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        workdir: Path,
+        log_path: Path,
+        header: str,
+        image: str | None = None,
+        mounts: Sequence[Path] = (),
     ) -> subprocess.Popen[bytes]:
         """sshd gives a session a clean environment, so the agent's comes from a 0600 file on the
         node (never a command line, where every user could read its secrets). The agent writes its
@@ -122,10 +136,12 @@ class SshNodes(NodeControl):
         The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
         node as it follows a local one; it carries none of the markers, so a node whose link is cut
         counts as stopped once its agent has exited, whatever the client waits for."""
+        names = sorted(k for k in env if _SHELL_NAME.match(k))
         env_file = workdir / "runs" / env[proc.RUN_ENV] / "agent.env"
-        self.write_file(
-            node, env_file, "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if _SHELL_NAME.match(k))
-        )
+        self.write_file(node, env_file, "".join(f"{k}={shlex.quote(env[k])}\n" for k in names))
+        if image is not None:
+            passed = [k for k in names if k not in _HOST_ONLY]
+            argv = self._in_container(node, image, argv, env[proc.RUN_ENV], passed, workdir, mounts)
         log = shlex.quote(str(log_path))
         command = (
             f"mkdir -p {shlex.quote(str(log_path.parent))} && echo {shlex.quote(header)} >>{log} && "
@@ -140,6 +156,28 @@ class SshNodes(NodeControl):
             # The session's own messages (a refused login, a broken link); the agent's are on the node.
             log_path=self.state.dir / "sessions" / f"{env[proc.RUN_ENV]}-{node}.log",
         )
+
+    def _in_container(
+        self,
+        node: str,
+        image: str,
+        argv: Sequence[str],
+        run: str,
+        env: Sequence[str],
+        workdir: Path,
+        mounts: Sequence[Path],
+    ) -> list[str]:
+        """``argv`` in a container of ``image`` by the node's engine, with the environment the
+        session sourced (``env``: the variables' names) and the folders it works in; named and
+        labelled after the cluster, the run and the node."""
+        prefix = self.containers(node).run_prefix(
+            name=f"infractl-{run}-{node}",
+            labels={"org.infractl.cluster": str(self.state.dir), "org.infractl.run": run, "org.infractl.node": node},
+            env=env,
+            volumes=[workdir, *mounts],
+            workdir=workdir,
+        )
+        return [*prefix, image, *argv]
 
     # -- processes ------------------------------------------------------------------------------
 
