@@ -235,6 +235,8 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         "provider": record["spec"]["provider"],
         "store": store_status,
         "rendezvous": {**rdzv, "running": cluster.rendezvous_running(state)},
+        # What the nodes run the trainer in (pulled by digest at `up`); None: their own Python.
+        "image": record.get("image"),
         "nodes": nodes,
         "runs": runs,
     }
@@ -242,6 +244,7 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     header = Text(
         f"cluster {data['cluster']} · provider {data['provider']} · store {record['store']}{reach}\n"
         f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if data['rendezvous']['running'] else 'DOWN'}"
+        + (f"\ntrainer in image {data['image']}" if data["image"] else "")
     )
     parts: list[RenderableType] = [header, _nodes_table(nodes)]
     if runs:
