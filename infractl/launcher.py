@@ -23,7 +23,7 @@ from infractl.providers import NodeControl
 from infractl.providers.base import IMAGE_PYTHON
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState
-from infractl.store import FileStore, Store
+from infractl.store import Store
 
 __all__ = [
     "Launch",
@@ -357,7 +357,8 @@ def _start_agent(
 def _mounts(spec: RunSpec, store: Store) -> list[Path]:
     """The folders of a node beside its work directory that a containerized trainer reads or
     writes: a ``file://`` store, a prepared dataset."""
-    found = [store.root] if isinstance(store, FileStore) else []
+    root = store.local_path("")  # the store's folder, for a backend that keeps files on the node
+    found = [root] if root is not None else []
     if spec.data.path is not None and Path(spec.data.path).is_absolute():
         found.append(Path(spec.data.path))
     return found

@@ -20,7 +20,7 @@ import pytest
 from infractl import runstore
 from infractl.store import FileStore
 
-from conftest import BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
+from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("containers")]
 
@@ -155,40 +155,46 @@ def test_a_node_holding_another_image_under_the_pinned_name_fails_up(
     assert json.loads(inspected.stdout)[0]["Digest"] == cpu_image.digest
 
 
-def test_a_run_trains_in_containers_survives_a_killed_node_and_names_its_image(
+def test_the_quickstart_trains_in_containers_and_its_checkpoints_name_the_image(
     boxed: Cli, cpu_image: BuiltImage
 ) -> None:
+    boxed("train", str(REPO / "examples" / "quickstart.yaml"), "-c", "boxed")
+    store = FileStore(boxed.home / "boxed" / "store")
+    manifest = runstore.read_manifest(store, "quickstart", 60)
+    assert manifest is not None
+    # Read inside the container from what the engine says it ran, not copied from cluster.yaml.
+    environment = manifest.extra["environment"]
+    assert (environment["runtime"], environment["image_digest"]) == ("container", cpu_image.digest)
+    assert environment["image"] == _record(boxed)["image"]
+    assert environment["interpreter"] == "/opt/venv/bin/python"
+    logs = boxed("logs", "-c", "boxed", "--run", "quickstart", "--node", "node-1").stdout
+    assert "checkpoint_committed" in logs and "step=60" in logs
+
+
+def test_a_killed_node_recovers_in_containers_from_the_last_commit(boxed: Cli) -> None:
     state = boxed.home / "boxed"
     store = FileStore(state / "store")
     run = write(boxed.cwd / "boxed.yaml", RUN.format(name="boxed", steps=400))
     try:
         boxed("train", str(run), "--detach", "-c", "boxed")
         wait_for_commit(store, "boxed", at_least=10, timeout=240)
-        # The agents run in containers named and labelled after the run and node.
+        # The agents run in containers named and labelled after the run and node, which status counts.
         for node in ("node-0", "node-1"):
-            listed = _podman(boxed, node, "ps", "--format", "json")
-            [container] = json.loads(listed.stdout)
+            [container] = json.loads(_podman(boxed, node, "ps", "--format", "json").stdout)
             assert container["Names"] == [f"infractl-boxed-{node}"]
-            assert container["Labels"]["org.infractl.run"] == "boxed"
-            assert container["Labels"]["org.infractl.node"] == node
+            assert (container["Labels"]["org.infractl.run"], container["Labels"]["org.infractl.node"]) == (
+                "boxed",
+                node,
+            )
         status = json.loads(boxed("status", "--json", "-c", "boxed").stdout)
-        assert "boxed" in json.dumps(status)
+        assert status["image"] == _record(boxed)["image"]
+        assert all(n["live_processes"] for n in status["nodes"]), status["nodes"]
+        assert [r["state"] for r in status["runs"] if r["run"] == "boxed"] == ["running"]
 
-        result = json.loads(
-            boxed("drill", "kill-node", "-c", "boxed", "--node", "node-1", "--json", "--timeout", "300").stdout
-        )
+        drill = boxed("drill", "kill-node", "-c", "boxed", "--node", "node-1", "--json", "--timeout", "300")
+        result = json.loads(drill.stdout)
         assert result["outcome"] == "recovered", result
         assert result["resumed_correctly"] and result["resumed_from_step"] >= 10, result
         assert result["final_committed"] and result["final_step"] == 400, result
     finally:
         stop_runs(state)
-
-    logs = boxed("logs", "-c", "boxed", "--run", "boxed", "--node", "node-0").stdout
-    assert "step" in logs
-    manifest = runstore.read_manifest(store, "boxed", 400)
-    assert manifest is not None
-    environment = manifest.extra["environment"]
-    assert environment["runtime"] == "container"
-    assert environment["image_digest"] == cpu_image.digest
-    assert environment["image"] == _record(boxed)["image"]
-    assert environment["interpreter"].startswith("/opt/venv/")
