@@ -210,7 +210,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
 
     served, pulled, image_changed = _serve_image(state, spec, previous, out)
 
-    out.info("ansible: configuring nodes (base, access, runtime, network, health gate)…")
+    roles = "base, access, " + ("container engine, trainer image, " if pulled else "") + "runtime, network, health gate"
+    out.info(f"ansible: configuring nodes ({roles})…")
     configured = configure.configure(
         state.dir,
         nodes,
