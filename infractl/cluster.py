@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, access, configure, infra, proc, providers, runs, runstore
+from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
@@ -154,19 +154,20 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
                 field="cluster.store",
             ) from None
     store.check(create_ok=previous is None or previous.get("store") != uri)
-    _check_image_cached(state, spec)
+    _check_image_cached(state, spec, previous)
     return store
 
 
-def _check_image_cached(state: ClusterState, spec: ClusterSpec) -> None:
-    """A cluster whose nodes pull from its own registry gets the pinned image from this machine's
-    build cache: it must be there before ``up`` starts anything."""
-    from infractl import image
-
+def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[str, Any] | None) -> None:
+    """A cluster whose nodes pull from its own registry gets a newly pinned image from this
+    machine's build cache: it must be there before ``up`` starts anything. (An image the cluster's
+    registry served before is there still.)"""
     pinned = spec.runtime.image
     if pinned is None or providers.get(spec.provider).image_registry_host(spec, state) is None:
         return
     digest = pinned.rpartition("@")[2]
+    if str((previous or {}).get("image") or "").endswith(f"@{digest}"):
+        return
     if image.locate(digest) is None:
         raise UsageError(
             f"image {digest} is not in this machine's image cache: build it with `infractl image build`, "

@@ -18,7 +18,15 @@ from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
 
-__all__ = ["AccessResult", "ConfigureResult", "apply_access", "configure", "network_env", "playbook_dir"]
+__all__ = [
+    "AccessResult",
+    "ConfigureResult",
+    "apply_access",
+    "configure",
+    "container_vars",
+    "network_env",
+    "playbook_dir",
+]
 
 _PLAYBOOK = "site.yml"
 _ACCESS_PLAYBOOK = "access.yml"
@@ -174,7 +182,7 @@ def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
             "hosts": {
                 node.name: {
                     **nodes.ansible_host(node.name),
-                    **_container_vars(nodes.containers(node.name)),
+                    **container_vars(nodes.containers(node.name)),
                     "node_workdir": str(node.workdir),
                     "node_workdir_parents": _parents_in(state_dir, node.workdir),
                     "node_address": node.address,
@@ -186,7 +194,7 @@ def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
     }
 
 
-def _container_vars(engine: ContainerEngine) -> dict[str, Any]:
+def container_vars(engine: ContainerEngine) -> dict[str, Any]:
     """The node's container engine as the roles take it: its command, its own store, and the
     command line before the image that runs a container as the node's processes run."""
     home = str(engine.home) if engine.home is not None else None

@@ -22,7 +22,8 @@ import ansible_runner
 import pytest
 import yaml
 
-from infractl.configure import playbook_dir
+from infractl.configure import container_vars, playbook_dir
+from infractl.providers.base import DOCKER
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpu_facts"
 VENV_BIN = Path(sys.executable).parent
@@ -96,13 +97,18 @@ def _node(fixture: str | dict[str, Any], index: int, tmp_path: Path) -> dict[str
     workdir = tmp_path / f"node-{index}"
     workdir.mkdir(exist_ok=True)
     facts = _facts(fixture) if isinstance(fixture, str) else fixture
-    return facts | {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": sys.executable,
-        "node_workdir": str(workdir),
-        "node_address": f"10.0.1.{23 + index}",
-        "node_index": index,
-    }
+    # A GPU node's engine as the provider's node control gives it to the inventory (Docker's daemon).
+    return (
+        facts
+        | container_vars(DOCKER)
+        | {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "node_workdir": str(workdir),
+            "node_address": f"10.0.1.{23 + index}",
+            "node_index": index,
+        }
+    )
 
 
 def check(
@@ -268,13 +274,14 @@ def test_check_mode_assembles_the_health_sweep_without_running_it(tmp_path: Path
 
     assert play.status == "successful", play.failures()
     sweep = play.facts("_nccl_health_sweep_argv")["node-0"]
-    assert sweep[:4] == ["docker", "exec", "infractl-nccl-health", "/opt/amazon/openmpi/bin/mpirun"]
+    assert sweep[:4] == ["/usr/bin/docker", "exec", "infractl-nccl-health", "/opt/amazon/openmpi/bin/mpirun"]
     assert sweep[sweep.index("--host") + 1] == "10.0.1.23:8,10.0.1.24:8"
     assert sweep[sweep.index("-np") + 1] == "16"
     assert {"FI_PROVIDER=efa", "NCCL_NET=AWS Libfabric", "NCCL_SOCKET_IFNAME=enp71s0"} <= set(sweep)
     assert sweep[-11:] == ["/opt/nccl-tests/all_reduce_perf", *"-b 512M -e 2G -f 2 -g 1 -c 1".split()]
     container = play.facts("_nccl_health_container_argv")["node-1"]
-    assert container[container.index("--device") + 1] == "/dev/infiniband"
+    # The same run options as the trainer's container (container_runtime's run_options.yml).
+    assert {"--device=/dev/infiniband", "--gpus=all", "--ulimit=memlock=-1", "--network=host"} <= set(container)
     assert IMAGE in container
     assert all(not report["measured"] for report in play.facts("health_report").values())
     # The check's SSH key is made on the controller even in check mode, and removed after it.
@@ -305,8 +312,10 @@ def test_the_trainer_unit_runs_torchrun_against_the_controller(
     unit = play.rendered("Write the trainer's unit")["node-0"]
     start = unit[unit.index("ExecStart=") : unit.index("\nExecStop=")].replace("\\\n", " ").split()
     workdir = str(tmp_path / "node-0")
-    assert start[:4] == ["ExecStart=/usr/bin/docker", "run", "--rm", "--init"]
-    assert ("/dev/infiniband" in start) is efa
+    # The node's run options, assembled by container_runtime's run_options.yml as for every role.
+    assert start[:3] == ["ExecStart=/usr/bin/docker", "run", "--rm"]
+    assert {"--network=host", "--pid=host", "--ipc=host", "--gpus=all", "--ulimit=memlock=-1", "--init"} <= set(start)
+    assert ("--device=/dev/infiniband" in start) is efa
     assert {f"{workdir}/env/nccl.env", f"{workdir}/env/trainer.env"} <= set(start)
     image_at = start.index(IMAGE)
     assert start[image_at + 1 : image_at + 11] == [

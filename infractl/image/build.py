@@ -16,6 +16,7 @@ inputs in ``images/<flavour>.lock.json``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +24,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -157,12 +157,16 @@ def _step(what: str, argv: Sequence[str], progress: Callable[[str], None], log: 
 
 
 def _sdist(out: Path) -> Path:
-    """An sdist of this checkout (this venv's setuptools, offline)."""
+    """An sdist of this checkout (this venv's setuptools, offline). Builds of one checkout take
+    turns: each rewrites its ``infractl.egg-info``, and two at once break each other."""
     out.mkdir(parents=True, exist_ok=True)
     script = "import sys, setuptools.build_meta as backend; print(backend.build_sdist(sys.argv[1]))"
-    made = subprocess.run(
-        [sys.executable, "-c", script, str(out)], cwd=_IMAGES.parent, capture_output=True, text=True, check=True
-    )
+    turn = Path(tempfile.gettempdir()) / f"infractl-sdist-{_sha256(str(_IMAGES.parent).encode())[:12]}.lock"
+    with turn.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        made = subprocess.run(
+            [sys.executable, "-c", script, str(out)], cwd=_IMAGES.parent, capture_output=True, text=True, check=True
+        )
     return out / made.stdout.strip().splitlines()[-1]
 
 
@@ -180,22 +184,26 @@ def infractl_wheel(out: Path) -> Path:
     return wheel
 
 
-def _sources_hash(scratch: Path) -> str:
-    """The hash of what the image takes from infractl's sdist (names and bytes; not the archive's
-    timestamps): the packages, the templates and the build files, not the tests, the README or the
-    commit it was made at (a new commit that changed none of them needs no new image)."""
+def _sources_hash() -> str:
+    """The hash of what the image takes from the checkout (names and bytes): the packages, the
+    templates and the build files, not the tests, the README or the commit it was made at (a new
+    commit that changed none of them needs no new image)."""
     digest = hashlib.sha256()
-    with tarfile.open(_sdist(scratch)) as archive:
-        for member in sorted(archive.getmembers(), key=lambda m: m.name):
-            parts = member.name.split("/")
-            if member.isfile() and len(parts) > 1 and parts[1] in _IMAGE_SOURCES and parts[-1] != "_revision.txt":
-                data = archive.extractfile(member)
-                assert data is not None
-                digest.update(member.name.encode() + b"\0" + data.read())
+    root = _IMAGES.parent
+    for name in sorted(_IMAGE_SOURCES):
+        top = root / name
+        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())
+        for path in files:
+            relative = path.relative_to(root)
+            if {"__pycache__", "_templates"} & set(relative.parts) or path.suffix in (".pyc", ".pyo"):
+                continue
+            if path.name == "_revision.txt":
+                continue
+            digest.update(str(relative).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
-def _inputs(scratch: Path) -> dict[str, Any]:
+def _inputs() -> dict[str, Any]:
     requirements = _IMAGES / "trainer" / "requirements-cpu.txt"
     return {
         "flavour": "cpu",
@@ -203,7 +211,7 @@ def _inputs(scratch: Path) -> dict[str, Any]:
         "mirrors": list(_MIRRORS),
         "packages": list(_PACKAGES),
         "requirements": {"file": "images/trainer/requirements-cpu.txt", "sha256": _sha256(requirements.read_bytes())},
-        "infractl": {"version": infractl.__version__, "sources_sha256": _sources_hash(scratch)},
+        "infractl": {"version": infractl.__version__, "sources_sha256": _sources_hash()},
         "recipe_sha256": _sha256(Path(__file__).read_bytes()),
     }
 
@@ -231,8 +239,7 @@ def build(flavour: str, *, progress: Callable[[str], None], lock: Path | None = 
         raise UsageError(f"building the cpu image needs {', '.join(missing)}: install them", field="--flavour")
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root, prefix=".scratch-") as scratch:
-        inputs = _inputs(Path(scratch))
+    inputs = _inputs()
     inputs_hash = _sha256(json.dumps(inputs, sort_keys=True).encode())[:16]
     layout = root / f"{flavour}-{inputs_hash}"
     cached = (layout / "index.json").is_file()

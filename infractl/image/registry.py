@@ -25,6 +25,7 @@ from typing import Any
 
 from infractl.config import IMAGE_REFERENCE
 from infractl.errors import InfractlError
+from infractl.image.build import locate, push
 
 __all__ = ["REGISTRY_NODE", "Registry", "certificate_authority", "node_reference", "publish", "write_config"]
 
@@ -163,19 +164,17 @@ def _holds(registry: Registry, reference: str) -> bool:
 def publish(registry: Registry, image: str, *, progress: Callable[[str], None]) -> tuple[str, bool]:
     """Make the pinned ``image`` available at the cluster's registry from this machine's build
     cache; return the reference the nodes pull and whether it was copied now (False: it was there)."""
-    from infractl import image as images
-
     reference = node_reference(registry, image)
     if _holds(registry, reference):
         return reference, False
     digest = reference.rpartition("@")[2]
-    layout = images.locate(digest)
+    layout = locate(digest)
     if layout is None:
         raise InfractlError(
             f"image {digest} is not in this machine's build cache: build it with `infractl image build` "
             "(or pin the digest that build printed)"
         )
-    pushed = images.push(layout, reference, cert_dir=registry.ca.parent, progress=progress)
+    pushed = push(layout, reference, cert_dir=registry.ca.parent, progress=progress)
     if pushed != digest:
         raise InfractlError(f"the cluster's registry holds {pushed} after pushing {digest}")
     return reference, True

@@ -28,6 +28,7 @@ from infractl.proc import NodeProcess
 from infractl.state import ClusterState
 
 __all__ = [
+    "DOCKER",
     "IMAGE_PYTHON",
     "LINK_FAULTS",
     "ContainerEngine",
@@ -158,6 +159,10 @@ class ContainerEngine:
             *(f"--env={variable}" for variable in env),
             *(f"--volume={path}:{path}" for path in volumes),
         ]
+
+
+#: A GPU host's engine: Docker's daemon, with its system-wide store.
+DOCKER = ContainerEngine(argv=("/usr/bin/docker",), home=None)
 
 
 class NodeControl(ABC):
@@ -300,7 +305,7 @@ class NodeControl(ABC):
 
     def containers(self, node: str) -> ContainerEngine:
         """How ``node`` runs containers: the Docker daemon of a GPU host, unless the provider says."""
-        return ContainerEngine(argv=("docker",), home=None)
+        return DOCKER
 
     def remove_containers(self) -> list[str]:
         """Remove the cluster's containers and images from every node (``teardown``, after every
