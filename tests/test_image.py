@@ -1,12 +1,13 @@
 """The trainer image: the cpu flavour built here from Debian's and PyPI's packages (``cpu_image``,
-once per session), found again in the cache from unchanged inputs, run by podman as its user with
-the pinned torch and infractl's trainer, pushed to a registry over TLS with its digest kept; bad
-options refused in one line before anything is built."""
+once per session), found again in the cache from unchanged inputs (a killed build's folder
+removed), run by podman as its user with the pinned torch and infractl's trainer, pushed to a
+registry over TLS with its digest kept; bad options refused in one line before anything is built."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -42,12 +43,21 @@ def test_the_digest_is_the_layouts_and_the_lock_records_it_with_the_inputs(cpu_i
     assert lock["size_bytes"] == len(raw) + sum(p["size"] for p in [manifest["config"], *manifest["layers"]])
 
 
-def test_unchanged_inputs_find_the_cached_build(cli: Cli, cpu_image: BuiltImage) -> None:
+def test_unchanged_inputs_find_the_cached_build_and_a_killed_builds_folder_is_removed(
+    cli: Cli, cpu_image: BuiltImage
+) -> None:
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
+    killed = cpu_image.layout.parent / f".build-{gone}-killed"
+    running = cpu_image.layout.parent / f".build-{os.getpid()}-running"
+    for folder in (killed, running):
+        (folder / "storage").mkdir(parents=True)
     started = time.monotonic()
     again = json.loads(cli("image", "build", "--json", "--lock", str(cli.cwd / "lock.json")).stdout)
     assert again["cached"] is True and again["digest"] == cpu_image.digest
     assert again["layout"] == str(cpu_image.layout)
     assert time.monotonic() - started < 60  # found, not rebuilt (a build takes minutes)
+    assert not killed.exists() and running.is_dir()
+    shutil.rmtree(running)
 
 
 def test_the_image_runs_the_trainer_as_its_user_with_the_pinned_torch(cpu_image: BuiltImage, tmp_path: Path) -> None:

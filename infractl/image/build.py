@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 import infractl
 from infractl.config import IMAGE_REFERENCE
 from infractl.errors import InfractlError, UsageError
@@ -239,6 +241,7 @@ def build(flavour: str, *, progress: Callable[[str], None], lock: Path | None = 
         raise UsageError(f"building the cpu image needs {', '.join(missing)}: install them", field="--flavour")
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(root)
     inputs = _inputs()
     inputs_hash = _sha256(json.dumps(inputs, sort_keys=True).encode())[:16]
     layout = root / f"{flavour}-{inputs_hash}"
@@ -264,7 +267,7 @@ def build(flavour: str, *, progress: Callable[[str], None], lock: Path | None = 
 def _build_cpu(layout: Path, inputs: dict[str, Any], progress: Callable[[str], None]) -> None:
     """Build the cpu image into ``layout`` (whole or not at all)."""
     root = layout.parent
-    with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as work_dir:
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".build-{os.getpid()}-") as work_dir:
         work = Path(work_dir)
         log = root / f"{layout.name}.log"
         log.write_text("")
@@ -297,24 +300,34 @@ def _build_cpu(layout: Path, inputs: dict[str, Any], progress: Callable[[str], N
             "org.infractl.flavour": "cpu",
             "org.infractl.inputs": layout.name,
         }
-        container = _step("starting the image", ["buildah", "from", "scratch"], progress, log).strip()
-        try:
-            _step(f"adding the root filesystem ({rootfs.stat().st_size // 2**20} MiB)",
-                  ["buildah", "add", container, str(rootfs), "/"], progress, log)  # fmt: skip
-            _step(
-                "configuring the image",
-                ["buildah", "config", f"--env=PATH={_PATH}", f"--user={_USER}", f"--workingdir=/home/{_USER}",
-                 *(f"--label={key}={value}" for key, value in labels.items()), container],
-                progress, log,
-            )  # fmt: skip
-            partial = work / "layout"
-            # Uncompressed: nodes pull over a local network, where gzip on 2 cores costs more than it saves.
-            _step("committing the image",
-                  ["buildah", "commit", "--quiet", "--disable-compression", container, f"oci:{partial}:cpu"],
-                  progress, log)  # fmt: skip
-        finally:
-            subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
+        # buildah's own store lives in the build's folder, on vfs (no mounts): a build killed at any
+        # moment leaves one folder behind, which the next build removes, and nothing in the
+        # machine's container storage.
+        buildah = ["buildah", f"--root={work / 'storage'}", f"--runroot={work / 'run'}", "--storage-driver=vfs"]
+        container = _step("starting the image", [*buildah, "from", "scratch"], progress, log).strip()
+        _step(f"adding the root filesystem ({rootfs.stat().st_size // 2**20} MiB)",
+              [*buildah, "add", container, str(rootfs), "/"], progress, log)  # fmt: skip
+        _step(
+            "configuring the image",
+            [*buildah, "config", f"--env=PATH={_PATH}", f"--user={_USER}", f"--workingdir=/home/{_USER}",
+             *(f"--label={key}={value}" for key, value in labels.items()), container],
+            progress, log,
+        )  # fmt: skip
+        partial = work / "layout"
+        # Uncompressed: nodes pull over a local network, where gzip on 2 cores costs more than it saves.
+        _step("committing the image",
+              [*buildah, "commit", "--quiet", "--disable-compression", container, f"oci:{partial}:cpu"],
+              progress, log)  # fmt: skip
+        subprocess.run([*buildah, "rm", container], capture_output=True, check=False)
         partial.rename(layout)
+
+
+def _remove_abandoned_builds(root: Path) -> None:
+    """Remove the folders of builds whose process is gone (killed mid-build): ``.build-<pid>-*``."""
+    for folder in root.glob(".build-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _install_hooks(wheels: Sequence[Path], requirements: Path, own: str) -> list[str]:
