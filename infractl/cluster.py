@@ -192,6 +192,18 @@ def _serve_image(
     return served, pulled, started or pushed
 
 
+def _provision(state: ClusterState, spec: ClusterSpec) -> tuple[infra.ApplyResult, list[infra.Node]]:
+    """Apply the provider's module; the apply, and its nodes as the control plane reaches them."""
+    provider = providers.get(spec.provider)
+    applied = infra.apply(
+        state.terraform_dir,
+        infra.module_dir(spec.provider),
+        provider.variables(spec, state),
+        root=provider.root_settings(spec, state),
+    )
+    return applied, provider.provisioned(spec, state, applied)
+
+
 def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
     """Provision and configure the cluster (``store`` from ``preflight``); running it again on an
     unchanged cluster changes nothing."""
@@ -201,8 +213,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     provider = providers.get(spec.provider)
-    applied = infra.apply(state.terraform_dir, infra.module_dir(spec.provider), provider.variables(spec, state))
-    nodes = provider.control(state, applied.nodes)
+    applied, provisioned = _provision(state, spec)
+    nodes = provider.control(state, provisioned)
     out.info(f"terraform: {applied.summary}")
 
     host = provider.rendezvous_host(spec, state)
@@ -234,13 +246,13 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
             "store": uri,
             "infractl_version": __version__,
             "rendezvous": {"host": host, "port": port},
-            "nodes": [n.record() for n in applied.nodes],
+            "nodes": [n.record() for n in provisioned],
         }
         | ({"registry": {"host": served.host, "port": served.port}, "image": pulled} if served is not None else {})
     )
     return UpResult(
         cluster=spec.name,
-        nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in applied.nodes],
+        nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in provisioned],
         terraform=applied.summary,
         terraform_changed=applied.changed,
         rendezvous=f"{host}:{port}",

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infractl import templates
 from infractl.errors import InfraError
 
-__all__ = ["Node", "SshLogin", "ApplyResult", "apply", "destroy", "evaluate", "read_nodes", "module_dir"]
+__all__ = [
+    "Node",
+    "SshLogin",
+    "ApplyResult",
+    "RootSettings",
+    "apply",
+    "destroy",
+    "evaluate",
+    "read_nodes",
+    "module_dir",
+]
 
 _ROOT_MODULE = "main.tf.json"
 # The provider's module, copied beside the root module that calls it: the state directory alone is
@@ -38,11 +49,15 @@ class SshLogin:
     user: str
     identity_file: Path
     known_hosts: Path
+    jump: str | None = None
+    """``user@host`` of the jump host the node is reached through (the same key and pinned host
+    keys), or None: reached directly."""
 
     def options(self) -> list[str]:
         """``ssh`` options: the host key must match the pinned one (never accepted on first use), only
-        the cluster's key is offered, and nothing prompts."""
-        return [
+        the cluster's key is offered, and nothing prompts; through the jump host where there is one
+        (a ProxyCommand with these same options: ``-J`` would not pass them on)."""
+        direct = [
             "-o", f"UserKnownHostsFile={self.known_hosts}",
             "-o", "StrictHostKeyChecking=yes",
             "-o", "GlobalKnownHostsFile=/dev/null",
@@ -51,6 +66,10 @@ class SshLogin:
             "-o", "BatchMode=yes",
             "-o", "ConnectTimeout=10",
         ]  # fmt: skip
+        if self.jump is None:
+            return direct
+        proxy = shlex.join(["ssh", *direct, "-W", "%h:%p", self.jump])
+        return [*direct, "-o", f"ProxyCommand={proxy}"]
 
     def argv(self, address: str, command: str | None = None) -> list[str]:
         """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``
@@ -85,7 +104,9 @@ class Node:
             workdir=Path(item["workdir"]),
             processes=int(item["processes"]),
             namespace=item.get("namespace"),
-            ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"])) if ssh else None,
+            ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"]), ssh.get("jump"))
+            if ssh
+            else None,
         )
 
     def record(self) -> dict[str, Any]:
@@ -99,7 +120,7 @@ class Node:
         if self.namespace is not None:
             item["namespace"] = self.namespace
         if self.ssh is not None:
-            item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items()}
+            item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items() if v is not None}
         return item
 
 
@@ -113,6 +134,8 @@ class ApplyResult:
     """The inventory after the apply."""
     summary: str
     """``"2 added, 0 changed, 0 destroyed"``, or ``"no changes"``."""
+    outputs: dict[str, Any]
+    """Every output of the root module after the apply, by name."""
 
 
 def module_dir(provider: str) -> Path:
@@ -123,19 +146,28 @@ def module_dir(provider: str) -> Path:
     return path
 
 
-def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> ApplyResult:
+def apply(
+    tf_dir: Path,
+    module_dir: Path,
+    variables: dict[str, object],
+    *,
+    root: RootSettings | None = None,
+) -> ApplyResult:
     """Converge the nodes in ``tf_dir``'s state onto ``module_dir`` called with ``variables``.
 
     Copies ``module_dir`` into ``tf_dir/module`` (anew each time: what Terraform applies is the module
     of the infractl that runs), writes a root module into ``tf_dir`` that calls it and re-exports
-    ``inventory``, then init, plan and, only when the plan has changes, apply.
+    ``inventory`` (and ``root``'s outputs, with its provider and backend blocks), then init, plan and,
+    only when the plan has changes, apply.
     """
     tf_dir = tf_dir.resolve()
     tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    root = tf_dir / _ROOT_MODULE
-    previous = root.read_text() if root.is_file() else None
+    settings = root or RootSettings()
+    write_private(tf_dir / _CLI_CONFIG, settings.cli_config)
+    root_file = tf_dir / _ROOT_MODULE
+    previous = root_file.read_text() if root_file.is_file() else None
     replaced = _replace_module(tf_dir, module_dir)
-    _write_private(root, json.dumps(_root_module(variables), indent=2) + "\n")
+    write_private(root_file, json.dumps(_root_module(variables, settings), indent=2) + "\n")
     with _terraform(tf_dir) as tf:
         try:
             _init(tf)
@@ -146,9 +178,9 @@ def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> Apply
             # still matches a valid configuration (and teardown keeps working).
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
             if previous is None:
-                root.unlink()
+                root_file.unlink()
             else:
-                _write_private(root, previous)
+                write_private(root_file, previous)
             shutil.rmtree(tf_dir / _MODULE)
             if replaced is not None:
                 replaced.rename(tf_dir / _MODULE)
@@ -157,7 +189,8 @@ def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> Apply
             shutil.rmtree(replaced)
         if plan.retcode == 0:
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
-            return ApplyResult(changed=False, nodes=_read_nodes(tf), summary="no changes")
+            outputs = _outputs(tf)
+            return ApplyResult(changed=False, nodes=_nodes(outputs), summary="no changes", outputs=outputs)
         try:
             # Apply the saved plan: exactly what was planned, no second evaluation. A failure here
             # keeps the new root module: the state now records (part of) it.
@@ -167,10 +200,10 @@ def apply(tf_dir: Path, module_dir: Path, variables: dict[str, object]) -> Apply
             # The plan file holds the variables' values; it is only needed for this apply.
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
             _protect_state(tf_dir)
-        nodes = _read_nodes(tf)
+        outputs = _outputs(tf)
     counts = result.summary
     summary = f"{counts.add} added, {counts.change} changed, {counts.remove} destroyed"
-    return ApplyResult(changed=True, nodes=nodes, summary=summary)
+    return ApplyResult(changed=True, nodes=_nodes(outputs), summary=summary, outputs=outputs)
 
 
 def destroy(tf_dir: Path) -> None:
@@ -196,7 +229,7 @@ def evaluate(tf_dir: Path, files: dict[str, str]) -> dict[str, Any]:
     tf_dir = tf_dir.resolve()
     tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name, text in files.items():
-        _write_private(tf_dir / name, text)
+        write_private(tf_dir / name, text)
     with _terraform(tf_dir) as tf:
         result = tf.apply(auto_approve=True)
     _check(result, "apply")
@@ -209,17 +242,21 @@ def evaluate(tf_dir: Path, files: dict[str, str]) -> dict[str, Any]:
 def read_nodes(tf_dir: Path) -> list[Node]:
     """The nodes recorded in ``tf_dir``'s state (empty when nothing was applied); read-only."""
     tf_dir = tf_dir.resolve()
-    if not (tf_dir / _STATE_FILE).is_file():
+    if not (tf_dir / _ROOT_MODULE).is_file():
         return []
     with _terraform(tf_dir) as tf:
-        return _read_nodes(tf)
+        _init(tf)
+        return _nodes(_outputs(tf))
 
 
-def _read_nodes(tf: Any) -> list[Node]:
+def _outputs(tf: Any) -> dict[str, Any]:
     result = tf.output()
     _check(result, "output")
-    inventory = (result.value or {}).get("inventory", {}).get("value") or []
-    return [Node.from_record(item) for item in inventory]
+    return {name: output.get("value") for name, output in (result.value or {}).items()}
+
+
+def _nodes(outputs: dict[str, Any]) -> list[Node]:
+    return [Node.from_record(item) for item in outputs.get("inventory") or []]
 
 
 def _replace_module(tf_dir: Path, source: Path) -> Path | None:
@@ -237,16 +274,34 @@ def _replace_module(tf_dir: Path, source: Path) -> Path | None:
     return replaced
 
 
-def _root_module(variables: dict[str, object]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RootSettings:
+    """What a provider adds to the root module that calls its module: ``blocks`` (top-level blocks in
+    Terraform's JSON syntax: ``terraform`` with the backend and required providers, ``provider``),
+    ``outputs`` (module outputs re-exported besides ``inventory``) and ``cli_config`` (the CLI
+    configuration's text, e.g. a provider mirror; the user's own is never read)."""
+
+    blocks: dict[str, Any] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ()
+    cli_config: str = ""
+
+
+def _root_module(variables: dict[str, object], settings: RootSettings) -> dict[str, Any]:
     # Variable values are written into the root module itself (not passed as -var), so destroy
     # and output later evaluate exactly the configuration that was applied.
+    outputs = {
+        name: {"description": f"The module's {name}.", "value": f"${{module.cluster.{name}}}"}
+        for name in settings.outputs
+    }
     return {
+        **settings.blocks,
         "module": {"cluster": {"source": f"./{_MODULE}", **variables}},
         "output": {
             "inventory": {
                 "description": "The cluster's nodes.",
                 "value": "${module.cluster.inventory}",
-            }
+            },
+            **outputs,
         },
     }
 
@@ -266,8 +321,9 @@ def _terraform(tf_dir: Path) -> Iterator[Any]:
 
     cli_config = tf_dir / _CLI_CONFIG
     if not cli_config.exists():
-        # An empty CLI config: no "~/.terraformrc does not exist" warning, no user overrides.
-        _write_private(cli_config, "")
+        # An empty CLI config: no "~/.terraformrc does not exist" warning, no user overrides. (apply
+        # writes the provider's own; destroy and output use what apply wrote.)
+        write_private(cli_config, "")
     env = {
         "CHECKPOINT_DISABLE": "1",
         "TF_CLI_CONFIG_FILE": str(cli_config),
@@ -339,7 +395,8 @@ def _text_error(text: str) -> str:
     return "; ".join(picked[:3]) or "no error message from Terraform"
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (keys, state, variables)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)

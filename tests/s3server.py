@@ -40,14 +40,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def moto_server(log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0) -> Iterator[str]:
-    """Run ``python -m moto.server`` on a free loopback port until the block ends; yield its URL."""
+def moto_server(
+    log: Path, env: dict[str, str] | None = None, startup_s: float = 30.0, host: str = "127.0.0.1"
+) -> Iterator[str]:
+    """Run ``python -m moto.server`` on a free port of ``host`` (loopback) until the block ends;
+    yield its URL."""
     for _attempt in range(3):  # the free port may be taken between probing and binding: retry
         port = free_port()
-        endpoint = f"http://127.0.0.1:{port}"
+        endpoint = f"http://{host}:{port}"
         with log.open("ab") as out:
             server = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -18,6 +18,7 @@ from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
 
 EXAMPLE = REPO / "examples" / "aws" / "cluster.yaml"
 DIGEST = "sha256:" + "ab" * 32
+CIDRS = ["203.0.113.7/32"]
 
 # No credentials anywhere: a dry run must not need them (nor try the metadata service).
 NO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"}
@@ -34,10 +35,14 @@ def test_dry_run_prints_the_modules_resources_and_the_cost_without_credentials(c
     plan = json.loads(result.stdout)
     spec = load_cluster(EXAMPLE)
     assert plan["provider"] == "aws" and plan["region"] == "us-east-1"
-    assert plan["variables"] == aws.module_variables(spec)
+    assert plan["variables"] == aws.module_variables(spec, {})  # no key is made by a dry run
     assert plan["variables"]["processes_per_node"] == 8  # one rank per GPU of a p5.48xlarge
     assert plan["variables"]["store_bucket"] == "my-team-infractl" and plan["variables"]["store_prefix"] == "train-p5"
-    assert plan["resources"] == aws.planned_resources(plan["variables"])
+    keys = {
+        "ssh_public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExampleExample k",
+        "host_key": {"private": "", "public": ""},
+    }
+    assert plan["resources"] == aws.planned_resources(plan["variables"] | keys)
     # Every planned address is a resource block of the module, and every node of every group is there.
     assert {re.sub(r"\[.*\]$", "", address) for address in plan["resources"]} <= module_resources()
     nodes = [a for a in plan["resources"] if a.startswith("aws_instance.node[")]
@@ -80,18 +85,18 @@ def test_dry_run_of_the_local_provider_lists_its_nodes(cli: Cli) -> None:
         ({"runtime": {"image": None}}, "runtime.image: is required with provider aws (the trainer runs in"),
         (
             {"aws": {"region": "us-east-1", "state_bucket": "tf-state", "availability_zone": "us-east-1a",
-                     "node_groups": {"core": {"instance_type": "p9.huge", "nodes": 4}}}},
+                     "node_groups": {"core": {"instance_type": "p9.huge", "nodes": 4}}, "ssh_ingress_cidrs": CIDRS}},
             "aws.node_groups.core.instance_type: 'p9.huge' is not a training instance type",
         ),
         (
-            {"aws": {"region": "us-east-1", "state_bucket": "tf-state",
+            {"aws": {"region": "us-east-1", "state_bucket": "tf-state", "ssh_ingress_cidrs": CIDRS,
                      "node_groups": {"core": {"instance_type": "p5.48xlarge", "nodes": 4}}}},
             "aws.availability_zone: is required when the cluster creates its subnet",
         ),
         (
             {"aws": {"region": "us-east-1", "state_bucket": "tf-state", "availability_zone": "us-east-1a",
                      "node_groups": {"a": {"instance_type": "g5.12xlarge", "nodes": 2},
-                                     "b": {"instance_type": "p5.48xlarge", "nodes": 2}}}},
+                                     "b": {"instance_type": "p5.48xlarge", "nodes": 2}}, "ssh_ingress_cidrs": CIDRS}},
             "processes_per_node: is required when the node groups' instance types have different GPU counts",
         ),
     ],

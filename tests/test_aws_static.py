@@ -38,6 +38,12 @@ _PARSE = SerializationOptions(with_comments=False, explicit_blocks=False, strip_
 
 # A cluster that uses every part of the module: a new network, a new bucket, two instance types, spot and
 # on-demand groups.
+# What infractl generates for a cluster (ClusterKeys), and where the operator connects from.
+KEYS = {
+    "ssh_public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIEXAMPLEexampleEXAMPLEexampleEXAMPLEexample demo",
+    "host_key": {"private": "-----BEGIN OPENSSH PRIVATE KEY-----", "public": "ssh-ed25519 AAAAC3Nz host"},
+    "ssh_ingress_cidrs": ["203.0.113.7/32"],
+}
 FULL = {
     "cluster_name": "demo",
     "node_groups": {
@@ -49,6 +55,7 @@ FULL = {
     "store_bucket": "demo-store",
     "store_prefix": "infractl",
     "create_bucket": True,
+    **KEYS,
 }
 # The smallest: an existing network and bucket, one group.
 EXISTING = {
@@ -56,7 +63,9 @@ EXISTING = {
     "node_groups": {"main": {"instance_type": "g6.12xlarge", "nodes": 2}},
     "vpc_id": "vpc-0123456789abcdef0",
     "subnet_id": "subnet-0123456789abcdef0",
+    "public_subnet_id": "subnet-0123456789abcdef1",
     "store_bucket": "demo-store",
+    **KEYS,
 }
 
 
@@ -134,7 +143,7 @@ def test_terraform_loads_the_module_and_the_example_root(tmp_path: Path) -> None
     # validations' structure) and needs no provider; `get` loads the example root and the module it calls.
     retcode, stdout, stderr = _terraform("providers", copy)
     assert (retcode, stderr) == (0, "")
-    assert "provider[registry.terraform.io/hashicorp/aws] >= 6.0.0, < 7.0.0" in stdout
+    assert "provider[registry.terraform.io/hashicorp/aws] >= 5.100.0, < 7.0.0" in stdout
     retcode, stdout, stderr = _terraform("get", copy / "examples" / "cluster")
     assert (retcode, stderr) == (0, "")
 
@@ -285,10 +294,15 @@ def test_instance_table_matches_the_module_and_the_price_list() -> None:
     assert {"p4d.24xlarge", "p5.48xlarge", "p5en.48xlarge"} <= set(types)
     assert re.findall(r"[a-z0-9]+\.\d*xlarge", message) == sorted(types)
     assert set(types) <= set(prices["instances"])
+    assert {"c7i.4xlarge", "m7i.4xlarge"} <= set(types)
     for name, spec in types.items():
-        assert spec["gpus"] > 0 and spec["gpu_memory_gib"] > 0 and spec["vcpus"] > 0, name
-        assert spec["ami_ssm_parameter"].startswith("/aws/service/"), name
+        assert spec["vcpus"] > 0 and spec["ami_ssm_parameter"].startswith("/aws/service/"), name
         line_rate_gb_per_s = spec["network_gbps"] / 8
+        if name.startswith(("c7i.", "m7i.")):  # CPU types: gloo, no NCCL gate, no EFA
+            assert (spec["gpus"], spec["gpu_memory_gib"], spec["efa_interfaces"]) == (0, 0, 0), name
+            assert spec["nccl_min_busbw_gb_per_s"] is None, name
+            continue
+        assert spec["gpus"] > 0 and spec["gpu_memory_gib"] > 0, name
         if spec["efa_interfaces"]:
             assert spec["efa_interface_type"] in ("efa", "efa-only"), name
             assert spec["nccl_min_busbw_gb_per_s"] == line_rate_gb_per_s / 2, name
@@ -312,6 +326,7 @@ def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None
         "node_groups": groups,
         "availability_zone": "us-east-1a",
         "store_bucket": "b-1",
+        **KEYS,
     }
     files["terraform.tfvars.json"] = json.dumps(variables)
 
@@ -322,11 +337,14 @@ def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None
         efa = [i for i in layout if i["interface_type"] in ("efa", "efa-only")]
         assert len(efa) == spec["efa_interfaces"], name
         assert len({(i["network_card_index"], i["device_index"]) for i in layout}) == len(layout), name
+        if not efa:  # the instance's one interface comes from its subnet_id (aws_instance.node)
+            assert layout == [], name
+            continue
         primary = [i for i in layout if (i["network_card_index"], i["device_index"]) == (0, 0)]
         assert len(primary) == 1 and primary[0]["interface_type"] in (None, "efa"), name
     assert [i["interface_type"] for i in interfaces["p5.48xlarge"]] == [None] + ["efa-only"] * 32
     assert [i["interface_type"] for i in interfaces["p4d.24xlarge"]] == ["efa"] * 4
-    assert interfaces["g5.12xlarge"] == [{"network_card_index": 0, "device_index": 0, "interface_type": None}]
+    assert interfaces["g5.12xlarge"] == []
 
 
 # --- the offline plan ---------------------------------------------------------------------------------------
@@ -337,16 +355,20 @@ def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
         "aws_iam_role.node",
         "aws_iam_role_policy.node_store",
         "aws_iam_role_policy_attachment.node_ssm",
+        "aws_iam_role_policy_attachment.node_ecr",
         "aws_iam_instance_profile.node",
         "aws_iam_role.controller",
         "aws_iam_role_policy_attachment.controller_ssm",
         "aws_iam_instance_profile.controller",
+        "aws_key_pair.cluster",
         "aws_security_group.this",
         "aws_vpc_security_group_ingress_rule.members",
         "aws_vpc_security_group_egress_rule.members",
         'aws_vpc_security_group_egress_rule.web["443"]',
         'aws_vpc_security_group_egress_rule.web["80"]',
-        "aws_placement_group.this",
+        "aws_security_group.jump",
+        'aws_vpc_security_group_ingress_rule.ssh["203.0.113.7/32"]',
+        "aws_placement_group.this[0]",
         'aws_launch_template.node["g5.12xlarge"]',
         'aws_launch_template.node["p5.48xlarge"]',
         'aws_instance.node["core-0"]',
@@ -452,10 +474,13 @@ def test_hourly_cost_refuses_an_instance_type_without_a_price() -> None:
 def test_example_cluster_yaml_maps_one_to_one_onto_the_module() -> None:
     spec = load_cluster(REPO / "examples" / "aws" / "cluster.yaml")
     assert spec.aws is not None
-    variables = aws.module_variables(spec)
-    # Provider and backend settings (the root module's) are not module variables; every other field is.
-    assert set(variables) == {"cluster_name", "processes_per_node", "store_bucket", "store_prefix"} | (
-        set(spec.aws.model_dump(exclude_none=True)) - {"region", "state_bucket"}
+    keys = {name: KEYS[name] for name in ("ssh_public_key", "host_key")}
+    variables = aws.module_variables(spec, keys)
+    # Provider, backend and infractl's own settings (the root module's) are not module variables; every other
+    # field is, and the keys infractl makes.
+    root = {"region", "state_bucket", "ssh_key", "endpoint_url", "provider_mirror"}
+    assert set(variables) == {"cluster_name", "processes_per_node", "store_bucket", "store_prefix", *keys} | (
+        set(spec.aws.model_dump(exclude_none=True)) - root
     )
 
     planned = aws.planned_resources(variables)

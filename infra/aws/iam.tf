@@ -6,6 +6,7 @@ locals {
   iam_path       = "/infractl/${var.cluster_name}/"
   bucket_arn     = "arn:${data.aws_partition.current.partition}:s3:::${var.store_bucket}"
   ssm_policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"
+  ecr_policy_arn = "arn:${data.aws_partition.current.partition}:iam::aws:policy/AmazonEC2ContainerRegistryReadOnly"
 }
 
 data "aws_iam_policy_document" "ec2_assume" {
@@ -30,10 +31,12 @@ data "aws_iam_policy_document" "store" {
     dynamic "condition" {
       for_each = var.store_prefix == "" ? [] : [var.store_prefix]
 
+      # IfExists: S3 also checks ListBucket (without a prefix) when a GetObject finds no key, to answer 404
+      # rather than 403; the store needs that 404. Listing with another prefix is still refused.
       content {
-        test     = "StringLike"
+        test     = "StringLikeIfExists"
         variable = "s3:prefix"
-        values   = ["${condition.value}/*"]
+        values   = [condition.value, "${condition.value}/*"]
       }
     }
   }
@@ -73,6 +76,12 @@ resource "aws_iam_role_policy" "node_store" {
 resource "aws_iam_role_policy_attachment" "node_ssm" {
   role       = aws_iam_role.node.name
   policy_arn = local.ssm_policy_arn
+}
+
+# Pull the trainer image from ECR with the instance's own credentials (no keys copied to nodes).
+resource "aws_iam_role_policy_attachment" "node_ecr" {
+  role       = aws_iam_role.node.name
+  policy_arn = local.ecr_policy_arn
 }
 
 resource "aws_iam_instance_profile" "node" {

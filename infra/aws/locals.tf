@@ -31,13 +31,18 @@ locals {
   # One launch template per training instance type in use.
   node_instance_types = toset([for group in values(var.node_groups) : group.instance_type])
 
+  # A cluster placement group only where racks matter: some node has EFA. (CPU and TCP-socket GPU types do
+  # not need one, and some EC2-compatible APIs have none.)
+  placement_group = anytrue([for type in local.node_instance_types : local.instance_types[type].efa_interfaces > 0])
+
   # Network interfaces of each launch template, one per network card. 'efa': every card gets an EFA with an
   # IP address (card 0 is the primary interface). 'efa-only': a primary ENA interface on card 0, then an
   # IP-less EFA on card 0 (device 1) and on every further card (device 0), as AWS recommends for P5-class
-  # types. No EFA: the primary interface alone. interface_type null is a plain ENA interface.
+  # types. interface_type null is a plain ENA interface. No EFA: none here; the instance takes its one
+  # interface from its own subnet_id and security groups (aws_instance.node).
   network_interfaces = {
     for type in local.node_instance_types : type => (
-      local.instance_types[type].efa_interface_type == "efa" ? [
+      local.instance_types[type].efa_interfaces == 0 ? [] : local.instance_types[type].efa_interface_type == "efa" ? [
         for card in range(local.instance_types[type].efa_interfaces) : {
           network_card_index = card
           device_index       = card == 0 ? 0 : 1

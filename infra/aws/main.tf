@@ -13,10 +13,28 @@ locals {
   subnet_id = local.create_network ? aws_subnet.private[0].id : var.subnet_id
   # insecure_value: these public parameters are plain AMI ids, not secrets.
   ami = merge({ for type, parameter in data.aws_ssm_parameter.ami : type => parameter.insecure_value }, var.ami_overrides)
+
+  # The controller is the SSH jump host: in the public subnet, with a public address.
+  controller_subnet_id = local.create_network ? aws_subnet.public[0].id : var.public_subnet_id
+
+  # cloud-init on every instance: the cluster's host key in place of generated ones (the operator pinned it
+  # before the instance existed), and the cluster's key for the login user.
+  user_data = join("\n", ["#cloud-config", yamlencode({
+    ssh_deletekeys      = true
+    ssh_genkeytypes     = []
+    ssh_keys            = { ed25519_private = var.host_key.private, ed25519_public = var.host_key.public }
+    ssh_authorized_keys = [var.ssh_public_key]
+  })])
+}
+
+resource "aws_key_pair" "cluster" {
+  key_name_prefix = "infractl-${var.cluster_name}-"
+  public_key      = var.ssh_public_key
+  tags            = local.tags
 }
 
 # EFA and NCCL need every kind of traffic between the nodes; nothing else may reach them. Nodes are reached
-# through Session Manager, which needs no inbound rule.
+# over SSH through the controller (a member), or through Session Manager, which needs no inbound rule.
 resource "aws_security_group" "this" {
   name_prefix = "infractl-${var.cluster_name}-"
   description = "infractl cluster ${var.cluster_name}: all traffic between members only, HTTP(S) out"
@@ -58,8 +76,34 @@ resource "aws_vpc_security_group_egress_rule" "web" {
   tags              = local.tags
 }
 
+# SSH to the controller, the jump host, from where the operator runs infractl: the cluster's only inbound port.
+resource "aws_security_group" "jump" {
+  name_prefix = "infractl-${var.cluster_name}-ssh-"
+  description = "infractl cluster ${var.cluster_name}: SSH to the controller from ssh_ingress_cidrs"
+  vpc_id      = local.vpc_id
+  tags        = merge(local.tags, { Name = "infractl-${var.cluster_name}-ssh" })
+
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+resource "aws_vpc_security_group_ingress_rule" "ssh" {
+  for_each = toset(var.ssh_ingress_cidrs)
+
+  security_group_id = aws_security_group.jump.id
+  description       = "SSH from ${each.key}"
+  cidr_ipv4         = each.key
+  ip_protocol       = "tcp"
+  from_port         = 22
+  to_port           = 22
+  tags              = local.tags
+}
+
 # Nodes on as few racks as AWS can give: EFA's latency and bandwidth depend on it.
 resource "aws_placement_group" "this" {
+  count = local.placement_group ? 1 : 0
+
   name     = "infractl-${var.cluster_name}"
   strategy = "cluster"
   tags     = local.tags
@@ -72,7 +116,8 @@ resource "aws_launch_template" "node" {
   description            = "infractl cluster ${var.cluster_name}: ${each.key} training nodes"
   image_id               = local.ami[each.key]
   instance_type          = each.key
-  key_name               = var.key_name
+  key_name               = aws_key_pair.cluster.key_name
+  user_data              = base64encode(local.user_data)
   ebs_optimized          = true
   update_default_version = true
   tags                   = local.tags
@@ -93,8 +138,12 @@ resource "aws_launch_template" "node" {
     enabled = true
   }
 
-  placement {
-    group_name = aws_placement_group.this.name
+  dynamic "placement" {
+    for_each = aws_placement_group.this
+
+    content {
+      group_name = placement.value.name
+    }
   }
 
   # Ubuntu AMIs (the deep learning AMI included) boot from /dev/sda1.
@@ -109,20 +158,18 @@ resource "aws_launch_template" "node" {
     }
   }
 
-  # No public address. AWS refuses the setting altogether (even false) on a launch with several network
-  # interfaces, which never get a public address anyway; a single interface says no explicitly, in case an
-  # existing subnet assigns public addresses by default.
+  # EFA types only: their interface layout. No public address: a launch with several network interfaces
+  # never gets one (and AWS refuses the setting, even false, on such a launch).
   dynamic "network_interfaces" {
     for_each = local.network_interfaces[each.key]
 
     content {
-      network_card_index          = network_interfaces.value.network_card_index
-      device_index                = network_interfaces.value.device_index
-      interface_type              = network_interfaces.value.interface_type
-      subnet_id                   = local.subnet_id
-      security_groups             = [aws_security_group.this.id]
-      associate_public_ip_address = length(local.network_interfaces[each.key]) == 1 ? false : null
-      delete_on_termination       = true
+      network_card_index    = network_interfaces.value.network_card_index
+      device_index          = network_interfaces.value.device_index
+      interface_type        = network_interfaces.value.interface_type
+      subnet_id             = local.subnet_id
+      security_groups       = [aws_security_group.this.id]
+      delete_on_termination = true
     }
   }
 
@@ -158,6 +205,12 @@ resource "aws_instance" "node" {
     version = aws_launch_template.node[each.value.instance_type].latest_version
   }
 
+  # Types without EFA have one interface, set here (their launch template has none): in the nodes' subnet, no
+  # public address even where an existing subnet assigns them by default.
+  subnet_id                   = length(local.network_interfaces[each.value.instance_type]) == 0 ? local.subnet_id : null
+  vpc_security_group_ids      = length(local.network_interfaces[each.value.instance_type]) == 0 ? [aws_security_group.this.id] : null
+  associate_public_ip_address = length(local.network_interfaces[each.value.instance_type]) == 0 ? false : null
+
   # A reclaimed spot node is terminated, not stopped: the run continues on the others (elastic rendezvous)
   # and the next `infractl up` creates its replacement.
   dynamic "instance_market_options" {
@@ -180,17 +233,24 @@ resource "aws_instance" "node" {
   })
 }
 
-# The rendezvous endpoint lives here, never on a training node: torchrun's c10d store is a single point of
-# failure on whichever host serves it. Always on-demand, outside the placement group.
+# The rendezvous endpoint (and the cluster's image registry) lives here, never on a training node: torchrun's
+# c10d store is a single point of failure on whichever host serves it. It is also the SSH jump host to the
+# nodes. Always on-demand, outside the placement group.
 resource "aws_instance" "controller" {
-  ami                    = local.ami[var.controller_instance_type]
-  instance_type          = var.controller_instance_type
-  subnet_id              = local.subnet_id
-  vpc_security_group_ids = [aws_security_group.this.id]
-  iam_instance_profile   = aws_iam_instance_profile.controller.name
-  key_name               = var.key_name
-  ebs_optimized          = true
-  monitoring             = true
+  #checkov:skip=CKV_AWS_88:The controller is the SSH jump host: its public address admits SSH from ssh_ingress_cidrs only.
+  #checkov:skip=CKV_AWS_126:Basic monitoring is enough for the controller, which trains nothing.
+  ami                         = local.ami[var.controller_instance_type]
+  instance_type               = var.controller_instance_type
+  subnet_id                   = local.controller_subnet_id
+  associate_public_ip_address = true
+  vpc_security_group_ids      = [aws_security_group.this.id, aws_security_group.jump.id]
+  iam_instance_profile        = aws_iam_instance_profile.controller.name
+  key_name                    = aws_key_pair.cluster.key_name
+  user_data                   = local.user_data
+  ebs_optimized               = true
+  # Basic monitoring: the controller only serves the rendezvous store and the registry; detailed metrics
+  # are for the training nodes (their launch template).
+  monitoring = false
 
   metadata_options {
     http_endpoint               = "enabled"

@@ -109,7 +109,7 @@ resource "aws_vpc_endpoint" "s3" {
   count = local.create_network ? 1 : 0
 
   vpc_id            = aws_vpc.this[0].id
-  service_name      = "com.amazonaws.${data.aws_region.current.region}.s3"
+  service_name      = "com.amazonaws.${data.aws_region.current.name}.s3"
   vpc_endpoint_type = "Gateway"
   route_table_ids   = [aws_route_table.private[0].id]
   tags              = merge(local.tags, { Name = "infractl-${var.cluster_name}-s3" })

@@ -5,7 +5,7 @@ output "inventory" {
       name              = name
       address           = aws_instance.node[name].private_ip
       workdir           = var.workdir
-      processes         = coalesce(var.processes_per_node, local.instance_types[local.nodes[name].instance_type].gpus)
+      processes         = coalesce(var.processes_per_node, max(1, local.instance_types[local.nodes[name].instance_type].gpus))
       instance_id       = aws_instance.node[name].id
       group             = local.nodes[name].group
       instance_type     = local.nodes[name].instance_type
@@ -16,10 +16,12 @@ output "inventory" {
 }
 
 output "controller" {
-  description = "The controller instance: instance_id (the Session Manager target) and address (private IP)."
+  description = "The controller instance: instance_id, address (private IP, what the nodes use), public_address (the SSH jump host's) and login_user."
   value = {
-    instance_id = aws_instance.controller.id
-    address     = aws_instance.controller.private_ip
+    instance_id    = aws_instance.controller.id
+    address        = aws_instance.controller.private_ip
+    public_address = aws_instance.controller.public_ip
+    login_user     = var.login_user
   }
 }
 
@@ -44,7 +46,7 @@ output "network" {
     vpc_id            = local.vpc_id
     subnet_id         = local.subnet_id
     security_group_id = aws_security_group.this.id
-    placement_group   = aws_placement_group.this.name
+    placement_group   = try(aws_placement_group.this[0].name, null)
   }
 }
 

@@ -25,7 +25,7 @@ variable "node_groups" {
 
   validation {
     condition     = alltrue([for group in values(var.node_groups) : contains(keys(local.instance_types), group.instance_type)])
-    error_message = "node_groups[*].instance_type must be one of: g5.12xlarge, g5.48xlarge, g6.12xlarge, g6.48xlarge, p4d.24xlarge, p5.48xlarge, p5en.48xlarge (the types in instances.json)."
+    error_message = "node_groups[*].instance_type must be one of: c7i.16xlarge, c7i.4xlarge, c7i.8xlarge, g5.12xlarge, g5.48xlarge, g6.12xlarge, g6.48xlarge, m7i.16xlarge, m7i.4xlarge, m7i.8xlarge, p4d.24xlarge, p5.48xlarge, p5en.48xlarge (the types in instances.json)."
   }
 
   validation {
@@ -40,7 +40,8 @@ variable "processes_per_node" {
   default     = null
 
   validation {
-    condition     = var.processes_per_node == null || (var.processes_per_node >= 1 && var.processes_per_node <= 64 && floor(var.processes_per_node) == var.processes_per_node)
+    # A conditional, not ||: Terraform before 1.12 evaluates both sides of ||, and floor(null) fails.
+    condition     = var.processes_per_node == null ? true : (var.processes_per_node >= 1 && var.processes_per_node <= 64 && floor(var.processes_per_node) == var.processes_per_node)
     error_message = "processes_per_node must be null or a whole number from 1 to 64."
   }
 }
@@ -160,14 +161,63 @@ variable "store_kms_key_arn" {
   }
 }
 
-variable "key_name" {
-  description = "EC2 key pair installed on every instance, for SSH through Session Manager (no inbound port is ever opened). Null: Session Manager only."
+variable "ssh_public_key" {
+  description = "OpenSSH public key that may log in as the login user on every instance (infractl's cluster key): the operator reaches the controller with it, and the nodes through the controller."
+  type        = string
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^(ssh-ed25519|ecdsa-sha2-nistp256|ssh-rsa) [A-Za-z0-9+/=]+( .*)?$", var.ssh_public_key))
+    error_message = "ssh_public_key must be one OpenSSH public key line (ssh-ed25519 AAAA... comment)."
+  }
+}
+
+variable "host_key" {
+  description = "The cluster's SSH host key pair (OpenSSH private and public key) that user_data installs on every instance, so the operator's known_hosts pins it before any instance exists (never trust on first use)."
+  type = object({
+    private = string
+    public  = string
+  })
+  sensitive = true
+  nullable  = false
+}
+
+variable "ssh_ingress_cidrs" {
+  description = "IPv4 CIDRs that may reach the controller's SSH port (the cluster's only inbound port): the operator's address, or the range of the machines infractl runs on."
+  type        = list(string)
+  nullable    = false
+
+  validation {
+    condition     = length(var.ssh_ingress_cidrs) >= 1 && alltrue([for cidr in var.ssh_ingress_cidrs : can(cidrhost(cidr, 0))])
+    error_message = "ssh_ingress_cidrs needs at least one IPv4 CIDR, such as 203.0.113.7/32."
+  }
+}
+
+variable "login_user" {
+  description = "The user SSH logs in as on every instance (with passwordless sudo): ubuntu on Ubuntu and the deep learning AMIs."
+  type        = string
+  default     = "ubuntu"
+  nullable    = false
+
+  validation {
+    condition     = can(regex("^[a-z_][a-z0-9_-]{0,31}$", var.login_user))
+    error_message = "login_user must be a Unix user name."
+  }
+}
+
+variable "public_subnet_id" {
+  description = "Existing public subnet (with subnet_id) for the controller, the SSH jump host: it needs a public address. Ignored when the module creates the network."
   type        = string
   default     = null
 
   validation {
-    condition     = var.key_name == null || can(regex("^[ -~]{1,255}$", var.key_name))
-    error_message = "key_name must be null or the name of an EC2 key pair (1-255 printable ASCII characters)."
+    condition     = var.public_subnet_id == null || can(regex("^subnet-[0-9a-f]{8,17}$", var.public_subnet_id))
+    error_message = "public_subnet_id must be null or a subnet id (subnet-0123456789abcdef0)."
+  }
+
+  validation {
+    condition     = (var.subnet_id == null) || (var.public_subnet_id != null)
+    error_message = "public_subnet_id is required with subnet_id: the controller is the SSH jump host and needs a public address."
   }
 }
 

@@ -6,8 +6,10 @@ terraform {
   required_providers {
     aws = {
       source = "hashicorp/aws"
-      # 6.x: launch templates accept efa-only network interfaces and aws_instance takes instance_market_options.
-      version = ">= 6.0, < 7.0"
+      # 5.100 and 6.x: both take efa-only network interfaces in launch templates and instance_market_options
+      # on aws_instance; the module uses no attribute that only one of them has (data.aws_region's name,
+      # not 6.x's region).
+      version = ">= 5.100, < 7.0"
     }
   }
 }

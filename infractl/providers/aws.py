@@ -20,20 +20,21 @@ Prices come from ``infra/aws/prices.json``: dated us-east-1 list prices, to be c
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from infractl import infra
+from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
-from infractl.errors import InfraError, UsageError
-from infractl.infra import Node
+from infractl.errors import ConfigError, InfraError, UsageError
+from infractl.infra import ApplyResult, Node, RootSettings, SshLogin
 from infractl.providers.base import NodeControl, Provider, register
 from infractl.providers.remote import SshNodes
 from infractl.state import ClusterState
@@ -41,6 +42,7 @@ from infractl.state import ClusterState
 __all__ = [
     "Aws",
     "AwsSpec",
+    "ClusterKeys",
     "CLUSTER_TAG",
     "NodeGroup",
     "instance_types",
@@ -53,6 +55,12 @@ __all__ = [
 
 #: The tag infra/aws puts on every taggable resource (its value: the cluster's name); the sweep's key.
 CLUSTER_TAG = "infractl:cluster"
+
+_PROVIDER_SOURCE = "hashicorp/aws"
+#: The provider versions infra/aws supports (its versions.tf says the same).
+_PROVIDER_VERSIONS = ">= 5.100, < 7.0"
+#: The AWS APIs Terraform calls for infra/aws (``aws.endpoint_url`` serves them all).
+_SERVICES = ("ec2", "iam", "s3", "ssm", "sts")
 
 # AWS turns a monthly price into an hourly one with 730 hours a month.
 _HOURS_PER_MONTH = 730
@@ -106,7 +114,44 @@ class AwsSpec(Spec):
     bucket_force_destroy: bool = Field(False, description="Let `teardown --purge` delete a created bucket's objects.")
     noncurrent_version_days: int = Field(7, ge=1, le=365, description="Days a created bucket keeps old versions.")
     store_kms_key_arn: str | None = Field(None, description="KMS key for a created bucket (default: S3-managed).")
-    key_name: str | None = Field(None, description="EC2 key pair for SSH through Session Manager.")
+    ssh_ingress_cidrs: list[str] = Field(
+        min_length=1,
+        max_length=16,
+        description=(
+            "IPv4 CIDRs that may reach the controller's SSH port, the cluster's only inbound port: where infractl "
+            "runs (e.g. 203.0.113.7/32)."
+        ),
+    )
+    public_subnet_id: str | None = Field(
+        None,
+        pattern=_AWS_ID.format(kind="subnet"),
+        description="Existing public subnet for the controller, the SSH jump host (required with subnet_id).",
+    )
+    login_user: str = Field(
+        "ubuntu", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description="The user SSH logs in as (with sudo)."
+    )
+    ssh_key: str | None = Field(
+        None,
+        description=(
+            "Private key file (OpenSSH) that logs in to every instance, its .pub beside it. Default: a key "
+            "generated for the cluster and kept in its state directory."
+        ),
+    )
+    endpoint_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description=(
+            "One endpoint for every AWS API (EC2, S3, IAM, STS, SSM): a private or emulated AWS. Default: AWS's "
+            "own endpoints for the region."
+        ),
+    )
+    provider_mirror: str | None = Field(
+        None,
+        description=(
+            "Folder of a Terraform provider filesystem mirror holding hashicorp/aws (5.100 or 6.x), for machines "
+            "that cannot reach the Terraform registry. Default: the registry."
+        ),
+    )
     controller_instance_type: str = Field("m7i.large", description="The controller (rendezvous) instance type.")
     rendezvous_port: int = Field(29400, ge=1024, le=65535, description="The rendezvous endpoint's port.")
     root_volume_gb: int = Field(200, ge=100, le=16384, description="Root volume of each node, GiB.")
@@ -120,11 +165,30 @@ class AwsSpec(Spec):
             raise field_error("subnet_id", "vpc_id and subnet_id go together: give both, or neither")
         if self.subnet_id is None and self.availability_zone is None:
             raise field_error("availability_zone", "is required when the cluster creates its subnet")
+        if self.subnet_id is not None and self.public_subnet_id is None:
+            raise field_error("public_subnet_id", "is required with subnet_id: the controller needs a public address")
         return self
+
+    @field_validator("ssh_ingress_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.IPv4Network(cidr)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an IPv4 network in CIDR form (e.g. 203.0.113.7/32)") from None
+        return value
+
+    @field_validator("ssh_key", "provider_mirror")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).expanduser().is_absolute():
+            raise ValueError(f"{value!r} must be an absolute path (or start with ~)")
+        return value
 
 
 def _ranks_per_gpu(data: dict[str, Any]) -> dict[str, Any]:
-    """processes_per_node defaults to the GPUs of the node groups' instance type."""
+    """processes_per_node defaults to the GPUs of the node groups' instance type (1 on CPU types)."""
     if "processes_per_node" in data:
         return data
     aws = data.get("aws")
@@ -133,7 +197,7 @@ def _ranks_per_gpu(data: dict[str, Any]) -> dict[str, Any]:
         return data
     table = instance_types()
     types = [g.get("instance_type") for g in groups.values() if isinstance(g, dict)]
-    gpus = {table[t]["gpus"] for t in types if isinstance(t, str) and t in table}
+    gpus = {max(1, table[t]["gpus"]) for t in types if isinstance(t, str) and t in table}
     return data | {"processes_per_node": gpus.pop()} if len(gpus) == 1 else data
 
 
@@ -182,22 +246,76 @@ def prices() -> dict[str, Any]:
     return document
 
 
-def module_variables(spec: ClusterSpec) -> dict[str, object]:
+#: The aws section's fields that configure the root module, the provider or infractl, not the module.
+_ROOT_FIELDS = frozenset({"region", "state_bucket", "ssh_key", "endpoint_url", "provider_mirror"})
+
+
+def module_variables(spec: ClusterSpec, keys: Mapping[str, object]) -> dict[str, object]:
     """infra/aws's variables for ``spec`` (provider aws): the ``aws:`` section, the cluster's name,
-    ranks per node, and the store's bucket and prefix. Unset optional fields are left out, so the
-    module's defaults apply."""
+    ranks per node, the store's bucket and prefix, and ``keys`` (``ssh_public_key`` and
+    ``host_key``: ``ClusterKeys.variables``). Unset optional fields are left out, so the module's
+    defaults apply."""
     aws = spec.settings(AwsSpec)
     if aws is None or spec.store is None:
         raise InfraError(f"cluster {spec.name!r} has no aws section or no store: not an aws cluster")
     store = urlsplit(spec.store)  # s3://bucket/prefix, perhaps with ?endpoint_url=... (not the module's business)
-    settings = aws.model_dump(mode="json", exclude={"region", "state_bucket"}, exclude_none=True)
+    settings = aws.model_dump(mode="json", exclude=set(_ROOT_FIELDS), exclude_none=True)
     return {
         "cluster_name": spec.name,
         "processes_per_node": spec.processes_per_node,
         "store_bucket": store.netloc,
         "store_prefix": store.path.strip("/"),
         **settings,
+        **keys,
     }
+
+
+@dataclass(frozen=True)
+class ClusterKeys:
+    """The cluster's SSH keys, OpenSSH private key files with their ``.pub`` beside: ``login`` logs
+    in to every instance, ``host`` is every instance's host key (user_data installs it), so the
+    operator's known_hosts pins it before any instance exists."""
+
+    login: Path
+    host: Path
+
+    @classmethod
+    def of(cls, spec: ClusterSpec, state: ClusterState) -> ClusterKeys:
+        """The cluster's keys, made in its state directory (0600) the first time they are asked
+        for; the login key is ``aws.ssh_key`` where cluster.yaml names one."""
+        aws = spec.settings(AwsSpec)
+        assert aws is not None
+        folder = state.dir / "ssh"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        host = folder / "host_ed25519"
+        login = Path(aws.ssh_key).expanduser() if aws.ssh_key else folder / "id_ed25519"
+        for key, comment in ((host, f"infractl-{spec.name}-host"), (login, f"infractl-{spec.name}")):
+            if not key.is_file() and key.parent == folder:
+                made = proc.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)])
+                if made.returncode != 0:
+                    raise InfraError(f"ssh-keygen could not make {key}: {made.stderr.strip()}")
+            if not key.with_suffix(".pub").is_file():
+                raise ConfigError(
+                    f"{key}.pub is missing: the public key goes beside the private one", field="aws.ssh_key"
+                )
+        return cls(login=login, host=host)
+
+    def variables(self) -> dict[str, object]:
+        """infra/aws's ``ssh_public_key`` and ``host_key``."""
+        return {
+            "ssh_public_key": self.login.with_suffix(".pub").read_text().strip(),
+            "host_key": {"private": self.host.read_text(), "public": self.host_public()},
+        }
+
+    def host_public(self) -> str:
+        return self.host.with_suffix(".pub").read_text().strip()
+
+
+#: Placeholders that pass the module's validations, for the dry run (which makes no key).
+_DRY_RUN_KEYS: dict[str, object] = {
+    "ssh_public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDryrunDryrunDryrunDryrunDryrunDryrunDryrun dry-run",
+    "host_key": {"private": "(made by `infractl up`)", "public": "(made by `infractl up`)"},
+}
 
 
 def planned_resources(variables: Mapping[str, object]) -> list[str]:
@@ -270,17 +388,17 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
     }
 
 
-def sweep(cluster: str, region: str) -> list[str]:
+def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list[str]:
     """What EC2 in ``region`` still holds with the cluster's tag: instances not terminated, volumes,
     network interfaces, security groups and placement groups, one ``"<kind> <id>"`` each. Run after
     ``terraform destroy``: anything listed is a leak (it costs money and nothing manages it).
-    Credentials and the endpoint come from the environment, as boto3 finds them."""
+    Credentials come from the environment, as boto3 finds them; the endpoint too, unless given."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
-    ec2 = boto3.client("ec2", region_name=region)
-    tagging = boto3.client("resourcegroupstaggingapi", region_name=region)
+    ec2 = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url)
+    tagging = boto3.client("resourcegroupstaggingapi", region_name=region, endpoint_url=endpoint_url)
     tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
     try:
         found = [
@@ -330,8 +448,10 @@ def _evaluate(variables: Mapping[str, object]) -> dict[str, Any]:
     if unknown:
         raise InfraError(f"infra/aws has no variable {', '.join(unknown)} (it takes: {', '.join(declared)})")
     blocks = [block for document in parsed for block in _resource_blocks(document)]
+    # The host key is sensitive (and no count depends on it): Terraform would refuse to output it.
+    shown = [name for name in declared if name != "host_key"]
     outputs: dict[str, dict[str, str]] = {
-        "variables": {"value": "${ { " + ", ".join(f"{name} = var.{name}" for name in declared) + " } }"},
+        "variables": {"value": "${ { " + ", ".join(f"{name} = var.{name}" for name in shown) + " } }"},
         "controller_root_volume_gb": {"value": "${local.controller_root_volume_gb}"},
     }
     for index, block in enumerate(blocks):
@@ -415,20 +535,76 @@ class Aws(Provider):
     name = "aws"
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
-        return module_variables(spec)
+        return module_variables(spec, ClusterKeys.of(spec, state).variables())
 
     def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
         """What ``infractl up`` would do for ``spec``, computed offline: the module's variables, the
         resources it would create, and the hourly cost at prices.json's list prices."""
-        variables = module_variables(spec)
+        variables = module_variables(spec, _DRY_RUN_KEYS)
         return {
             "provider": self.name,
             "module": f"infra/{self.name}",
             "region": aws.region if (aws := spec.settings(AwsSpec)) else None,
-            "variables": variables,
+            "variables": {name: value for name, value in variables.items() if name not in _DRY_RUN_KEYS},
             "resources": planned_resources(variables),
             "cost": hourly_cost(variables),
         }
+
+    def root_settings(self, spec: ClusterSpec, state: ClusterState) -> RootSettings:
+        """The root module around infra/aws: the provider (region, the cluster's tag on everything
+        through default_tags, ``aws.endpoint_url`` for every service), the state in
+        ``aws.state_bucket`` locked with an S3 lock file, the controller's and the network's
+        outputs, and a CLI configuration installing the provider from ``aws.provider_mirror``."""
+        aws = spec.settings(AwsSpec)
+        assert aws is not None
+        provider: dict[str, Any] = {
+            "region": aws.region,
+            "default_tags": [{"tags": {CLUSTER_TAG: spec.name, "infractl:managed-by": "infractl"}}],
+        }
+        backend: dict[str, Any] = {
+            "bucket": aws.state_bucket,
+            "key": f"infractl/{spec.name}/terraform.tfstate",
+            "region": aws.region,
+            "use_lockfile": True,
+            "encrypt": True,
+        }
+        if aws.endpoint_url is not None:
+            provider |= {"endpoints": [dict.fromkeys(_SERVICES, aws.endpoint_url)], "s3_use_path_style": True}
+            backend |= {"endpoints": dict.fromkeys(("s3", "sts", "iam"), aws.endpoint_url), "use_path_style": True}
+        blocks = {
+            "terraform": {
+                "required_providers": {"aws": {"source": _PROVIDER_SOURCE, "version": _PROVIDER_VERSIONS}},
+                "backend": {"s3": backend},
+            },
+            "provider": {"aws": provider},
+        }
+        cli_config = ""
+        if aws.provider_mirror is not None:
+            mirror = json.dumps(str(Path(aws.provider_mirror).expanduser()))
+            source = json.dumps(f"registry.terraform.io/{_PROVIDER_SOURCE}")
+            cli_config = (
+                "provider_installation {\n"
+                f"  filesystem_mirror {{\n    path    = {mirror}\n    include = [{source}]\n  }}\n"
+                f"  direct {{\n    exclude = [{source}]\n  }}\n"
+                "}\n"
+            )
+        return RootSettings(blocks=blocks, outputs=("controller", "network", "bucket"), cli_config=cli_config)
+
+    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
+        """The nodes, reached over SSH through the controller (the cluster's only public address)
+        with the cluster's key; every instance's host key is pinned in the cluster's known_hosts."""
+        aws = spec.settings(AwsSpec)
+        assert aws is not None
+        keys = ClusterKeys.of(spec, state)
+        controller = applied.outputs["controller"]
+        known_hosts = state.dir / "ssh" / "known_hosts"
+        host_key = keys.host_public().split()[:2]
+        lines = [f"{controller['public_address']},{controller['address']} {' '.join(host_key)}"]
+        lines += [f"{node.address} {' '.join(host_key)}" for node in applied.nodes]
+        infra.write_private(known_hosts, "\n".join(lines) + "\n")
+        jump = f"{controller['login_user']}@{controller['public_address']}"
+        login = SshLogin(user=aws.login_user, identity_file=keys.login, known_hosts=known_hosts, jump=jump)
+        return [replace(node, ssh=login) for node in applied.nodes]
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         raise UsageError(_NOT_WIRED, field="provider")
@@ -439,7 +615,8 @@ class Aws(Provider):
 
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""
-        return sweep(record["name"], record["spec"][self.name]["region"])
+        settings = record["spec"][self.name]
+        return sweep(record["name"], settings["region"], endpoint_url=settings.get("endpoint_url"))
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         """Instances are reached over SSH, and run infractl's node side with the system Python (no

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 
 from infractl.config import ClusterSpec, ProviderConfig, register_provider
 from infractl.errors import InfractlError, UsageError
-from infractl.infra import Node
+from infractl.infra import ApplyResult, Node, RootSettings
 from infractl.proc import NodeProcess
 from infractl.state import ClusterState
 
@@ -73,6 +73,16 @@ class Provider(ABC):
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """What this machine must offer before ``up`` changes anything (a ``UsageError`` or
         ``ConfigError`` naming the field otherwise)."""
+
+    def root_settings(self, spec: ClusterSpec, state: ClusterState) -> RootSettings:
+        """What the root module that calls ``infra/<provider>/`` adds (provider and backend blocks,
+        outputs, the Terraform CLI configuration): nothing where the module needs no provider."""
+        return RootSettings()
+
+    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
+        """The nodes of an apply, as the control plane reaches them (the module's inventory, where
+        it says all of that itself)."""
+        return applied.nodes
 
     @abstractmethod
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:

@@ -223,7 +223,7 @@ class SshNodes(NodeControl):
             "ansible_host": address,
             "ansible_user": login.user,
             "ansible_ssh_private_key_file": str(login.identity_file),
-            "ansible_ssh_common_args": " ".join(login.options()),
+            "ansible_ssh_common_args": shlex.join(login.options()),
             "ansible_python_interpreter": self.python(node),
         }
 

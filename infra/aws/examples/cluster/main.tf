@@ -6,7 +6,10 @@
 #     -backend-config="bucket=<state bucket>" \
 #     -backend-config="key=infractl/<cluster>/terraform.tfstate" \
 #     -backend-config="region=us-east-1"
-#   terraform apply -var="cluster_name=<cluster>" -var="store_bucket=<store bucket>"
+#   terraform apply -var="cluster_name=<cluster>" -var="store_bucket=<store bucket>" \
+#     -var="ssh_public_key=$(cat key.pub)" -var="ssh_ingress_cidrs=[\"<your address>/32\"]" \
+#     -var='host_key={private="<host key>", public="<host key .pub>"}'
+# (infractl generates both keys in the cluster's state directory and writes this root module itself.)
 #
 # The state bucket exists before any cluster (it holds every cluster's state) and is not the store's bucket,
 # which a cluster may create and destroy.
@@ -17,7 +20,7 @@ terraform {
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = ">= 6.0, < 7.0"
+      version = ">= 5.100, < 7.0"
     }
   }
 
@@ -51,6 +54,25 @@ variable "store_bucket" {
   type        = string
 }
 
+variable "ssh_public_key" {
+  description = "OpenSSH public key that logs in to every instance (ssh-ed25519 AAAA...)."
+  type        = string
+}
+
+variable "host_key" {
+  description = "The SSH host key pair every instance gets (user_data installs it; pin its public half in known_hosts)."
+  type = object({
+    private = string
+    public  = string
+  })
+  sensitive = true
+}
+
+variable "ssh_ingress_cidrs" {
+  description = "Where SSH to the controller, the jump host, may come from (e.g. [\"203.0.113.7/32\"])."
+  type        = list(string)
+}
+
 provider "aws" {
   region = var.region
 
@@ -72,9 +94,12 @@ module "cluster" {
     core    = { instance_type = "p5.48xlarge", nodes = 2 }
     elastic = { instance_type = "p5.48xlarge", nodes = 2, spot = true }
   }
-  store_bucket  = var.store_bucket
-  store_prefix  = "infractl"
-  create_bucket = true
+  store_bucket      = var.store_bucket
+  store_prefix      = "infractl"
+  create_bucket     = true
+  ssh_public_key    = var.ssh_public_key
+  host_key          = var.host_key
+  ssh_ingress_cidrs = var.ssh_ingress_cidrs
 }
 
 output "inventory" {

@@ -1,0 +1,289 @@
+"""An emulated AWS on this machine, for the tests and by hand (``python tests/awsemu.py``): moto's
+standalone server is the AWS API, and a host emulator turns every running EC2 instance into a host.
+
+The VPC is one bridge, ``ixe<id>``, whose host side holds the VPC's first address (the router's, in
+AWS's layout) and serves the API there, so the control plane and the instances reach the same
+endpoint. The emulator polls DescribeInstances; for each running instance it makes a network
+namespace with the instance's private address (on the VPC's prefix, so every subnet of the VPC is
+one link), plus its public address where it has one (routed from this machine through the private
+one: the controller's public address is how the operator reaches the jump host), and starts an sshd
+there from what the instance's ``user_data`` says to cloud-init: the host key (``ssh_keys``) and
+the login keys (``ssh_authorized_keys``). A terminated instance's host goes, processes and all.
+
+infractl is not told: it sees an AWS endpoint and hosts that answer SSH. Emulated hosts share this
+machine's users, so a cluster logs in as root (``aws.login_user: root``). Root, Linux, iproute2,
+util-linux and openssh-server are needed, as for the netns provider.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import yaml
+
+from s3server import AWS_TEST_ENV, moto_server
+
+__all__ = ["EmulatedAws", "emulated_aws", "terraform_mirror"]
+
+_SSHD = "/usr/sbin/sshd"
+#: Where the machine image keeps the Terraform provider mirror (REFERENCES.md), unless set.
+_MIRROR_ENV = "INFRACTL_TF_MIRROR"
+_MIRROR_DEFAULT = "/opt/tf-plugins"
+
+
+def terraform_mirror() -> Path:
+    """The Terraform provider filesystem mirror that holds hashicorp/aws on this machine."""
+    root = Path(os.environ.get(_MIRROR_ENV, _MIRROR_DEFAULT))
+    if not any((root / "registry.terraform.io" / "hashicorp" / "aws").glob("*/linux_amd64")):
+        raise RuntimeError(f"no hashicorp/aws provider in a Terraform mirror at {root} (set {_MIRROR_ENV})")
+    return root
+
+
+@dataclass
+class _Host:
+    instance_id: str
+    namespace: str
+    veth: str
+    private_ip: str
+    public_ip: str | None
+    folder: Path
+    sshd_pid: int | None
+
+
+class EmulatedAws:
+    """moto's server plus the hosts of its running instances (see the module's docstring)."""
+
+    def __init__(self, folder: Path, vpc_cidr: str) -> None:
+        self.folder = folder
+        self.network = ipaddress.IPv4Network(vpc_cidr)
+        self.router = str(self.network.network_address + 1)
+        self.id = hashlib.sha256(str(folder).encode()).hexdigest()[:6]
+        self.bridge = f"ixe{self.id}"
+        self.endpoint = ""
+        self.image_id = ""
+        self.hosts: dict[str, _Host] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- the VPC's link ------------------------------------------------------------------------
+
+    def open_network(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.router}/{self.network.prefixlen}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def close_network(self) -> None:
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+
+    def client(self, service: str) -> Any:
+        return boto3.client(service, endpoint_url=self.endpoint, region_name=AWS_TEST_ENV["AWS_DEFAULT_REGION"])
+
+    def register_image(self) -> str:
+        """An AMI for every instance type (the clusters pin it with ``aws.ami_overrides``)."""
+        image = self.client("ec2").register_image(
+            Name="infractl-emulated-ubuntu-24.04",
+            Architecture="x86_64",
+            RootDeviceName="/dev/sda1",
+            VirtualizationType="hvm",
+        )
+        self.image_id = str(image["ImageId"])
+        return self.image_id
+
+    # -- hosts ---------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Make the hosts match the running instances (one pass)."""
+        with self._lock:
+            ec2 = self.client("ec2")
+            running: dict[str, dict[str, Any]] = {}
+            for page in ec2.get_paginator("describe_instances").paginate():
+                for reservation in page["Reservations"]:
+                    for instance in reservation["Instances"]:
+                        address = instance.get("PrivateIpAddress")
+                        if instance["State"]["Name"] == "running" and address:
+                            if ipaddress.IPv4Address(address) in self.network:
+                                running[instance["InstanceId"]] = instance
+            for instance_id in sorted(set(self.hosts) - set(running)):
+                self._remove(self.hosts.pop(instance_id))
+            for instance_id, instance in sorted(running.items()):
+                if instance_id not in self.hosts:
+                    self.hosts[instance_id] = self._add(ec2, instance)
+
+    def _add(self, ec2: Any, instance: dict[str, Any]) -> _Host:
+        index = len(list(self.folder.glob("hosts/*")))
+        host = _Host(
+            instance_id=instance["InstanceId"],
+            namespace=f"ixe{self.id}-{index}",
+            veth=f"ixe{self.id}h{index}",
+            private_ip=instance["PrivateIpAddress"],
+            public_ip=instance.get("PublicIpAddress"),
+            folder=self.folder / "hosts" / instance["InstanceId"],
+            sshd_pid=None,
+        )
+        host.folder.mkdir(parents=True, mode=0o700)
+        _ip("netns", "add", host.namespace)
+        _ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+        _ip("link", "set", host.veth, "master", self.bridge, "up")
+        _ip("-n", host.namespace, "addr", "add", f"{host.private_ip}/{self.network.prefixlen}", "dev", "eth0")
+        if host.public_ip:
+            _ip("-n", host.namespace, "addr", "add", f"{host.public_ip}/32", "dev", "eth0")
+        _ip("-n", host.namespace, "link", "set", "eth0", "up")
+        _ip("-n", host.namespace, "link", "set", "lo", "up")
+        _ip("-n", host.namespace, "route", "add", "default", "via", self.router)
+        if host.public_ip:
+            _ip("route", "replace", f"{host.public_ip}/32", "via", host.private_ip, "dev", self.bridge)
+        raw = ec2.describe_instance_attribute(InstanceId=host.instance_id, Attribute="userData")
+        encoded = raw.get("UserData", {}).get("Value")
+        cloud_config = _cloud_config(base64.b64decode(encoded).decode() if encoded else "")
+        if cloud_config.get("ssh_keys") and cloud_config.get("ssh_authorized_keys"):
+            host.sshd_pid = self._start_sshd(host, cloud_config)
+        return host
+
+    def _start_sshd(self, host: _Host, cloud_config: dict[str, Any]) -> int:
+        keys = cloud_config["ssh_keys"]
+        host_key = host.folder / "ssh_host_ed25519_key"
+        host_key.write_text(keys["ed25519_private"])
+        host_key.chmod(0o600)
+        authorized = host.folder / "authorized_keys"
+        authorized.write_text("".join(f"{key}\n" for key in cloud_config["ssh_authorized_keys"]))
+        config = host.folder / "sshd_config"
+        config.write_text(
+            f"ListenAddress 0.0.0.0\nHostKey {host_key}\nPidFile {host.folder / 'sshd.pid'}\n"
+            f"AuthorizedKeysFile {authorized}\nAllowUsers root\nPermitRootLogin prohibit-password\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+            # The controller is the jump host: ssh -W needs TCP forwarding.
+            "AllowTcpForwarding yes\nX11Forwarding no\nLogLevel VERBOSE\nSubsystem sftp internal-sftp\n"
+        )
+        Path("/run/sshd").mkdir(exist_ok=True)
+        subprocess.run(
+            [
+                "nsenter",
+                f"--net=/run/netns/{host.namespace}",
+                _SSHD,
+                "-f",
+                str(config),
+                "-E",
+                str(host.folder / "sshd.log"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return int((host.folder / "sshd.pid").read_text().strip())
+
+    def _remove(self, host: _Host) -> None:
+        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True, check=False)
+        for pid in {int(p) for p in listed.stdout.split()} | ({host.sshd_pid} if host.sshd_pid else set()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        if host.public_ip:
+            subprocess.run(["ip", "route", "del", f"{host.public_ip}/32"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True, check=False)
+
+    def watch(self, interval: float = 0.5) -> threading.Thread:
+        """Sync in a thread until ``stop``."""
+
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.sync()
+                except Exception as exc:  # the API mid-restart, a host half made: next pass
+                    print(f"awsemu: {exc}", file=sys.stderr)
+
+        thread = threading.Thread(target=loop, name="awsemu", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for host in self.hosts.values():
+                self._remove(host)
+            self.hosts.clear()
+
+
+def _cloud_config(user_data: str) -> dict[str, Any]:
+    if not user_data.startswith("#cloud-config"):
+        return {}
+    loaded = yaml.safe_load(user_data)
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+@contextmanager
+def emulated_aws(folder: Path, vpc_cidr: str) -> Iterator[EmulatedAws]:
+    """An emulated AWS whose VPC is ``vpc_cidr`` (the cluster's ``aws.vpc_cidr``), its files in
+    ``folder``; everything it made is gone when the block ends."""
+    folder.mkdir(parents=True, exist_ok=True)
+    emulation = EmulatedAws(folder, vpc_cidr)
+    emulation.open_network()
+    watcher = None
+    try:
+        # AWS's managed policies (the module attaches two) exist only when moto loads them.
+        env = {"MOTO_IAM_LOAD_MANAGED_POLICIES": "true"}
+        with moto_server(folder / "moto.log", env=env, host=emulation.router) as endpoint:
+            emulation.endpoint = endpoint
+            emulation.register_image()
+            watcher = emulation.watch()
+            try:
+                yield emulation
+            finally:
+                emulation.stop()
+                watcher.join(timeout=10)
+    finally:
+        emulation.close_network()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="An emulated AWS on this machine (root): moto and instance hosts.")
+    parser.add_argument("--vpc-cidr", default="10.77.0.0/16", help="the cluster's aws.vpc_cidr")
+    parser.add_argument("--folder", default=".infractl/awsemu", help="where its files go")
+    args = parser.parse_args()
+    os.environ.update(AWS_TEST_ENV)
+    with emulated_aws(Path(args.folder).resolve(), args.vpc_cidr) as emulation:
+        emulation.client("s3").create_bucket(Bucket="infractl-state")
+        print(
+            json.dumps(
+                {
+                    "endpoint_url": emulation.endpoint,
+                    "ami": emulation.image_id,
+                    "state_bucket": "infractl-state",
+                    "ssh_ingress_cidrs": [f"{emulation.router}/32"],
+                    "login_user": "root",
+                    "provider_mirror": str(terraform_mirror()),
+                    "credentials": {k: AWS_TEST_ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+                },
+                indent=2,
+            ),
+            flush=True,
+        )
+        print("emulated AWS running; Ctrl-C stops it and removes every host", file=sys.stderr, flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

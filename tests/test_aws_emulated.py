@@ -1,0 +1,221 @@
+"""The ``aws`` provider against an emulated AWS (tests/awsemu.py): real Terraform and the real AWS
+provider (from the machine's provider mirror) apply infra/aws to moto's server through the root
+module infractl renders (state in the S3 backend with its lock file); the instances become SSH
+hosts, reached through the controller with the host key pinned before they existed; destroy and
+the tag sweep leave nothing. The module's EFA layouts are checked in a real plan's JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infractl import infra
+from infractl.config import ClusterSpec, load_cluster
+from infractl.infra import Node
+from infractl.providers import aws
+from infractl.state import ClusterState
+
+from awsemu import EmulatedAws, emulated_aws, terraform_mirror
+from conftest import write
+
+pytestmark = pytest.mark.e2e
+
+VPC = "10.77.0.0/16"
+STATE_BUCKET = "infractl-state"
+DIGEST = "sha256:" + "ab" * 32
+
+
+def cluster_yaml(folder: Path, endpoint: str, image: str, groups: dict[str, Any], **aws_fields: Any) -> Path:
+    """An aws cluster.yaml for the emulation (or any endpoint): its own store bucket, AMIs pinned."""
+    folder.mkdir(parents=True, exist_ok=True)
+    types = {group["instance_type"] for group in groups.values()} | {"m7i.large"}
+    config = {
+        "name": folder.name,
+        "provider": "aws",
+        "nodes": sum(group["nodes"] for group in groups.values()),
+        "store": f"s3://{folder.name}-store/runs?endpoint_url={endpoint}",
+        "aws": {
+            "region": "us-east-1",
+            "state_bucket": STATE_BUCKET,
+            "availability_zone": "us-east-1a",
+            "vpc_cidr": VPC,
+            "node_groups": groups,
+            "create_bucket": True,
+            "bucket_force_destroy": True,
+            "ssh_ingress_cidrs": ["10.77.0.1/32"],
+            "login_user": "root",
+            "endpoint_url": endpoint,
+            "provider_mirror": str(terraform_mirror()),
+            "ami_overrides": dict.fromkeys(sorted(types), image),
+            "workdir": "/var/lib/infractl",
+            **aws_fields,
+        },
+        "runtime": {"image": f"registry.example/trainer@{DIGEST}"},
+    }
+    return write(folder / "cluster.yaml", yaml.safe_dump(config))
+
+
+def ssh(node: Node, command: str) -> subprocess.CompletedProcess[str]:
+    assert node.ssh is not None
+    return subprocess.run(node.ssh.argv(node.address, command), capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
+    with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC) as emulated:
+        emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
+        yield emulated
+
+
+@pytest.fixture(scope="module")
+def applied(
+    emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]]:
+    folder = tmp_path_factory.mktemp("emu")
+    spec = load_cluster(
+        cluster_yaml(
+            folder, emulation.endpoint, emulation.image_id, {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
+        )
+    )
+    state = ClusterState(spec.name, folder / "state")
+    provider = aws.Aws()
+    result = infra.apply(
+        state.terraform_dir,
+        infra.module_dir("aws"),
+        provider.variables(spec, state),
+        root=provider.root_settings(spec, state),
+    )
+    nodes = provider.provisioned(spec, state, result)
+    emulation.sync()
+    try:
+        yield spec, state, result, nodes
+    finally:
+        infra.destroy(state.terraform_dir)
+
+
+def test_the_module_applies_with_the_real_provider_and_its_state_lives_in_the_state_bucket(
+    emulation: EmulatedAws, applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]
+) -> None:
+    spec, state, result, nodes = applied
+    assert result.changed and [n.name for n in nodes] == ["main-0", "main-1"]
+    assert all(n.address.startswith("10.77.0.") for n in nodes), [n.address for n in nodes]
+    controller = result.outputs["controller"]
+    assert controller["address"].startswith("10.77.16.") and controller["public_address"]
+    listed = emulation.client("s3").list_objects_v2(Bucket=STATE_BUCKET, Prefix=f"infractl/{spec.name}/")
+    assert [o["Key"] for o in listed.get("Contents", [])] == [f"infractl/{spec.name}/terraform.tfstate"]
+    assert not (state.terraform_dir / "terraform.tfstate").exists(), "the state is remote, not on this machine"
+    tagged = emulation.client("ec2").describe_instances(
+        Filters=[{"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [spec.name]}]
+    )
+    assert len([i for r in tagged["Reservations"] for i in r["Instances"]]) == 3
+
+
+def test_nodes_answer_ssh_through_the_controller_with_the_pinned_host_key(
+    applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]],
+) -> None:
+    _, state, result, nodes = applied
+    controller = result.outputs["controller"]
+    for node in nodes:
+        done = ssh(node, "echo $SSH_CONNECTION")
+        assert done.returncode == 0, done.stderr
+        client, _, server, _ = done.stdout.split()
+        # The node saw the controller's private address: the session came through the jump host.
+        assert (client, server) == (controller["address"], node.address)
+    # A host key other than the cluster's is refused (never trusted on first use).
+    known_hosts = state.dir / "ssh" / "known_hosts"
+    pinned = known_hosts.read_text()
+    other = state.dir / "ssh" / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    known_hosts.write_text(pinned.replace(pinned.split()[2], other.with_suffix(".pub").read_text().split()[1]))
+    try:
+        refused = ssh(nodes[0], "true")
+    finally:
+        known_hosts.write_text(pinned)
+    assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
+
+
+def test_destroy_leaves_nothing_the_sweep_or_the_emulation_finds(
+    emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("gone")
+    spec = load_cluster(
+        cluster_yaml(
+            folder, emulation.endpoint, emulation.image_id, {"cpu": {"instance_type": "m7i.4xlarge", "nodes": 1}}
+        )
+    )
+    state = ClusterState(spec.name, folder / "state")
+    provider = aws.Aws()
+    infra.apply(
+        state.terraform_dir,
+        infra.module_dir("aws"),
+        provider.variables(spec, state),
+        root=provider.root_settings(spec, state),
+    )
+    emulation.sync()
+    assert len(emulation.hosts) >= 2
+    infra.destroy(state.terraform_dir)
+    emulation.sync()
+    assert aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint) == []
+    assert not [h for h in emulation.hosts.values() if h.folder.parent.parent == folder]
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "efa", "layout"),
+    [
+        ("p5.48xlarge", 32, [(0, 0, None)] + [(0, 1, "efa-only")] + [(card, 0, "efa-only") for card in range(1, 32)]),
+        ("p4d.24xlarge", 4, [(0, 0, "efa")] + [(card, 1, "efa") for card in range(1, 4)]),
+        ("g5.12xlarge", 0, []),
+    ],
+)
+def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
+    s3_server: str, tmp_path: Path, instance_type: str, efa: int, layout: list[tuple[int, int, str | None]]
+) -> None:
+    """``terraform plan`` with the real provider and fake credentials (moto answers the few calls a
+    plan makes): the launch template's network interfaces, card by card, and the placement group
+    only where there is EFA."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=STATE_BUCKET)
+    image = "ami-0123456789abcdef0"
+    spec = load_cluster(
+        cluster_yaml(tmp_path / "plan", s3_server, image, {"gpu": {"instance_type": instance_type, "nodes": 2}})
+    )
+    state = ClusterState(spec.name, tmp_path / "state")
+    provider = aws.Aws()
+    root = provider.root_settings(spec, state)
+    folder = tmp_path / "root"
+    shutil.copytree(infra.module_dir("aws"), folder / "module")
+    variables = provider.variables(spec, state)
+    call = {"module": {"cluster": {"source": "./module", **variables}}}
+    write(folder / "main.tf.json", json.dumps(root.blocks | call))
+    env = {
+        **os.environ,
+        "TF_CLI_CONFIG_FILE": str(write(tmp_path / "terraformrc", root.cli_config)),
+        "CHECKPOINT_DISABLE": "1",
+    }
+
+    def terraform(*args: str) -> str:
+        done = subprocess.run(["terraform", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    terraform("init", "-input=false")
+    terraform("plan", "-input=false", "-out=tfplan")
+    planned = json.loads(terraform("show", "-json", "tfplan"))
+    resources = {r["address"]: r for r in planned["planned_values"]["root_module"]["child_modules"][0]["resources"]}
+    template = resources[f'module.cluster.aws_launch_template.node["{instance_type}"]']["values"]
+    interfaces = [
+        (i["network_card_index"], i["device_index"], i["interface_type"] or None)
+        for i in template["network_interfaces"]
+    ]
+    assert interfaces == layout
+    assert len([i for i in interfaces if i[2] in ("efa", "efa-only")]) == efa
+    assert ("module.cluster.aws_placement_group.this[0]" in resources) == (efa > 0)
