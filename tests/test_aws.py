@@ -115,8 +115,9 @@ def test_the_aws_section_is_validated_with_one_line_naming_the_field(
 
 def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: Cli, s3_server: str) -> None:
     """An aws cluster whose Terraform applied nothing here (so destroy has nothing to do), with an
-    instance and a volume carrying its tag planted on moto's EC2: teardown names both and exits 1,
-    keeping the cluster's state; once they are gone, teardown exits 0 and the state goes."""
+    instance, a volume, a NAT gateway and an Elastic IP carrying its tag and an IAM role under its
+    path planted on moto: teardown names each and exits 1, keeping the cluster's state; once they
+    are gone, teardown exits 0 and the state goes."""
     import boto3
     import yaml
 
@@ -144,15 +145,60 @@ def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: C
         AvailabilityZone="us-east-1a", Size=10, TagSpecifications=[{"ResourceType": "volume", "Tags": tags}]
     )["VolumeId"]
     ec2.create_volume(AvailabilityZone="us-east-1a", Size=10)  # untagged: not the cluster's
+    vpc = ec2.create_vpc(CidrBlock="10.99.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.99.0.0/24")["Subnet"]["SubnetId"]
+    address = ec2.allocate_address(Domain="vpc", TagSpecifications=[{"ResourceType": "elastic-ip", "Tags": tags}])[
+        "AllocationId"
+    ]
+    nat = ec2.create_nat_gateway(
+        SubnetId=subnet, AllocationId=address, TagSpecifications=[{"ResourceType": "natgateway", "Tags": tags}]
+    )["NatGateway"]["NatGatewayId"]
+    role = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1").create_role(
+        RoleName="infractl-node-leaked", Path=f"/infractl/{spec.name}/", AssumeRolePolicyDocument="{}"
+    )["Role"]["RoleName"]
 
     endpoint = {"AWS_ENDPOINT_URL": s3_server}
     stderr = cli("teardown", "-c", spec.name, "--yes", expect=1, env=endpoint).stderr
     (line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    assert f"instance {instance} (running)" in line and f"volume {volume}" in line, line
-    assert line.count("volume ") == 1, line
+    for leak in (f"instance {instance} (running)", f"volume {volume}", f"nat-gateway {nat}", f"elastic-ip {address}"):
+        assert leak in line, (leak, line)
+    assert f"iam-role {role}" in line, line
+    assert line.count("volume ") == 1 and f"vpc {vpc}" not in line, line  # untagged: not the cluster's
     assert state.is_up(), "a teardown that found leftovers keeps the cluster's state: run it again"
 
     ec2.terminate_instances(InstanceIds=[instance])
     ec2.delete_volume(VolumeId=volume)
+    ec2.delete_nat_gateway(NatGatewayId=nat)
+    ec2.release_address(AllocationId=address)
+    boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1").delete_role(RoleName=role)
     done = json.loads(cli("teardown", "-c", spec.name, "--yes", "--json", env=endpoint).stdout)
     assert done["cluster"] == spec.name and not state.dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "credentials", "message"),
+    [
+        ({}, NO_CREDENTIALS, "provider: provider aws: no AWS credentials (set AWS_PROFILE, or AWS_ACCESS_KEY_ID"),
+        ({"state_bucket": "no-such-state"}, {}, "aws.state_bucket: the state bucket no-such-state does not exist"),
+        ({"availability_zone": "us-east-1e"}, {}, "aws.availability_zone: m7i.large not offered in us-east-1e"),
+        ({}, {}, "provider: provider aws: the account passed the checks, but `infractl up` plans only"),
+    ],
+)
+def test_up_checks_the_account_before_anything_is_created(
+    cli: Cli, s3_server: str, change: dict[str, object], credentials: dict[str, str], message: str
+) -> None:
+    """Against moto's server (``aws.endpoint_url``): each missing thing is one line naming it, exit 2, and
+    nothing is made, not even the cluster's state directory."""
+    import yaml
+
+    state_bucket = new_bucket_name()
+    s3_client(s3_server).create_bucket(Bucket=state_bucket)
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["runtime"]["image"] = f"registry.example/trainer@{DIGEST}"
+    config["aws"] |= {"state_bucket": state_bucket, "endpoint_url": s3_server} | change
+    path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
+
+    stderr = cli("up", "-c", str(path), expect=2, env=credentials).stderr
+
+    assert one_line(stderr).startswith(f"error: {message}"), stderr
+    assert not cli.home.exists()

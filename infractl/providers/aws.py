@@ -43,6 +43,7 @@ __all__ = [
     "Aws",
     "AwsSpec",
     "ClusterKeys",
+    "check_account",
     "CLUSTER_TAG",
     "NodeGroup",
     "instance_types",
@@ -389,17 +390,26 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
 
 
 def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list[str]:
-    """What EC2 in ``region`` still holds with the cluster's tag: instances not terminated, volumes,
-    network interfaces, security groups and placement groups, one ``"<kind> <id>"`` each. Run after
-    ``terraform destroy``: anything listed is a leak (it costs money and nothing manages it).
-    Credentials come from the environment, as boto3 finds them; the endpoint too, unless given."""
+    """What the account still holds of the cluster in ``region``: by the cluster's tag, instances not
+    terminated, volumes, network interfaces, NAT gateways not deleted, Elastic IPs, launch
+    templates, key pairs, security groups, VPCs and placement groups; by their IAM path
+    (``/infractl/<cluster>/``), roles and instance profiles. One ``"<kind> <id>"`` each. Run after
+    ``terraform destroy``: anything listed is a leak (it costs money, or blocks creating the
+    cluster again, and nothing manages it). Credentials come from the environment, as boto3 finds
+    them; the endpoint too, unless given."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
     ec2 = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url)
+    iam = boto3.client("iam", region_name=region, endpoint_url=endpoint_url)
     tagging = boto3.client("resourcegroupstaggingapi", region_name=region, endpoint_url=endpoint_url)
     tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
+
+    def listed(operation: str, key: str, kind: str, field: str) -> list[str]:
+        pages = ec2.get_paginator(operation).paginate(Filters=tagged)
+        return [f"{kind} {item[field]}" for page in pages for item in page[key]]
+
     try:
         found = [
             f"instance {i['InstanceId']} ({i['State']['Name']})"
@@ -408,21 +418,19 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             for i in reservation["Instances"]
             if i["State"]["Name"] != "terminated"
         ]
+        found += listed("describe_volumes", "Volumes", "volume", "VolumeId")
+        found += listed("describe_network_interfaces", "NetworkInterfaces", "network-interface", "NetworkInterfaceId")
         found += [
-            f"volume {v['VolumeId']}"
-            for page in ec2.get_paginator("describe_volumes").paginate(Filters=tagged)
-            for v in page["Volumes"]
+            f"nat-gateway {g['NatGatewayId']} ({g['State']})"
+            for page in ec2.get_paginator("describe_nat_gateways").paginate(Filter=tagged)
+            for g in page["NatGateways"]
+            if g["State"] not in ("deleted", "failed")
         ]
-        found += [
-            f"network-interface {n['NetworkInterfaceId']}"
-            for page in ec2.get_paginator("describe_network_interfaces").paginate(Filters=tagged)
-            for n in page["NetworkInterfaces"]
-        ]
-        found += [
-            f"security-group {g['GroupId']}"
-            for page in ec2.get_paginator("describe_security_groups").paginate(Filters=tagged)
-            for g in page["SecurityGroups"]
-        ]
+        found += [f"elastic-ip {a['AllocationId']}" for a in ec2.describe_addresses(Filters=tagged)["Addresses"]]
+        found += listed("describe_launch_templates", "LaunchTemplates", "launch-template", "LaunchTemplateId")
+        found += [f"key-pair {k['KeyName']}" for k in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"]]
+        found += listed("describe_security_groups", "SecurityGroups", "security-group", "GroupId")
+        found += listed("describe_vpcs", "Vpcs", "vpc", "VpcId")
         # EC2's DescribePlacementGroups is not in every EC2-compatible API (moto lacks it); the tagging
         # API lists tagged placement groups everywhere: arn:aws:ec2:REGION:ACCOUNT:placement-group/NAME.
         found += [
@@ -432,9 +440,111 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             )
             for mapping in page["ResourceTagMappingList"]
         ]
+        path = f"/infractl/{cluster}/"
+        found += [
+            f"iam-role {role['RoleName']}"
+            for page in iam.get_paginator("list_roles").paginate(PathPrefix=path)
+            for role in page["Roles"]
+        ]
+        found += [
+            f"instance-profile {profile['InstanceProfileName']}"
+            for page in iam.get_paginator("list_instance_profiles").paginate(PathPrefix=path)
+            for profile in page["InstanceProfiles"]
+        ]
     except (BotoCoreError, ClientError, ResponseParserError) as exc:
-        raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask EC2: {exc}") from None
+        raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask AWS: {exc}") from None
     return found
+
+
+#: EC2's vCPU quotas by instance family class: (on-demand quota code, spot quota code, what AWS calls it).
+_QUOTAS = {
+    "p": ("L-417A185B", "L-7212CCBC", "P instances"),
+    "g": ("L-DB2E81BA", "L-3819A6DF", "G and VT instances"),
+    "standard": ("L-1216C47A", "L-34B43A08", "Standard (A, C, D, H, I, M, R, T, Z) instances"),
+}
+
+
+def check_account(spec: ClusterSpec) -> None:
+    """What the account must offer before anything is created, each missing thing in one line
+    naming it: credentials (STS), the state bucket, every instance type offered in the zone, and
+    the vCPU quota of each instance family where the Service Quotas API answers (a private or
+    emulated AWS may not). Raises ``UsageError`` or ``ConfigError``."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    aws = spec.settings(AwsSpec)
+    assert aws is not None
+    session = boto3.session.Session(region_name=aws.region)
+
+    def client(service: str) -> Any:
+        return session.client(service, endpoint_url=aws.endpoint_url)
+
+    def code(exc: ClientError) -> str:
+        return str(exc.response.get("Error", {}).get("Code", ""))
+
+    try:
+        account = client("sts").get_caller_identity()["Account"]
+    except NoCredentialsError:
+        raise UsageError(
+            "provider aws: no AWS credentials (set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+            field="provider",
+        ) from None
+    except (BotoCoreError, ClientError) as exc:
+        raise UsageError(f"provider aws: the credentials were refused by STS ({exc})", field="provider") from None
+    try:
+        client("s3").head_bucket(Bucket=aws.state_bucket)
+    except ClientError as exc:
+        why = "does not exist" if code(exc) in ("404", "NoSuchBucket") else f"cannot be reached ({code(exc)})"
+        raise ConfigError(
+            f"the state bucket {aws.state_bucket} {why} for account {account}: create it once for every cluster "
+            "(versioned, encrypted), or name an existing one",
+            field="aws.state_bucket",
+        ) from None
+    groups = aws.node_groups.values()
+    types = sorted({g.instance_type for g in groups} | {aws.controller_instance_type})
+    if aws.availability_zone is not None:
+        offered = client("ec2").describe_instance_type_offerings(
+            LocationType="availability-zone",
+            Filters=[
+                {"Name": "location", "Values": [aws.availability_zone]},
+                {"Name": "instance-type", "Values": types},
+            ],
+        )["InstanceTypeOfferings"]
+        missing = sorted(set(types) - {o["InstanceType"] for o in offered})
+        if missing:
+            raise ConfigError(
+                f"{', '.join(missing)} not offered in {aws.availability_zone}: choose another availability zone "
+                "(aws ec2 describe-instance-type-offerings --location-type availability-zone)",
+                field="aws.availability_zone",
+            )
+    _check_quotas(aws, client("service-quotas"))
+
+
+def _check_quotas(aws: AwsSpec, quotas: Any) -> None:
+    """The node groups' vCPUs against each family's EC2 quota (the account's limit, not what is
+    free of it); silent where the Service Quotas API does not answer."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    table = instance_types()
+    needed: dict[tuple[str, bool], int] = {}
+    for group in aws.node_groups.values():
+        family = group.instance_type[0] if group.instance_type[0] in ("p", "g") else "standard"
+        key = (family, group.spot)
+        needed[key] = needed.get(key, 0) + table[group.instance_type]["vcpus"] * group.nodes
+    for (family, spot), vcpus in sorted(needed.items()):
+        on_demand_code, spot_code, what = _QUOTAS[family]
+        try:
+            quota = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=spot_code if spot else on_demand_code)
+        except (BotoCoreError, ClientError):
+            return  # no answer: AWS itself refuses an instance over quota at apply, with its message
+        limit = float(quota["Quota"]["Value"])
+        if vcpus > limit:
+            market = "spot" if spot else "on-demand"
+            raise ConfigError(
+                f"the node groups need {vcpus} {market} vCPUs of {what}, and the account's quota is {limit:g}: "
+                "request an increase (Service Quotas, EC2) or use fewer nodes",
+                field="aws.node_groups",
+            )
 
 
 def _evaluate(variables: Mapping[str, object]) -> dict[str, Any]:
@@ -526,8 +636,8 @@ def _read_json(name: str) -> Any:
 
 
 _NOT_WIRED = (
-    "provider aws: `infractl up` plans only (`--dry-run`) in this version: provisioning through the "
-    "S3-backed Terraform root module and configuring GPU nodes over Session Manager are not wired yet"
+    "provider aws: the account passed the checks, but `infractl up` plans only (`--dry-run`) in this version: "
+    "configuring the instances over SSH and training on them are not wired yet"
 )
 
 
@@ -607,6 +717,9 @@ class Aws(Provider):
         return [replace(node, ssh=login) for node in applied.nodes]
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
+        """The account's checks (``check_account``); then the refusal: configuring and training on
+        the instances is not wired yet."""
+        check_account(spec)
         raise UsageError(_NOT_WIRED, field="provider")
 
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
