@@ -287,6 +287,14 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
 
     if record.get("image") is not None and (cleaned := providers.control(state).remove_containers()):
         out.info(f"containers: removed the containers and images of {', '.join(cleaned)}")
+    purged: list[str] = []
+    if purge:
+        store = store_for(state)
+        for run in runs.cluster_runs(state, store):
+            store.delete_prefix(runstore.run_prefix(run.run_id))
+            purged.append(run.run_id)
+    for line in provider.before_destroy(state, record, purge=purge):
+        out.info(line)
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
     leftovers = provider.leftovers(state, record)
@@ -298,13 +306,6 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     if provider.shares_host_accounts:
         # The access roles' groups live on the nodes, and these nodes' accounts are this machine's.
         access.remove_groups(state)
-
-    purged: list[str] = []
-    if purge:
-        store = store_for(state)
-        for run in runs.cluster_runs(state, store):
-            store.delete_prefix(runstore.run_prefix(run.run_id))
-            purged.append(run.run_id)
 
     # Everything but the default store (kept unless --purge) and the lock we hold goes.
     keep = {"lock"} if purge else {"lock", state.default_store.name}

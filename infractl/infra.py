@@ -218,6 +218,23 @@ def destroy(tf_dir: Path) -> None:
     _protect_state(tf_dir)
 
 
+def forget(tf_dir: Path, prefix: str) -> list[str]:
+    """Take every resource whose address starts with ``prefix`` out of ``tf_dir``'s state (they
+    stay where they are, no longer managed: a destroy leaves them); return their addresses."""
+    tf_dir = tf_dir.resolve()
+    if not (tf_dir / _ROOT_MODULE).is_file():
+        return []
+    with _terraform(tf_dir) as tf:
+        _init(tf)
+        listed = tf.state_list()
+        _check(listed, "state list")
+        addresses = [line for line in str(listed.value or "").splitlines() if line.startswith(prefix)]
+        if addresses:
+            removed = tf.state_rm(*addresses)
+            _check(removed, "state rm")
+    return addresses
+
+
 def evaluate(tf_dir: Path, files: dict[str, str]) -> dict[str, Any]:
     """The output values of a root module that creates nothing: ``files`` (name -> text) hold variables,
     locals and outputs only, so no provider is needed and nothing outside ``tf_dir`` changes.

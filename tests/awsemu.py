@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class EmulatedAws:
         self.hosts: dict[str, _Host] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._next_index = 0
+        self._skipped: set[str] = set()
 
     # -- the VPC's link ------------------------------------------------------------------------
 
@@ -115,17 +118,27 @@ class EmulatedAws:
                 for reservation in page["Reservations"]:
                     for instance in reservation["Instances"]:
                         address = instance.get("PrivateIpAddress")
-                        if instance["State"]["Name"] == "running" and address:
-                            if ipaddress.IPv4Address(address) in self.network:
-                                running[instance["InstanceId"]] = instance
+                        state = instance["State"]["Name"]
+                        if state == "running" and address and ipaddress.IPv4Address(address) in self.network:
+                            running[instance["InstanceId"]] = instance
+                        elif instance["InstanceId"] not in self._skipped and state != "terminated":
+                            self._skipped.add(instance["InstanceId"])
+                            self._log(f"not a host: {instance['InstanceId']} ({state}, address {address})")
             for instance_id in sorted(set(self.hosts) - set(running)):
+                self._log(f"removing {instance_id}")
                 self._remove(self.hosts.pop(instance_id))
             for instance_id, instance in sorted(running.items()):
                 if instance_id not in self.hosts:
+                    self._log(f"adding {instance_id} at {instance['PrivateIpAddress']}")
                     self.hosts[instance_id] = self._add(ec2, instance)
 
+    def _log(self, line: str) -> None:
+        with (self.folder / "emulator.log").open("a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+
     def _add(self, ec2: Any, instance: dict[str, Any]) -> _Host:
-        index = len(list(self.folder.glob("hosts/*")))
+        index = self._next_index
+        self._next_index += 1
         host = _Host(
             instance_id=instance["InstanceId"],
             namespace=f"ixe{self.id}-{index}",
@@ -136,6 +149,14 @@ class EmulatedAws:
             sshd_pid=None,
         )
         host.folder.mkdir(parents=True, mode=0o700)
+        try:
+            self._make(ec2, host)
+        except Exception:
+            self._remove(host)  # half made: the next pass makes it anew
+            raise
+        return host
+
+    def _make(self, ec2: Any, host: _Host) -> None:
         _ip("netns", "add", host.namespace)
         _ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
         _ip("link", "set", host.veth, "master", self.bridge, "up")
@@ -152,7 +173,6 @@ class EmulatedAws:
         cloud_config = _cloud_config(base64.b64decode(encoded).decode() if encoded else "")
         if cloud_config.get("ssh_keys") and cloud_config.get("ssh_authorized_keys"):
             host.sshd_pid = self._start_sshd(host, cloud_config)
-        return host
 
     def _start_sshd(self, host: _Host, cloud_config: dict[str, Any]) -> int:
         keys = cloud_config["ssh_keys"]
@@ -204,18 +224,23 @@ class EmulatedAws:
                 try:
                     self.sync()
                 except Exception as exc:  # the API mid-restart, a host half made: next pass
-                    print(f"awsemu: {exc}", file=sys.stderr)
+                    self._log(f"sync failed: {exc!r}")
 
         thread = threading.Thread(target=loop, name="awsemu", daemon=True)
         thread.start()
         return thread
 
     def stop(self) -> None:
+        """Remove every host, and any namespace of this emulation a failure left unrecorded."""
         self._stop.set()
         with self._lock:
             for host in self.hosts.values():
                 self._remove(host)
             self.hosts.clear()
+            listed = subprocess.run(["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False)
+            for entry in json.loads(listed.stdout or "[]"):
+                if entry["name"].startswith(f"ixe{self.id}-"):
+                    self._remove(_Host("", entry["name"], "", "", None, self.folder, None))
 
 
 def _cloud_config(user_data: str) -> dict[str, Any]:

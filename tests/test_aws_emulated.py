@@ -19,6 +19,7 @@ import yaml
 
 from infractl import infra
 from infractl.config import ClusterSpec, load_cluster
+from infractl.errors import InfraError
 from infractl.infra import Node
 from infractl.providers import aws
 from infractl.state import ClusterState
@@ -93,8 +94,7 @@ def applied(
         provider.variables(spec, state),
         root=provider.root_settings(spec, state),
     )
-    nodes = provider.provisioned(spec, state, result)
-    emulation.sync()
+    nodes = provider.provisioned(spec, state, result)  # waits until every instance answers SSH
     try:
         yield spec, state, result, nodes
     finally:
@@ -140,31 +140,53 @@ def test_nodes_answer_ssh_through_the_controller_with_the_pinned_host_key(
     finally:
         known_hosts.write_text(pinned)
     assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
+    # An instance that never answers is named, with what SSH said, once the wait is over.
+    assert nodes[0].ssh is not None
+    with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
+        aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
 
 
-def test_destroy_leaves_nothing_the_sweep_or_the_emulation_finds(
+def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
     emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """A cluster that creates its bucket: destroyed without purge, the bucket and its runs stay and
+    nothing else does; applied again, the cluster takes the bucket back; destroyed with purge,
+    every version goes first and then the bucket. The sweep and the emulation find nothing."""
     folder = tmp_path_factory.mktemp("gone")
-    spec = load_cluster(
-        cluster_yaml(
-            folder, emulation.endpoint, emulation.image_id, {"cpu": {"instance_type": "m7i.4xlarge", "nodes": 1}}
-        )
-    )
+    groups = {"cpu": {"instance_type": "m7i.4xlarge", "nodes": 1}}
+    spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups))
     state = ClusterState(spec.name, folder / "state")
     provider = aws.Aws()
-    infra.apply(
-        state.terraform_dir,
-        infra.module_dir("aws"),
-        provider.variables(spec, state),
-        root=provider.root_settings(spec, state),
-    )
-    emulation.sync()
-    assert len(emulation.hosts) >= 2
-    infra.destroy(state.terraform_dir)
-    emulation.sync()
-    assert aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint) == []
-    assert not [h for h in emulation.hosts.values() if h.folder.parent.parent == folder]
+    record = {"spec": spec.model_dump(mode="json"), "store": spec.store}
+    bucket = f"{spec.name}-store"
+    s3 = emulation.client("s3")
+
+    def apply() -> None:
+        root = provider.root_settings(spec, state)
+        infra.apply(state.terraform_dir, infra.module_dir("aws"), provider.variables(spec, state), root=root)
+        emulation.sync()
+        assert len([h for h in emulation.hosts.values() if h.public_ip is None]) >= 1
+
+    def destroyed(purge: bool) -> list[str]:
+        said = provider.before_destroy(state, record, purge=purge)
+        infra.destroy(state.terraform_dir)
+        emulation.sync()
+        leaks = aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)
+        assert leaks == [], (purge, leaks)
+        return said
+
+    apply()
+    s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"1")
+    s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"2")  # a second version
+
+    (said,) = destroyed(purge=False)
+    assert said.startswith(f"store: bucket {bucket} kept")
+    assert s3.get_object(Bucket=bucket, Key="runs/r1/COMMITTED")["Body"].read() == b"2"
+
+    apply()  # the kept bucket is imported, not created again (which S3 would refuse)
+    (said,) = destroyed(purge=True)
+    assert said == f"store: bucket {bucket} emptied (2 object version(s) and delete marker(s)) for destroy"
+    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
 
 
 @pytest.mark.parametrize(

@@ -478,7 +478,7 @@ def test_example_cluster_yaml_maps_one_to_one_onto_the_module() -> None:
     variables = aws.module_variables(spec, keys)
     # Provider, backend and infractl's own settings (the root module's) are not module variables; every other
     # field is, and the keys infractl makes.
-    root = {"region", "state_bucket", "ssh_key", "endpoint_url", "provider_mirror"}
+    root = {"region", "state_bucket", "ssh_key", "ssh_timeout_s", "endpoint_url", "provider_mirror"}
     assert set(variables) == {"cluster_name", "processes_per_node", "store_bucket", "store_prefix", *keys} | (
         set(spec.aws.model_dump(exclude_none=True)) - root
     )

@@ -59,8 +59,9 @@ resource "aws_s3_bucket_server_side_encryption_configuration" "this" {
   }
 }
 
+# Requests without TLS, or below TLS 1.2, are refused (unless require_tls is off: an endpoint without TLS).
 data "aws_iam_policy_document" "bucket" {
-  count = var.create_bucket ? 1 : 0
+  count = var.create_bucket && var.require_tls ? 1 : 0
 
   statement {
     sid     = "DenyInsecureTransport"
@@ -106,7 +107,7 @@ data "aws_iam_policy_document" "bucket" {
 }
 
 resource "aws_s3_bucket_policy" "this" {
-  count = var.create_bucket ? 1 : 0
+  count = var.create_bucket && var.require_tls ? 1 : 0
 
   bucket = aws_s3_bucket.this[0].id
   policy = data.aws_iam_policy_document.bucket[0].json

@@ -138,6 +138,13 @@ variable "bucket_force_destroy" {
   nullable    = false
 }
 
+variable "require_tls" {
+  description = "With create_bucket: a bucket policy refuses requests without TLS or below TLS 1.2. Off only for an S3 endpoint that has no TLS (a private or emulated one)."
+  type        = bool
+  default     = true
+  nullable    = false
+}
+
 variable "noncurrent_version_days" {
   description = "Only with create_bucket: days a replaced or deleted object's old version is kept before S3 expires it (checkpoint retention deletes steps; their versions would otherwise be billed forever)."
   type        = number

@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
+import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +46,8 @@ __all__ = [
     "AwsSpec",
     "ClusterKeys",
     "check_account",
+    "empty_bucket",
+    "wait_for_ssh",
     "CLUSTER_TAG",
     "NodeGroup",
     "instance_types",
@@ -137,6 +141,9 @@ class AwsSpec(Spec):
             "Private key file (OpenSSH) that logs in to every instance, its .pub beside it. Default: a key "
             "generated for the cluster and kept in its state directory."
         ),
+    )
+    ssh_timeout_s: float = Field(
+        600, gt=0, le=3600, description="How long `up` waits for every instance to answer SSH, seconds."
     )
     endpoint_url: str | None = Field(
         None,
@@ -248,7 +255,7 @@ def prices() -> dict[str, Any]:
 
 
 #: The aws section's fields that configure the root module, the provider or infractl, not the module.
-_ROOT_FIELDS = frozenset({"region", "state_bucket", "ssh_key", "endpoint_url", "provider_mirror"})
+_ROOT_FIELDS = frozenset({"region", "state_bucket", "ssh_key", "ssh_timeout_s", "endpoint_url", "provider_mirror"})
 
 
 def module_variables(spec: ClusterSpec, keys: Mapping[str, object]) -> dict[str, object]:
@@ -261,12 +268,15 @@ def module_variables(spec: ClusterSpec, keys: Mapping[str, object]) -> dict[str,
         raise InfraError(f"cluster {spec.name!r} has no aws section or no store: not an aws cluster")
     store = urlsplit(spec.store)  # s3://bucket/prefix, perhaps with ?endpoint_url=... (not the module's business)
     settings = aws.model_dump(mode="json", exclude=set(_ROOT_FIELDS), exclude_none=True)
+    # An endpoint without TLS cannot use a bucket that refuses requests without it.
+    plain = {"require_tls": False} if (aws.endpoint_url or "").startswith("http://") else {}
     return {
         "cluster_name": spec.name,
         "processes_per_node": spec.processes_per_node,
         "store_bucket": store.netloc,
         "store_prefix": store.path.strip("/"),
         **settings,
+        **plain,
         **keys,
     }
 
@@ -454,6 +464,70 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
     except (BotoCoreError, ClientError, ResponseParserError) as exc:
         raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask AWS: {exc}") from None
     return found
+
+
+def _bucket_exists(bucket: str, region: str, endpoint_url: str | None) -> bool:
+    """Whether ``bucket`` exists and these credentials may use it."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    try:
+        boto3.client("s3", region_name=region, endpoint_url=endpoint_url).head_bucket(Bucket=bucket)
+    except ClientError:
+        return False
+    return True
+
+
+def empty_bucket(bucket: str, region: str, *, endpoint_url: str | None = None) -> int:
+    """Delete every object version and delete marker of ``bucket`` (a versioned bucket keeps
+    deleted objects as versions, and S3 deletes no bucket that holds any); return how many."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s3 = boto3.client("s3", region_name=region, endpoint_url=endpoint_url)
+    deleted = 0
+    try:
+        for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket):
+            entries = [
+                {"Key": item["Key"], "VersionId": item["VersionId"]}
+                for item in [*page.get("Versions", []), *page.get("DeleteMarkers", [])]
+            ]
+            for start in range(0, len(entries), 1000):  # DeleteObjects takes 1000 at a time
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": entries[start : start + 1000], "Quiet": True})
+            deleted += len(entries)
+    except (BotoCoreError, ClientError) as exc:
+        raise InfraError(
+            f"could not empty bucket {bucket} for its deletion: {exc}; run teardown --purge again"
+        ) from None
+    return deleted
+
+
+def wait_for_ssh(hosts: Mapping[str, tuple[SshLogin, str]], *, timeout: float) -> None:
+    """Until every host (name -> its login and address) runs a command over SSH, the controller
+    first (the nodes are reached through it); ``InfraError`` naming those that never answered
+    within ``timeout`` seconds, with what SSH said last."""
+    deadline = time.monotonic() + timeout
+    said: dict[str, str] = {}
+    waiting = dict(hosts)
+    while waiting:
+        for name, (login, address) in list(waiting.items()):
+            try:
+                done = proc.run(login.argv(address, "true"), timeout=30)
+            except subprocess.TimeoutExpired:
+                said[name] = "no answer within 30 s"
+                continue
+            if done.returncode == 0:
+                del waiting[name]
+            else:
+                said[name] = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        if waiting and time.monotonic() > deadline:
+            silent = "; ".join(f"{name} ({said.get(name, 'no attempt')})" for name in waiting)
+            raise InfraError(
+                f"{len(waiting)} instance(s) did not answer SSH within {timeout:g} s: {silent}; "
+                "see their console output (aws ec2 get-console-output), then run `infractl up` again"
+            )
+        if waiting:
+            time.sleep(2)
 
 
 #: EC2's vCPU quotas by instance family class: (on-demand quota code, spot quota code, what AWS calls it).
@@ -681,13 +755,18 @@ class Aws(Provider):
         if aws.endpoint_url is not None:
             provider |= {"endpoints": [dict.fromkeys(_SERVICES, aws.endpoint_url)], "s3_use_path_style": True}
             backend |= {"endpoints": dict.fromkeys(("s3", "sts", "iam"), aws.endpoint_url), "use_path_style": True}
-        blocks = {
+        blocks: dict[str, Any] = {
             "terraform": {
                 "required_providers": {"aws": {"source": _PROVIDER_SOURCE, "version": _PROVIDER_VERSIONS}},
                 "backend": {"s3": backend},
             },
             "provider": {"aws": provider},
         }
+        bucket = urlsplit(spec.store or "").netloc
+        if aws.create_bucket and _bucket_exists(bucket, aws.region, aws.endpoint_url):
+            # A bucket an earlier teardown kept (see before_destroy) is taken back, not created again;
+            # for a bucket already in the state the import is a no-op.
+            blocks["import"] = [{"to": "module.cluster.aws_s3_bucket.this[0]", "id": bucket}]
         cli_config = ""
         if aws.provider_mirror is not None:
             mirror = json.dumps(str(Path(aws.provider_mirror).expanduser()))
@@ -714,7 +793,15 @@ class Aws(Provider):
         infra.write_private(known_hosts, "\n".join(lines) + "\n")
         jump = f"{controller['login_user']}@{controller['public_address']}"
         login = SshLogin(user=aws.login_user, identity_file=keys.login, known_hosts=known_hosts, jump=jump)
-        return [replace(node, ssh=login) for node in applied.nodes]
+        nodes = [replace(node, ssh=login) for node in applied.nodes]
+        direct = replace(login, jump=None)
+        hosts = {f"controller {controller['instance_id']}": (direct, controller["public_address"])}
+        hosts |= {
+            f"{node.name} {item['instance_id']}": (login, node.address)
+            for node, item in zip(nodes, applied.outputs["inventory"], strict=True)
+        }
+        wait_for_ssh(hosts, timeout=aws.ssh_timeout_s)
+        return nodes
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """The account's checks (``check_account``); then the refusal: configuring and training on
@@ -725,6 +812,20 @@ class Aws(Provider):
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The controller instance's private address, once `up` provisions on aws (see preflight)."""
         raise UsageError(_NOT_WIRED, field="provider")
+
+    def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """A bucket the cluster created outlives it unless ``purge``: kept, it leaves Terraform's
+        state (the next ``up`` of the cluster takes it back); purged, every version of every
+        object goes first, so destroy can delete it."""
+        settings = AwsSpec.model_validate(record["spec"][self.name])
+        if not settings.create_bucket:
+            return []
+        bucket = urlsplit(record["store"]).netloc
+        if not purge:
+            infra.forget(state.terraform_dir, "module.cluster.aws_s3_bucket")
+            return [f"store: bucket {bucket} kept with the runs in it (`teardown --purge` deletes it)"]
+        deleted = empty_bucket(bucket, settings.region, endpoint_url=settings.endpoint_url)
+        return [f"store: bucket {bucket} emptied ({deleted} object version(s) and delete marker(s)) for destroy"]
 
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""

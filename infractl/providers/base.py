@@ -94,6 +94,11 @@ class Provider(ABC):
         that is not the cluster's."""
         return None
 
+    def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """Just before ``terraform destroy`` (every process stopped, and with ``purge`` every run
+        deleted): make the state say what destroy may remove. Lines saying what was done."""
+        return []
+
     @abstractmethod
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """After ``terraform destroy`` (and after every node process was stopped): what of the
