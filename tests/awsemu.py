@@ -148,7 +148,7 @@ class EmulatedAws:
             folder=self.folder / "hosts" / instance["InstanceId"],
             sshd_pid=None,
         )
-        host.folder.mkdir(parents=True, mode=0o700)
+        host.folder.mkdir(parents=True, mode=0o700, exist_ok=True)
         try:
             self._make(ec2, host)
         except Exception:
@@ -203,7 +203,14 @@ class EmulatedAws:
             check=True,
             capture_output=True,
         )
-        return int((host.folder / "sshd.pid").read_text().strip())
+        # sshd's daemon writes its pid file a moment after the command that started it returns.
+        pid_file = host.folder / "sshd.pid"
+        deadline = time.monotonic() + 10
+        while not (pid_file.is_file() and pid_file.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd of {host.instance_id} wrote no pid file; see {host.folder / 'sshd.log'}")
+            time.sleep(0.05)
+        return int(pid_file.read_text().strip())
 
     def _remove(self, host: _Host) -> None:
         listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True, check=False)

@@ -27,7 +27,8 @@ from infractl.state import ClusterState
 from awsemu import EmulatedAws, emulated_aws, terraform_mirror
 from conftest import write
 
-pytestmark = pytest.mark.e2e
+# One emulated VPC at a time on this machine: the module's tests share one worker.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated")]
 
 VPC = "10.77.0.0/16"
 STATE_BUCKET = "infractl-state"
@@ -57,6 +58,7 @@ def cluster_yaml(folder: Path, endpoint: str, image: str, groups: dict[str, Any]
             "provider_mirror": str(terraform_mirror()),
             "ami_overrides": dict.fromkeys(sorted(types), image),
             "workdir": "/var/lib/infractl",
+            "ssh_timeout_s": 120,
             **aws_fields,
         },
         "runtime": {"image": f"registry.example/trainer@{DIGEST}"},
@@ -81,11 +83,10 @@ def applied(
     emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]]:
     folder = tmp_path_factory.mktemp("emu")
-    spec = load_cluster(
-        cluster_yaml(
-            folder, emulation.endpoint, emulation.image_id, {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
-        )
-    )
+    groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
+    # The store's bucket exists already (the next test covers a cluster that creates its own).
+    spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups, create_bucket=False))
+    emulation.client("s3").create_bucket(Bucket=f"{spec.name}-store")
     state = ClusterState(spec.name, folder / "state")
     provider = aws.Aws()
     result = infra.apply(
@@ -176,6 +177,10 @@ def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
         return said
 
     apply()
+    # While the cluster is up the sweep sees every kind it looks for (and afterwards none of them).
+    kinds = {leak.split()[0] for leak in aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)}
+    assert kinds >= {"instance", "nat-gateway", "elastic-ip", "launch-template", "key-pair", "security-group", "vpc"}
+    assert kinds >= {"iam-role", "instance-profile"}
     s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"1")
     s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"2")  # a second version
 

@@ -416,9 +416,15 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
     tagging = boto3.client("resourcegroupstaggingapi", region_name=region, endpoint_url=endpoint_url)
     tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
 
+    # Each listing is filtered by the API and checked here again: an EC2-compatible API that ignores
+    # a filter (moto does, for NAT gateways and IAM paths) must not make another cluster's resource a leak.
+    def ours(item: Mapping[str, Any]) -> bool:
+        tags = item.get("Tags", item.get("TagSet", []))
+        return any(tag["Key"] == CLUSTER_TAG and tag["Value"] == cluster for tag in tags)
+
     def listed(operation: str, key: str, kind: str, field: str) -> list[str]:
         pages = ec2.get_paginator(operation).paginate(Filters=tagged)
-        return [f"{kind} {item[field]}" for page in pages for item in page[key]]
+        return [f"{kind} {item[field]}" for page in pages for item in page[key] if ours(item)]
 
     try:
         found = [
@@ -426,7 +432,7 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             for page in ec2.get_paginator("describe_instances").paginate(Filters=tagged)
             for reservation in page["Reservations"]
             for i in reservation["Instances"]
-            if i["State"]["Name"] != "terminated"
+            if i["State"]["Name"] != "terminated" and ours(i)
         ]
         found += listed("describe_volumes", "Volumes", "volume", "VolumeId")
         found += listed("describe_network_interfaces", "NetworkInterfaces", "network-interface", "NetworkInterfaceId")
@@ -434,11 +440,13 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             f"nat-gateway {g['NatGatewayId']} ({g['State']})"
             for page in ec2.get_paginator("describe_nat_gateways").paginate(Filter=tagged)
             for g in page["NatGateways"]
-            if g["State"] not in ("deleted", "failed")
+            if g["State"] not in ("deleted", "failed") and ours(g)
         ]
-        found += [f"elastic-ip {a['AllocationId']}" for a in ec2.describe_addresses(Filters=tagged)["Addresses"]]
+        found += [
+            f"elastic-ip {a['AllocationId']}" for a in ec2.describe_addresses(Filters=tagged)["Addresses"] if ours(a)
+        ]
         found += listed("describe_launch_templates", "LaunchTemplates", "launch-template", "LaunchTemplateId")
-        found += [f"key-pair {k['KeyName']}" for k in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"]]
+        found += [f"key-pair {k['KeyName']}" for k in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"] if ours(k)]
         found += listed("describe_security_groups", "SecurityGroups", "security-group", "GroupId")
         found += listed("describe_vpcs", "Vpcs", "vpc", "VpcId")
         # EC2's DescribePlacementGroups is not in every EC2-compatible API (moto lacks it); the tagging
@@ -455,11 +463,13 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             f"iam-role {role['RoleName']}"
             for page in iam.get_paginator("list_roles").paginate(PathPrefix=path)
             for role in page["Roles"]
+            if role["Path"] == path
         ]
         found += [
             f"instance-profile {profile['InstanceProfileName']}"
             for page in iam.get_paginator("list_instance_profiles").paginate(PathPrefix=path)
             for profile in page["InstanceProfiles"]
+            if profile["Path"] == path
         ]
     except (BotoCoreError, ClientError, ResponseParserError) as exc:
         raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask AWS: {exc}") from None
