@@ -399,6 +399,7 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
     }
 
 
+# long: one listing per kind of resource, in a row: splitting it would only scatter the list.
 def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list[str]:
     """What the account still holds of the cluster in ``region``: by the cluster's tag, instances not
     terminated, volumes, network interfaces, NAT gateways not deleted, Elastic IPs, launch
@@ -458,21 +459,27 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
             )
             for mapping in page["ResourceTagMappingList"]
         ]
-        path = f"/infractl/{cluster}/"
-        found += [
-            f"iam-role {role['RoleName']}"
-            for page in iam.get_paginator("list_roles").paginate(PathPrefix=path)
-            for role in page["Roles"]
-            if role["Path"] == path
-        ]
-        found += [
-            f"instance-profile {profile['InstanceProfileName']}"
-            for page in iam.get_paginator("list_instance_profiles").paginate(PathPrefix=path)
-            for profile in page["InstanceProfiles"]
-            if profile["Path"] == path
-        ]
+        found += _iam_leaks(iam, cluster)
     except (BotoCoreError, ClientError, ResponseParserError) as exc:
         raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask AWS: {exc}") from None
+    return found
+
+
+def _iam_leaks(iam: Any, cluster: str) -> list[str]:
+    """The cluster's IAM roles and instance profiles, by their path (IAM has no tag filter)."""
+    path = f"/infractl/{cluster}/"
+    found = [
+        f"iam-role {role['RoleName']}"
+        for page in iam.get_paginator("list_roles").paginate(PathPrefix=path)
+        for role in page["Roles"]
+        if role["Path"] == path
+    ]
+    found += [
+        f"instance-profile {profile['InstanceProfileName']}"
+        for page in iam.get_paginator("list_instance_profiles").paginate(PathPrefix=path)
+        for profile in page["InstanceProfiles"]
+        if profile["Path"] == path
+    ]
     return found
 
 
