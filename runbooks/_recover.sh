@@ -1,7 +1,10 @@
 export INFRACTL_HOME="$home"
-state=$$(infractl status -c $cluster --json | python3 -c '
+state_of_run() {
+  infractl status -c $cluster --json | python3 -c '
 import json, sys
-print(next((r["state"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.argv[1]), "unknown"))' $run)
+print(next((r["state"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.argv[1]), "unknown"))' $run
+}
+state=$$(state_of_run)
 echo "run $run is $$state"
 case "$$state" in
   running)
@@ -13,7 +16,8 @@ nodes = json.load(sys.stdin)["nodes"]
 idle = [n["name"] for n in nodes if n["live_processes"] == 0]
 print(" ".join(idle[: max(0, int(sys.argv[1]) - (len(nodes) - len(idle)))]))' $nodes_max)
     for node in $$left; do
-      infractl rejoin "$$node" --run $run -c $cluster
+      # A run that was finishing may have completed since: then there is nothing to rejoin.
+      infractl rejoin "$$node" --run $run -c $cluster || [ "$$(state_of_run)" = completed ]
     done
     [ -n "$$left" ] || echo "no node of run $run is missing"
     ;;
