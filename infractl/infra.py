@@ -15,6 +15,7 @@ from typing import Any
 
 from infractl import templates
 from infractl.errors import InfraError
+from infractl.state import write_private
 
 __all__ = [
     "Node",
@@ -23,6 +24,7 @@ __all__ = [
     "RootSettings",
     "apply",
     "destroy",
+    "forget",
     "evaluate",
     "read_nodes",
     "module_dir",
@@ -163,9 +165,10 @@ def apply(
     tf_dir = tf_dir.resolve()
     tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     settings = root or RootSettings()
-    write_private(tf_dir / _CLI_CONFIG, settings.cli_config)
-    root_file = tf_dir / _ROOT_MODULE
+    cli_file, root_file = tf_dir / _CLI_CONFIG, tf_dir / _ROOT_MODULE
+    previous_cli = cli_file.read_text() if cli_file.is_file() else ""
     previous = root_file.read_text() if root_file.is_file() else None
+    write_private(cli_file, settings.cli_config)
     replaced = _replace_module(tf_dir, module_dir)
     write_private(root_file, json.dumps(_root_module(variables, settings), indent=2) + "\n")
     with _terraform(tf_dir) as tf:
@@ -174,9 +177,10 @@ def apply(
             plan = tf.plan(detailed_exitcode=True, out=_PLAN_FILE)
             _check(plan, "plan")
         except InfraError:
-            # Nothing was applied: put the previous root module and its module back so the state
-            # still matches a valid configuration (and teardown keeps working).
+            # Nothing was applied: put the previous root module, its module and CLI configuration
+            # back so the state still matches a valid configuration (and teardown keeps working).
             (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
+            write_private(cli_file, previous_cli)
             if previous is None:
                 root_file.unlink()
             else:
@@ -410,13 +414,6 @@ def _text_error(text: str) -> str:
     errors = [line.removeprefix("Error: ") for line in lines if line.startswith("Error: ")]
     picked = errors or lines
     return "; ".join(picked[:3]) or "no error message from Terraform"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path``, readable by its owner only (keys, state, variables)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 def _protect_state(tf_dir: Path) -> None:

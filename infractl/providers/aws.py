@@ -39,7 +39,7 @@ from infractl.errors import ConfigError, InfraError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings, SshLogin
 from infractl.providers.base import NodeControl, Provider, register
 from infractl.providers.remote import SshNodes
-from infractl.state import ClusterState
+from infractl.state import ClusterState, write_private
 
 __all__ = [
     "Aws",
@@ -305,21 +305,27 @@ class ClusterKeys:
                 made = proc.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(key)])
                 if made.returncode != 0:
                     raise InfraError(f"ssh-keygen could not make {key}: {made.stderr.strip()}")
-            if not key.with_suffix(".pub").is_file():
+            missing = [path for path in (key, _public(key)) if not path.is_file()]
+            if missing:
                 raise ConfigError(
-                    f"{key}.pub is missing: the public key goes beside the private one", field="aws.ssh_key"
+                    f"{missing[0]} does not exist: give the private key, its .pub beside it", field="aws.ssh_key"
                 )
         return cls(login=login, host=host)
 
     def variables(self) -> dict[str, object]:
         """infra/aws's ``ssh_public_key`` and ``host_key``."""
         return {
-            "ssh_public_key": self.login.with_suffix(".pub").read_text().strip(),
+            "ssh_public_key": _public(self.login).read_text().strip(),
             "host_key": {"private": self.host.read_text(), "public": self.host_public()},
         }
 
     def host_public(self) -> str:
-        return self.host.with_suffix(".pub").read_text().strip()
+        return _public(self.host).read_text().strip()
+
+
+def _public(key: Path) -> Path:
+    """The public half of an OpenSSH private key file: ``<name>.pub`` beside it."""
+    return key.with_name(f"{key.name}.pub")
 
 
 #: Placeholders that pass the module's validations, for the dry run (which makes no key).
@@ -807,7 +813,7 @@ class Aws(Provider):
         host_key = keys.host_public().split()[:2]
         lines = [f"{controller['public_address']},{controller['address']} {' '.join(host_key)}"]
         lines += [f"{node.address} {' '.join(host_key)}" for node in applied.nodes]
-        infra.write_private(known_hosts, "\n".join(lines) + "\n")
+        write_private(known_hosts, "\n".join(lines) + "\n")
         jump = f"{controller['login_user']}@{controller['public_address']}"
         login = SshLogin(user=aws.login_user, identity_file=keys.login, known_hosts=known_hosts, jump=jump)
         nodes = [replace(node, ssh=login) for node in applied.nodes]
