@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
-import socket
-import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
+from infractl import __version__, access, configure, image, infra, providers, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
 from infractl.output import Output
+from infractl.providers.base import IMAGE_PYTHON, ServerHost
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
 
@@ -27,6 +24,7 @@ __all__ = [
     "teardown",
     "store_for",
     "ensure_rendezvous",
+    "keep_rendezvous",
     "rendezvous_running",
     "RENDEZVOUS_NODE",
 ]
@@ -76,63 +74,47 @@ def store_for(state: ClusterState) -> Store:
     return open_store(state.read()["store"], field="cluster.store", interactive=True)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
-
-
-def _keep_serving(state: ClusterState, what: str, node: str, argv: list[str], host: str, port: int) -> bool:
-    """Keep the control plane's server ``node`` (``argv``, with the cluster's markers, its log in the
-    state directory) listening on ``host:port``; return whether it was started now."""
-    if proc.find(state.dir, node=node) and _port_open(host, port):
-        return False
-    if _port_open(host, port):
-        raise InfractlError(
-            f"the {what} port {host}:{port} of cluster {state.name!r} is taken by "
-            "another process; stop it, or run `infractl teardown` and `infractl up`"
-        )
-    env = {**os.environ, proc.CLUSTER_ENV: str(state.dir), proc.NODE_ENV: node}
-    log = state.dir / f"{node}.log"
-    child = proc.spawn(argv, env=env, cwd=state.dir, log_path=log)
-    deadline = time.monotonic() + 60
-    while not _port_open(host, port):
-        if child.poll() is not None or time.monotonic() > deadline:
-            raise InfractlError(f"the {what} did not start; see {log}")
-        time.sleep(0.2)
-    return True
-
-
-def ensure_rendezvous(state: ClusterState, host: str, previous: dict[str, Any] | None) -> tuple[int, bool]:
+def ensure_rendezvous(
+    state: ClusterState, servers: ServerHost, host: str, previous: dict[str, Any] | None, image: str | None
+) -> tuple[int, bool]:
     """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
-    a new cluster); return (port, started_now). ``train`` calls it too, so a server lost with its
-    machine comes back before the agents need it."""
-    port = int(previous["rendezvous"]["port"]) if previous else _free_port(host)
-    argv = [sys.executable, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)]
-    return port, _keep_serving(state, "rendezvous server", RENDEZVOUS_NODE, argv, host, port)
+    a new cluster), in ``image`` where the servers' host runs infractl from the cluster's image;
+    return (port, started_now). ``train`` calls it too, so a server lost with its machine comes
+    back before the agents need it."""
+    port = int(previous["rendezvous"]["port"]) if previous else servers.new_port(RENDEZVOUS_NODE, host)
+    argv = [servers.python, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)]
+    in_image = image if servers.python == IMAGE_PYTHON else None
+    return port, servers.keep(RENDEZVOUS_NODE, argv, host=host, port=port, image=in_image)
 
 
-def _ensure_registry(state: ClusterState, host: str, previous: dict[str, Any] | None) -> tuple[registry.Registry, bool]:
+def keep_rendezvous(state: ClusterState, record: dict[str, Any]) -> None:
+    """``ensure_rendezvous`` for a cluster that is up (``record``: its state file)."""
+    servers = providers.get(record["spec"]["provider"]).servers(state)
+    ensure_rendezvous(state, servers, record["rendezvous"]["host"], record, record.get("image"))
+
+
+def _ensure_registry(
+    state: ClusterState, servers: ServerHost, host: str, previous: dict[str, Any] | None
+) -> tuple[registry.Registry, bool]:
     """Keep the cluster's image registry running on ``host`` at its recorded port (a new one for a
     cluster that had none); return it and whether it was started now."""
     recorded = (previous or {}).get("registry")
-    port = int(recorded["port"]) if recorded else _free_port(host)
-    ca, _, _ = registry.certificate_authority(state.dir, host)
-    config = registry.write_config(state.dir, host, port)
-    argv = [_REGISTRY, "serve", str(config)]
-    started = _keep_serving(state, "image registry", registry.REGISTRY_NODE, argv, host, port)
+    port = int(recorded["port"]) if recorded else servers.new_port(registry.REGISTRY_NODE, host)
+    ca, cert, key = registry.certificate_authority(state.dir, host)
+    folder = servers.home / "registry"
+    servers.put(folder / "tls" / cert.name, cert.read_text())
+    servers.put(folder / "tls" / key.name, key.read_text())
+    servers.put(folder / "config.yml", registry.config(folder, host, port))
+    argv = [_REGISTRY, "serve", str(folder / "config.yml")]
+    started = servers.keep(registry.REGISTRY_NODE, argv, host=host, port=port)
     return registry.Registry(host=host, port=port, ca=ca), started
 
 
 def rendezvous_running(state: ClusterState) -> bool:
-    """Whether the cluster's rendezvous server runs (on this machine: the control plane's own)."""
-    return bool(proc.find(state.dir, node=RENDEZVOUS_NODE))
+    """Whether the cluster's rendezvous server runs."""
+    record = state.read()
+    servers = providers.get(record["spec"]["provider"]).servers(state)
+    return servers.running(RENDEZVOUS_NODE, host=record["rendezvous"]["host"], port=int(record["rendezvous"]["port"]))
 
 
 def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
@@ -153,8 +135,10 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
                 "checkpoints and run records: bring it back (restore or mount it) and rerun `infractl up`",
                 field="cluster.store",
             ) from None
-    store.check(create_ok=previous is None or previous.get("store") != uri)
     _check_image_cached(state, spec, previous)
+    # A store made with the nodes is checked by `up` once they are applied.
+    if previous is not None or not providers.get(spec.provider).makes_store(spec):
+        store.check(create_ok=previous is None or previous.get("store") != uri)
     return store
 
 
@@ -163,7 +147,7 @@ def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[s
     machine's build cache: it must be there before ``up`` starts anything. (An image the cluster's
     registry served before is there still.)"""
     pinned = spec.runtime.image
-    if pinned is None or providers.get(spec.provider).image_registry_host(spec, state) is None:
+    if pinned is None or not providers.get(spec.provider).serves_images:
         return
     digest = pinned.rpartition("@")[2]
     if str((previous or {}).get("image") or "").endswith(f"@{digest}"):
@@ -177,18 +161,24 @@ def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[s
 
 
 def _serve_image(
-    state: ClusterState, spec: ClusterSpec, previous: dict[str, Any] | None, out: Output
+    state: ClusterState, spec: ClusterSpec, servers: ServerHost, previous: dict[str, Any] | None, out: Output
 ) -> tuple[registry.Registry | None, str | None, bool]:
     """For a pinned image on a provider whose nodes pull from the cluster's own registry: keep
-    that registry running and the image in it. (The registry, what the nodes pull, whether
-    anything changed); Nones when the nodes pull no image from the cluster."""
-    host = providers.get(spec.provider).image_registry_host(spec, state)
-    if spec.runtime.image is None or host is None:
+    that registry running and the image in it (and on the servers' host, where infractl's servers
+    run from it). (The registry, what the nodes pull, whether anything changed); Nones when the
+    nodes pull no image from the cluster."""
+    provider = providers.get(spec.provider)
+    if spec.runtime.image is None or not provider.serves_images:
         return None, None, False
-    served, started = _ensure_registry(state, host, previous)
+    host = provider.image_registry_host(spec, state)
+    assert host is not None
+    served, started = _ensure_registry(state, servers, host, previous)
     out.info(f"registry: {served.address} ({'started' if started else 'already running'})")
-    pulled, pushed = registry.publish(served, spec.runtime.image, progress=out.info)
+    with servers.reach(served.host, served.port) as (via_host, via_port):
+        pulled, pushed = registry.publish(served, spec.runtime.image, progress=out.info, via=f"{via_host}:{via_port}")
     out.info(f"image: {pulled} ({'pushed' if pushed else 'already in the registry'})")
+    if servers.python == IMAGE_PYTHON:
+        servers.pull(pulled, served.ca)
     return served, pulled, started or pushed
 
 
@@ -209,19 +199,23 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     unchanged cluster changes nothing."""
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
-    store.ensure()
+    provider = providers.get(spec.provider)
+    if not provider.makes_store(spec):
+        store.ensure()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
-    provider = providers.get(spec.provider)
     applied, provisioned = _provision(state, spec)
+    if provider.makes_store(spec):
+        store.ensure()
     nodes = provider.control(state, provisioned)
     out.info(f"terraform: {applied.summary}")
 
-    host = provider.rendezvous_host(spec, state)
-    port, started = ensure_rendezvous(state, host, previous)
-    out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
+    servers = provider.servers(state)
+    served, pulled, image_changed = _serve_image(state, spec, servers, previous, out)
 
-    served, pulled, image_changed = _serve_image(state, spec, previous, out)
+    host = provider.rendezvous_host(spec, state)
+    port, started = ensure_rendezvous(state, servers, host, previous, pulled)
+    out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
     roles = "base, access, " + ("container engine, trainer image, " if pulled else "") + "runtime, network, health gate"
     out.info(f"ansible: configuring nodes ({roles})…")
@@ -274,15 +268,12 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         out.info("access: the roles' rights in the store are taken back")
     provider = providers.of(state)
     stopped, survived = providers.control(state).stop_all(timeout=20)
-    # What is left with the cluster's marker is the control plane's own, on this machine (the
-    # rendezvous server), and anything of a node that did not answer.
-    own = proc.find(state.dir)
-    proc.kill(own)
-    leftover = proc.wait_gone(state.dir, timeout=20)
+    # Then the cluster's own servers (the rendezvous endpoint, the registry).
+    own, leftover = provider.servers(state).stop()
     if stopped or own:
-        out.info(f"stopped {stopped + len(own)} process(es) of cluster {state.name!r}")
+        out.info(f"stopped {stopped + own} process(es) of cluster {state.name!r}")
     if survived or leftover:
-        pids = [f"{p.node}:{p.pid}" for p in survived] + [str(p.pid) for p in leftover]
+        pids = [f"{p.node}:{p.pid}" for p in survived] + leftover
         raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {', '.join(pids)}")
 
     if record.get("image") is not None and (cleaned := providers.control(state).remove_containers()):
@@ -320,7 +311,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         shutil.rmtree(state.dir)
     return TeardownResult(
         cluster=state.name,
-        processes_killed=stopped + len(own),
+        processes_killed=stopped + own,
         nodes_removed=len(record["nodes"]),
         runs_purged=purged,
     )

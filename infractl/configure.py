@@ -97,6 +97,8 @@ def configure(
         "trainer_image_ref": image,
         "trainer_image_python": IMAGE_PYTHON,
         "container_runtime_registry_ca": registry_ca.read_text() if registry_ca is not None else None,
+        # host:port of the cluster's registry, for an engine that trusts it in a system-wide folder.
+        "container_runtime_registry": image.split("/", 1)[0] if image and registry_ca else None,
         **access,
     }
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
@@ -202,6 +204,7 @@ def container_vars(engine: ContainerEngine) -> dict[str, Any]:
         "container_runtime_cli": list(engine.argv),
         "container_runtime_home": home,
         "container_runtime_runroot": str(engine.runroot) if engine.runroot is not None else None,
+        "container_runtime_certs_dir": str(engine.certs_dir) if engine.certs_dir is not None else None,
         "container_runtime_run": engine.run_prefix(),
     }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from infractl import proc, providers, runs, runstore
-from infractl.cluster import ensure_rendezvous, store_for
+from infractl.cluster import keep_rendezvous, store_for
 from infractl.config import RunSpec, check_layout
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
@@ -228,7 +228,7 @@ def launch(
 ) -> Launch:
     """Record the attempt in the store, then start one torchrun agent per node. ``trainer_args``
     go to every rank's ``trainer.train`` (``plan --measure`` asks it for a memory probe)."""
-    ensure_rendezvous(state, plan.cluster["rendezvous"]["host"], plan.cluster)
+    keep_rendezvous(state, plan.cluster)
     number = len(plan.record.attempts) + 1
     # Unique per launch: the rendezvous server outlives runs, and a closed rendezvous id (an
     # earlier run of the same name, say before `--new`) can never be joined again.

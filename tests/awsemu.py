@@ -10,9 +10,17 @@ one: the controller's public address is how the operator reaches the jump host),
 there from what the instance's ``user_data`` says to cloud-init: the host key (``ssh_keys``) and
 the login keys (``ssh_authorized_keys``). A terminated instance's host goes, processes and all.
 
+Each host also has its own mount namespace, so that what a machine keeps to itself is its own:
+an empty ``/run``, its instance-store disk at ``/mnt`` (where cloud-init mounts it; a cluster's
+``aws.workdir`` goes there), its own ``/etc`` (copied from this machine: accounts, groups, and a
+container engine configuration with what this machine's kernel needs: runc, cgroupfs, the hard
+ulimits) and its own image store (``/var/lib/containers``). Its instance metadata service answers at
+169.254.169.254 inside the namespace (IMDSv2): the instance profile's credentials, and a spot
+interruption notice once ``interrupt`` plants one.
+
 infractl is not told: it sees an AWS endpoint and hosts that answer SSH. Emulated hosts share this
-machine's users, so a cluster logs in as root (``aws.login_user: root``). Root, Linux, iproute2,
-util-linux and openssh-server are needed, as for the netns provider.
+machine's users and programs, so a cluster logs in as root (``aws.login_user: root``). Root, Linux,
+iproute2, util-linux, openssh-server and podman are needed, as for the netns provider.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import hashlib
 import ipaddress
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +41,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +53,14 @@ from s3server import AWS_TEST_ENV, moto_server
 __all__ = ["EmulatedAws", "emulated_aws", "terraform_mirror"]
 
 _SSHD = "/usr/sbin/sshd"
+# The instance metadata service's address, its one token and the instance profile's role name.
+_IMDS_ADDRESS = "169.254.169.254"
+_IMDS_TOKEN = "emulated-imds-token"
+_IMDS_ROLE = "infractl-node"
+# The file in a host's folder that holds its planted spot interruption notice.
+_SPOT_NOTICE = "spot-instance-action.json"
+# The most processes a container may have that runc accepted on this machine (as infractl's netns provider).
+_MAX_NPROC = 32768
 #: Where the machine image keeps the Terraform provider mirror (REFERENCES.md), unless set.
 _MIRROR_ENV = "INFRACTL_TF_MIRROR"
 _MIRROR_DEFAULT = "/opt/tf-plugins"
@@ -173,6 +192,22 @@ class EmulatedAws:
         cloud_config = _cloud_config(base64.b64decode(encoded).decode() if encoded else "")
         if cloud_config.get("ssh_keys") and cloud_config.get("ssh_authorized_keys"):
             host.sshd_pid = self._start_sshd(host, cloud_config)
+        _ip("-n", host.namespace, "addr", "add", f"{_IMDS_ADDRESS}/32", "dev", "lo")
+        subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{host.namespace}", sys.executable, __file__, "imds"]
+            + ["--folder", str(host.folder), "--instance", host.instance_id],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=(host.folder / "imds.log").open("ab"),
+            start_new_session=True,
+        )
+
+    def interrupt(self, instance_id: str, *, action: str = "terminate", in_s: float = 120) -> None:
+        """Plant a spot interruption notice in the instance's metadata service, as EC2 does two
+        minutes before it reclaims a spot instance."""
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + in_s))
+        notice = self.hosts[instance_id].folder / _SPOT_NOTICE
+        notice.write_text(json.dumps({"action": action, "time": when}))
 
     def _start_sshd(self, host: _Host, cloud_config: dict[str, Any]) -> int:
         keys = cloud_config["ssh_keys"]
@@ -189,17 +224,19 @@ class EmulatedAws:
             # The controller is the jump host: ssh -W needs TCP forwarding.
             "AllowTcpForwarding yes\nX11Forwarding no\nLogLevel VERBOSE\nSubsystem sftp internal-sftp\n"
         )
-        Path("/run/sshd").mkdir(exist_ok=True)
-        subprocess.run(
+        mounts = _private_folders(host.folder)
+        # sshd runs in the host's own mount namespace, so every session it opens sees the host's folders.
+        script = " && ".join(
             [
-                "nsenter",
-                f"--net=/run/netns/{host.namespace}",
-                _SSHD,
-                "-f",
-                str(config),
-                "-E",
-                str(host.folder / "sshd.log"),
-            ],
+                "mount -t tmpfs -o mode=0755 emulated-run /run",
+                "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
+                *(f"mount --bind {folder} {point}" for point, folder in mounts.items()),
+                f"exec {_SSHD} -f {config} -E {host.folder / 'sshd.log'}",
+            ]
+        )
+        subprocess.run(
+            ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--mount", "--propagation", "private"]
+            + ["sh", "-c", script],
             check=True,
             capture_output=True,
         )
@@ -250,6 +287,85 @@ class EmulatedAws:
                     self._remove(_Host("", entry["name"], "", "", None, self.folder, None))
 
 
+def _private_folders(folder: Path) -> dict[str, Path]:
+    """A host's own folders (made in ``folder``), by the path it sees each at: its instance-store
+    disk, its image store, and its ``/etc`` (this machine's, copied: its accounts and groups are
+    its own, and its container engine's configuration says what this machine's kernel needs, as
+    an AMI would ship it)."""
+    disk, store, etc = folder / "mnt", folder / "containers", folder / "etc"
+    disk.mkdir(exist_ok=True)
+    store.mkdir(exist_ok=True)
+    shutil.copytree("/etc", etc, symlinks=True, dirs_exist_ok=True)
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    nproc = _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    (etc / "containers" / "containers.conf").write_text(
+        # crun refuses this machine's hybrid cgroup mounts, there is no systemd, and podman would raise
+        # the limits past the hard ones, which this machine refuses.
+        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+        '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
+    )
+    return {"/mnt": disk, "/var/lib/containers": store, "/etc": etc}
+
+
+class _Metadata(BaseHTTPRequestHandler):
+    """An instance's metadata service, IMDSv2 only (the launch template requires tokens): its id,
+    region and zone, its instance profile's credentials (moto takes any), and the spot
+    interruption notice when one was planted (404 until then, as on EC2)."""
+
+    folder: Path
+    instance: str
+
+    def do_PUT(self) -> None:
+        if self.path != "/latest/api/token" or "X-aws-ec2-metadata-token-ttl-seconds" not in self.headers:
+            self._answer(400, "")
+            return
+        self._answer(200, _IMDS_TOKEN)
+
+    def do_GET(self) -> None:
+        if self.headers.get("X-aws-ec2-metadata-token") != _IMDS_TOKEN:
+            self._answer(401, "")
+            return
+        expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6 * 3600))
+        credentials = {
+            "Code": "Success",
+            "Type": "AWS-HMAC",
+            "AccessKeyId": AWS_TEST_ENV["AWS_ACCESS_KEY_ID"],
+            "SecretAccessKey": AWS_TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+            "Token": "emulated",
+            "Expiration": expires,
+            "LastUpdated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        notice = self.folder / _SPOT_NOTICE
+        answers = {
+            "/latest/meta-data/instance-id": self.instance,
+            "/latest/meta-data/placement/region": AWS_TEST_ENV["AWS_DEFAULT_REGION"],
+            "/latest/meta-data/placement/availability-zone": AWS_TEST_ENV["AWS_DEFAULT_REGION"] + "a",
+            "/latest/meta-data/iam/security-credentials/": _IMDS_ROLE,
+            f"/latest/meta-data/iam/security-credentials/{_IMDS_ROLE}": json.dumps(credentials),
+            "/latest/meta-data/spot/instance-action": notice.read_text() if notice.is_file() else None,
+        }
+        answer = answers.get(self.path)
+        self._answer(200 if answer is not None else 404, answer or "")
+
+    def _answer(self, status: int, body: str) -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {format % args}\n")
+
+
+def _serve_metadata(folder: Path, instance: str) -> None:
+    """Serve an instance's metadata at 169.254.169.254:80 in the network namespace it was started in."""
+    _Metadata.folder, _Metadata.instance = folder, instance
+    ThreadingHTTPServer((_IMDS_ADDRESS, 80), _Metadata).serve_forever()
+
+
 def _cloud_config(user_data: str) -> dict[str, Any]:
     if not user_data.startswith("#cloud-config"):
         return {}
@@ -291,8 +407,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="An emulated AWS on this machine (root): moto and instance hosts.")
     parser.add_argument("--vpc-cidr", default="10.77.0.0/16", help="the cluster's aws.vpc_cidr")
     parser.add_argument("--folder", default=".infractl/awsemu", help="where its files go")
+    # The emulator starts itself with these, in a host's namespace, as that host's metadata service.
+    parser.add_argument("role", nargs="?", choices=["imds"], help=argparse.SUPPRESS)
+    parser.add_argument("--instance", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.role == "imds":
+        _serve_metadata(Path(args.folder), args.instance)
+        return
     os.environ.update(AWS_TEST_ENV)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill PID` cleans up as Ctrl-C does
     with emulated_aws(Path(args.folder).resolve(), args.vpc_cidr) as emulation:
         emulation.client("s3").create_bucket(Bucket="infractl-state")
         print(

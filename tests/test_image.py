@@ -94,7 +94,8 @@ def tls_registry(tmp_path: Path) -> Iterator[registry.Registry]:
     """Debian's docker-registry on loopback, with a certificate from its own CA (as a cluster's)."""
     port = _free_port()
     ca, _, _ = registry.certificate_authority(tmp_path, "127.0.0.1")
-    config = registry.write_config(tmp_path, "127.0.0.1", port)
+    config = tmp_path / "registry" / "config.yml"
+    config.write_text(registry.config(config.parent, "127.0.0.1", port))
     server = subprocess.Popen(
         ["docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

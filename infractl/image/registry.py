@@ -27,7 +27,7 @@ from infractl.config import IMAGE_REFERENCE
 from infractl.errors import InfractlError
 from infractl.image.build import locate, push
 
-__all__ = ["REGISTRY_NODE", "Registry", "certificate_authority", "node_reference", "publish", "write_config"]
+__all__ = ["REGISTRY_NODE", "Registry", "certificate_authority", "config", "node_reference", "publish"]
 
 #: The marker node name of the registry process (``infractl.proc``).
 REGISTRY_NODE = "registry"
@@ -82,8 +82,11 @@ def _certificate(subject: str, issuer: str, key: Any, signer: Any, *, authority:
         )
     else:
         assert host is not None
+        # Loopback too: where the registry's host is not on this machine's network, ``up`` pushes
+        # through an SSH tunnel from this machine's loopback.
+        addresses = [ipaddress.ip_address(address) for address in dict.fromkeys((host, "127.0.0.1"))]
         builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False
+            x509.SubjectAlternativeName([x509.IPAddress(address) for address in addresses]), critical=False
         ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     return builder.sign(signer, hashes.SHA256())
 
@@ -117,19 +120,17 @@ def certificate_authority(state_dir: Path, host: str) -> tuple[Path, Path, Path]
     return ca_cert, cert, key
 
 
-def write_config(state_dir: Path, host: str, port: int) -> Path:
-    """Write the registry's configuration (filesystem store under the state directory, TLS with
-    the cluster's certificate) and return its path."""
-    _, cert, key = certificate_authority(state_dir, host)
-    directory = _directory(state_dir)
-    config = directory / "config.yml"
-    config.write_text(
+def config(folder: Path, host: str, port: int) -> str:
+    """The registry's configuration, for a registry whose files are in ``folder`` on the host it
+    runs on (``tls/`` with ``certificate_authority``'s certificate and key, ``data/`` the store),
+    serving TLS on ``host:port``."""
+    tls = folder / "tls"
+    return (
         "version: 0.1\n"
         "log: {level: warn}\n"
-        f"storage: {{filesystem: {{rootdirectory: {directory / 'data'}}}}}\n"
-        f"http: {{addr: '{host}:{port}', tls: {{certificate: {cert}, key: {key}}}}}\n"
+        f"storage: {{filesystem: {{rootdirectory: {folder / 'data'}}}}}\n"
+        f"http: {{addr: '{host}:{port}', tls: {{certificate: {tls / 'registry.crt'}, key: {tls / 'registry.key'}}}}}\n"
     )
-    return config
 
 
 def node_reference(registry: Registry, image: str) -> str:
@@ -141,11 +142,11 @@ def node_reference(registry: Registry, image: str) -> str:
     return f"{registry.address}/{match['path']}@{match['digest']}"
 
 
-def _holds(registry: Registry, reference: str) -> bool:
-    """Whether the registry already serves the manifest ``reference`` names."""
+def _holds(registry: Registry, reference: str, via: str) -> bool:
+    """Whether the registry (reached at ``via``) already serves the manifest ``reference`` names."""
     path, _, digest = reference.removeprefix(f"{registry.address}/").partition("@")
     request = urllib.request.Request(
-        f"https://{registry.address}/v2/{path}/manifests/{digest}",
+        f"https://{via}/v2/{path}/manifests/{digest}",
         method="HEAD",
         headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
     )
@@ -161,11 +162,15 @@ def _holds(registry: Registry, reference: str) -> bool:
         raise InfractlError(f"the cluster's registry at {registry.address} cannot be reached: {exc}") from None
 
 
-def publish(registry: Registry, image: str, *, progress: Callable[[str], None]) -> tuple[str, bool]:
+def publish(
+    registry: Registry, image: str, *, progress: Callable[[str], None], via: str | None = None
+) -> tuple[str, bool]:
     """Make the pinned ``image`` available at the cluster's registry from this machine's build
-    cache; return the reference the nodes pull and whether it was copied now (False: it was there)."""
+    cache, reaching the registry at ``via`` (``host:port``; default: its own address); return the
+    reference the nodes pull and whether it was copied now (False: it was there)."""
     reference = node_reference(registry, image)
-    if _holds(registry, reference):
+    via = via or registry.address
+    if _holds(registry, reference, via):
         return reference, False
     digest = reference.rpartition("@")[2]
     layout = locate(digest)
@@ -174,7 +179,8 @@ def publish(registry: Registry, image: str, *, progress: Callable[[str], None]) 
             f"image {digest} is not in this machine's build cache: build it with `infractl image build` "
             "(or pin the digest that build printed)"
         )
-    pushed = push(layout, reference, cert_dir=registry.ca.parent, progress=progress)
+    destination = f"{via}/{reference.removeprefix(f'{registry.address}/')}"
+    pushed = push(layout, destination, cert_dir=registry.ca.parent, progress=progress)
     if pushed != digest:
         raise InfractlError(f"the cluster's registry holds {pushed} after pushing {digest}")
     return reference, True

@@ -37,12 +37,22 @@ from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.errors import ConfigError, InfraError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings, SshLogin
-from infractl.providers.base import NodeControl, Provider, register
-from infractl.providers.remote import SshNodes
+from infractl.providers.base import (
+    DOCKER,
+    IMAGE_PYTHON,
+    ContainerEngine,
+    NodeControl,
+    Provider,
+    ServerHost,
+    register,
+)
+from infractl.providers.remote import RemoteServers, SshNodes
 from infractl.state import ClusterState, write_private
 
 __all__ = [
     "Aws",
+    "AwsNodes",
+    "engine_for",
     "AwsSpec",
     "ClusterKeys",
     "check_account",
@@ -732,14 +742,84 @@ def _read_json(name: str) -> Any:
     return json.loads((infra.module_dir("aws") / name).read_text())
 
 
-_NOT_WIRED = (
-    "provider aws: the account passed the checks, but `infractl up` plans only (`--dry-run`) in this version: "
-    "configuring the instances over SSH and training on them are not wired yet"
+#: The registry's port on the controller (the rendezvous endpoint's is ``aws.rendezvous_port``).
+_REGISTRY_PORT = 5000
+#: What the control plane's environment never passes to an instance: the instance profile gives
+#: the nodes their own credentials (IMDS), and an operator's keys must not land on a node's disk.
+_CREDENTIAL_VARIABLES = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_SECURITY_TOKEN",
+        "AWS_PROFILE",
+        "AWS_DEFAULT_PROFILE",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AWS_EC2_METADATA_DISABLED",
+    }
 )
+#: podman as Ubuntu's package installs it, for instance types without GPUs (the emulation's too).
+_PODMAN = ContainerEngine(
+    argv=("podman",),
+    home=None,
+    certs_dir=Path("/etc/containers/certs.d"),
+    # Privileged: podman then tells the container which image it runs (/run/.containerenv, which the
+    # checkpoints' fingerprint reads). It shares the instance's namespaces and runs as root anyway.
+    run_options=("--privileged",),
+    named_options=("--replace",),
+)
+
+
+def engine_for(instance_type: str) -> ContainerEngine:
+    """How an instance of ``instance_type`` runs containers: Docker with the NVIDIA container
+    toolkit on a GPU type (the Deep Learning AMIs ship both), podman on a CPU type."""
+    table = instance_types()
+    return DOCKER if table.get(instance_type, {}).get("gpus", 0) > 0 else _PODMAN
+
+
+@dataclass(frozen=True)
+class _Provisioned:
+    """What ``provisioned`` learnt from the apply that the cluster record does not hold: the
+    controller (the jump host, and where the cluster's servers run), and each node's type.
+    Kept in ``<state>/aws.json``."""
+
+    controller: Node
+    """Reached at its public address, directly."""
+    private_address: str
+    instance_types: dict[str, str]
+    ports: dict[str, int]
+
+    @staticmethod
+    def path(state: ClusterState) -> Path:
+        return state.dir / "aws.json"
+
+    def save(self, state: ClusterState) -> None:
+        document = {
+            "controller": self.controller.record(),
+            "private_address": self.private_address,
+            "instance_types": self.instance_types,
+            "ports": self.ports,
+        }
+        write_private(self.path(state), json.dumps(document, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, state: ClusterState) -> _Provisioned:
+        try:
+            document = json.loads(cls.path(state).read_text())
+        except FileNotFoundError:
+            raise InfraError(f"cluster {state.name!r} has no provisioned instances (run `infractl up`)") from None
+        return cls(
+            controller=Node.from_record(document["controller"]),
+            private_address=document["private_address"],
+            instance_types=document["instance_types"],
+            ports=document["ports"],
+        )
 
 
 class Aws(Provider):
     name = "aws"
+    serves_images = True
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return module_variables(spec, ClusterKeys.of(spec, state).variables())
@@ -824,17 +904,39 @@ class Aws(Provider):
             for node, item in zip(nodes, applied.outputs["inventory"], strict=True)
         }
         wait_for_ssh(hosts, timeout=aws.ssh_timeout_s)
+        inventory = {item["name"]: item["instance_type"] for item in applied.outputs["inventory"]}
+        _Provisioned(
+            controller=Node(
+                "controller", controller["public_address"], workdir=Path(aws.workdir), processes=0, ssh=direct
+            ),
+            private_address=controller["address"],
+            instance_types=inventory | {"controller": aws.controller_instance_type},
+            ports={"rendezvous": aws.rendezvous_port, "registry": _REGISTRY_PORT},
+        ).save(state)
         return nodes
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
-        """The account's checks (``check_account``); then the refusal: configuring and training on
-        the instances is not wired yet."""
+        """The account's checks (``check_account``)."""
         check_account(spec)
-        raise UsageError(_NOT_WIRED, field="provider")
+
+    def makes_store(self, spec: ClusterSpec) -> bool:
+        """``aws.create_bucket``: the module creates the store's bucket."""
+        aws = spec.settings(AwsSpec)
+        return aws is not None and aws.create_bucket
 
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
-        """The controller instance's private address, once `up` provisions on aws (see preflight)."""
-        raise UsageError(_NOT_WIRED, field="provider")
+        """The controller instance's private address: every node reaches it, and it trains nothing."""
+        return _Provisioned.load(state).private_address
+
+    def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
+        """Beside the rendezvous endpoint, on the controller."""
+        return self.rendezvous_host(spec, state)
+
+    def servers(self, state: ClusterState) -> ServerHost:
+        """On the controller, over SSH."""
+        provisioned = _Provisioned.load(state)
+        engine = engine_for(provisioned.instance_types["controller"])
+        return RemoteServers(state, provisioned.controller, engine=engine, ports=provisioned.ports)
 
     def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
         """A bucket the cluster created outlives it unless ``purge``: kept, it leaves Terraform's
@@ -856,9 +958,35 @@ class Aws(Provider):
         return sweep(record["name"], settings["region"], endpoint_url=settings.get("endpoint_url"))
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
-        """Instances are reached over SSH, and run infractl's node side with the system Python (no
-        cluster gets this far until ``up`` provisions on aws: see ``preflight``)."""
-        return SshNodes(state, nodes, python="python3")
+        return AwsNodes(state, nodes, instance_types=_Provisioned.load(state).instance_types)
+
+
+class AwsNodes(SshNodes):
+    """Instances, over SSH through the controller. Ansible runs with the instance's own Python;
+    infractl's node side runs from the cluster's image (an instance has no infractl of its own),
+    in a container that shares the instance's namespaces, as the trainer does."""
+
+    withheld = _CREDENTIAL_VARIABLES
+
+    def __init__(self, state: ClusterState, nodes: Sequence[Node], *, instance_types: Mapping[str, str]) -> None:
+        super().__init__(state, nodes, python="python3")
+        self._types = dict(instance_types)
+        self._image: str | None = None
+
+    def containers(self, node: str) -> ContainerEngine:
+        return engine_for(self._types[node])
+
+    def _node_side(self, node: str, *args: str) -> list[str]:
+        if self._image is None:
+            self._image = self.state.read().get("image")
+            if self._image is None:
+                raise InfraError(f"cluster {self.state.name!r} records no image: its nodes were never configured")
+        prefix = self.containers(node).run_prefix()
+        return [*prefix, "--interactive", self._image, IMAGE_PYTHON, "-m", "infractl.proc", *args]
+
+    def ansible_host(self, node: str) -> dict[str, Any]:
+        """A fresh instance has no work directory yet: the base role makes it."""
+        return super().ansible_host(node) | {"base_create_workdir": True}
 
 
 register(

@@ -9,32 +9,41 @@ Nothing outside ``infractl/providers/`` knows what a node is: callers name nodes
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig, register_provider
 from infractl.errors import InfractlError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings
 from infractl.proc import NodeProcess
-from infractl.state import ClusterState
+from infractl.state import ClusterState, write_private
 
 __all__ = [
     "DOCKER",
     "IMAGE_PYTHON",
     "LINK_FAULTS",
     "ContainerEngine",
+    "LocalServers",
     "NodeControl",
     "Provider",
+    "SERVER_START_S",
+    "ServerHost",
     "Watch",
+    "free_port",
+    "port_open",
     "provider_named",
     "register",
 ]
@@ -47,6 +56,9 @@ LINK_FAULTS = ("down", "drop", "delay")
 #: The trainer image's Python, first on its PATH (images/trainer/README.md's contract).
 IMAGE_PYTHON = "python"
 
+#: Seconds a server (rendezvous endpoint, image registry) may take to listen once started.
+SERVER_START_S = 60
+
 _T = TypeVar("_T")
 
 
@@ -55,6 +67,8 @@ class Provider(ABC):
     the provider themselves."""
 
     name: ClassVar[str]
+    #: The nodes pull the pinned image from the cluster's own registry (``image_registry_host``).
+    serves_images: ClassVar[bool] = False
     #: The nodes share this machine's user accounts: what ``up`` made there for the access roles
     #: (Unix groups) outlives ``terraform destroy`` and is removed by ``teardown``. (A real node's
     #: groups go with the machine.)
@@ -84,15 +98,24 @@ class Provider(ABC):
         it says all of that itself)."""
         return applied.nodes
 
+    def makes_store(self, spec: ClusterSpec) -> bool:
+        """Whether the module creates the cluster's store (so it cannot be checked before ``up``
+        applies it)."""
+        return False
+
     @abstractmethod
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The address the cluster's rendezvous endpoint listens on, reachable from every node."""
 
     def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
         """Where the cluster's own image registry listens (``infractl.image.registry``), reachable
-        from every node; None where the nodes run no image (``local``) or pull from a registry
-        that is not the cluster's."""
+        from every node (once provisioned); None where the nodes run no image (``local``)."""
         return None
+
+    def servers(self, state: ClusterState) -> ServerHost:
+        """Where the cluster's own servers run (the rendezvous endpoint, the image registry): this
+        machine, unless the provider has a host of the cluster for them."""
+        return LocalServers(state)
 
     def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
         """Just before ``terraform destroy`` (every process stopped, and with ``purge`` every run
@@ -142,6 +165,8 @@ class ContainerEngine:
     """What ``run`` needs on this node besides the launcher's options (limits, privileges)."""
     named_options: tuple[str, ...] = ()
     """What ``run`` needs for a named container (replacing one that a killed node left behind)."""
+    certs_dir: Path | None = None
+    """Where an engine with a system-wide store trusts a registry's CA: ``<certs_dir>/<host:port>/ca.crt``."""
 
     def run_prefix(
         self,
@@ -177,7 +202,113 @@ class ContainerEngine:
 
 
 #: A GPU host's engine: Docker's daemon, with its system-wide store.
-DOCKER = ContainerEngine(argv=("/usr/bin/docker",), home=None)
+DOCKER = ContainerEngine(argv=("/usr/bin/docker",), home=None, certs_dir=Path("/etc/docker/certs.d"))
+
+
+class ServerHost(ABC):
+    """Where the cluster's own servers run, outside every node's failure domain: the rendezvous
+    endpoint and the image registry. Each server is named (``infractl.proc``'s node name for it)
+    and listens on an address every node reaches."""
+
+    python: str
+    """The Python that runs infractl's servers there (in ``image`` when ``keep`` is given one)."""
+    home: Path
+    """The folder the servers' files live in there."""
+
+    @abstractmethod
+    def keep(self, name: str, argv: Sequence[str], *, host: str, port: int, image: str | None = None) -> bool:
+        """Keep server ``name`` (``argv``; in a container of ``image`` when given) listening on
+        ``host:port``; whether it was started now. ``InfractlError`` when another process holds
+        the port, or the server did not start."""
+
+    @abstractmethod
+    def new_port(self, name: str, host: str) -> int:
+        """The port a new cluster's server ``name`` listens on at ``host``."""
+
+    @abstractmethod
+    def running(self, name: str, *, host: str, port: int) -> bool:
+        """Whether server ``name`` runs (listening on ``host:port``)."""
+
+    @abstractmethod
+    def put(self, path: Path, text: str) -> None:
+        """Write ``text`` to ``path`` there (0600, whole or not at all, parents made)."""
+
+    def reach(self, host: str, port: int) -> AbstractContextManager[tuple[str, int]]:
+        """The address this machine reaches ``host:port`` of the servers' host at, while the block
+        runs (the same address, where this machine is on the nodes' network)."""
+        return nullcontext((host, port))
+
+    @abstractmethod
+    def pull(self, reference: str, ca: Path) -> None:
+        """Make the image ``reference`` (at the cluster's registry, whose CA is ``ca``) runnable
+        there, for ``keep``'s ``image``."""
+
+    @abstractmethod
+    def stop(self) -> tuple[int, list[str]]:
+        """Stop every server of the cluster: (how many were stopped, those that survived)."""
+
+
+class LocalServers(ServerHost):
+    """The servers on this machine, as processes with the cluster's markers (their logs in the
+    state directory): ``teardown`` finds and stops them as it stops a node's."""
+
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.python = sys.executable
+        self.home = state.dir
+
+    def keep(self, name: str, argv: Sequence[str], *, host: str, port: int, image: str | None = None) -> bool:
+        if image is not None:
+            raise InfractlError(f"the {name} server of cluster {self.state.name!r} runs this machine's Python")
+        if proc.find(self.state.dir, node=name) and port_open(host, port):
+            return False
+        if port_open(host, port):
+            raise InfractlError(
+                f"the {name} server's port {host}:{port} of cluster {self.state.name!r} is taken by "
+                "another process; stop it, or run `infractl teardown` and `infractl up`"
+            )
+        env = {**os.environ, proc.CLUSTER_ENV: str(self.state.dir), proc.NODE_ENV: name}
+        log = self.state.dir / f"{name}.log"
+        child = proc.spawn(list(argv), env=env, cwd=self.state.dir, log_path=log)
+        deadline = time.monotonic() + SERVER_START_S
+        while not port_open(host, port):
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise InfractlError(f"the {name} server did not start; see {log}")
+            time.sleep(0.2)
+        return True
+
+    def new_port(self, name: str, host: str) -> int:
+        return free_port(host)
+
+    def running(self, name: str, *, host: str, port: int) -> bool:
+        return bool(proc.find(self.state.dir, node=name))
+
+    def put(self, path: Path, text: str) -> None:
+        write_private(path, text)
+
+    def pull(self, reference: str, ca: Path) -> None:
+        """Nothing to do: the servers run this machine's Python."""
+
+    def stop(self) -> tuple[int, list[str]]:
+        """Everything left on this machine with the cluster's marker: the servers, and anything of
+        a node that did not answer (on providers whose nodes are this machine)."""
+        own = proc.find(self.state.dir)
+        proc.kill(own)
+        return len(own), [str(p.pid) for p in proc.wait_gone(self.state.dir, timeout=20)]
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` of this machine now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on ``host:port``, as seen from this machine."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
 
 
 class NodeControl(ABC):

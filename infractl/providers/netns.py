@@ -123,6 +123,7 @@ def _last_line(stderr: str) -> str:
 
 class Netns(Provider):
     name = "netns"
+    serves_images = True
     # The nodes are namespaces of this machine: its accounts are theirs.
     shares_host_accounts = True
 

@@ -15,7 +15,9 @@ import re
 import shlex
 import subprocess
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,19 @@ from infractl import proc
 from infractl.errors import InfractlError
 from infractl.infra import Node, SshLogin
 from infractl.proc import NodeProcess
-from infractl.providers.base import NodeControl, Watch
+from infractl.providers.base import (
+    IMAGE_PYTHON,
+    SERVER_START_S,
+    ContainerEngine,
+    NodeControl,
+    ServerHost,
+    Watch,
+    free_port,
+    port_open,
+)
 from infractl.state import ClusterState
 
-__all__ = ["SshNodes"]
+__all__ = ["RemoteServers", "SshNodes"]
 
 # Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
 _SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -42,7 +53,12 @@ _SSH_FAILED = 255
 
 
 class SshNodes(NodeControl):
-    """Nodes reached over SSH; ``python`` is the interpreter infractl runs with on them."""
+    """Nodes reached over SSH; ``python`` is the interpreter infractl runs with on them. A login
+    that is not root runs every command with sudo (the node's, passwordless: a cloud image's
+    login user has it)."""
+
+    #: Variables of the control plane's environment that never go to a node (``start``).
+    withheld: frozenset[str] = frozenset()
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node], *, python: str) -> None:
         super().__init__(state, nodes)
@@ -59,6 +75,8 @@ class SshNodes(NodeControl):
 
     def _session(self, node: str, command: str) -> list[str]:
         login, address = self._login(node)
+        if login.user != "root":
+            command = f"sudo -n sh -c {shlex.quote(command)}"
         return login.argv(address, command)
 
     def _ask(
@@ -136,7 +154,7 @@ class SshNodes(NodeControl):
         The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
         node as it follows a local one; it carries none of the markers, so a node whose link is cut
         counts as stopped once its agent has exited, whatever the client waits for."""
-        names = sorted(k for k in env if _SHELL_NAME.match(k))
+        names = sorted(k for k in env if _SHELL_NAME.match(k) and k not in self.withheld)
         env_file = workdir / "runs" / env[proc.RUN_ENV] / "agent.env"
         self.write_file(node, env_file, "".join(f"{k}={shlex.quote(env[k])}\n" for k in names))
         if image is not None:
@@ -225,6 +243,7 @@ class SshNodes(NodeControl):
             "ansible_ssh_private_key_file": str(login.identity_file),
             "ansible_ssh_common_args": shlex.join(login.options()),
             "ansible_python_interpreter": self.python(node),
+            "ansible_become": login.user != "root",
         }
 
 
@@ -282,6 +301,159 @@ class _SshWatch(Watch):
                 session.wait()
         for thread in self._threads:
             thread.join(timeout=5)
+
+
+class RemoteServers(ServerHost):
+    """The cluster's servers on a host of the cluster that trains nothing (a controller instance),
+    reached over SSH like a node. A Python server runs in a container of the cluster's image
+    (``pull`` puts it there), the registry as a process of the host's own (its pid in
+    ``<home>/run/``); each listens on the port ``ports`` gives it. This machine reaches a server's
+    port through an SSH tunnel (``reach``): the host's private address is not this machine's
+    network."""
+
+    python = IMAGE_PYTHON
+
+    def __init__(self, state: ClusterState, host: Node, *, engine: ContainerEngine, ports: Mapping[str, int]) -> None:
+        self.state = state
+        self.home = host.workdir
+        self._host = SshNodes(state, [host], python="python3")
+        self._name = host.name
+        self._engine = engine
+        self._ports = dict(ports)
+
+    def new_port(self, name: str, host: str) -> int:
+        return self._ports[name]
+
+    def _container(self, name: str) -> str:
+        return f"infractl-{self.state.short_id}-{name}"
+
+    def _pid_file(self, name: str) -> Path:
+        return self.home / "run" / f"{name}.pid"
+
+    def _shell(self, command: str, *, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return self._host._ask(self._name, command, timeout=timeout)
+
+    def _probe(self, name: str, host: str, port: int) -> int:
+        """0: ``name`` runs and listens; 1: nothing listens; 2: something else does; 255: no answer."""
+        engine = shlex.join(self._engine.argv)
+        pid_file = shlex.quote(str(self._pid_file(name)))
+        inspect = f"{engine} container inspect --format {shlex.quote('{{.State.Running}}')} {self._container(name)}"
+        script = (
+            f'ours() {{ [ "$({inspect} 2>/dev/null)" = true ]'
+            f' || {{ test -f {pid_file} && kill -0 "$(cat {pid_file})" 2>/dev/null; }}; }}; '
+            f"if timeout 2 bash -c {shlex.quote(f'exec 3<>/dev/tcp/{host}/{port}')} 2>/dev/null; "
+            "then if ours; then exit 0; else exit 2; fi; else exit 1; fi"
+        )
+        return self._shell(script, timeout=30).returncode
+
+    def keep(self, name: str, argv: Sequence[str], *, host: str, port: int, image: str | None = None) -> bool:
+        probe = self._probe(name, host, port)
+        if probe == 0:
+            return False
+        where = f"{self._name} ({self._host.node(self._name).address})"
+        if probe == 2:
+            raise InfractlError(
+                f"the {name} server's port {host}:{port} on {where} is taken by another process; "
+                "stop it, or run `infractl teardown` and `infractl up`"
+            )
+        if probe != 1:
+            raise InfractlError(f"cannot start the {name} server: {where} does not answer SSH")
+        log = self.home / "logs" / f"{name}.log"
+        if image is not None:
+            labels = {"org.infractl.cluster": str(self.state.dir), "org.infractl.server": name}
+            command = shlex.join(
+                [
+                    *self._engine.argv,
+                    "run",
+                    "--detach",
+                    f"--name={self._container(name)}",
+                    "--replace",
+                    "--pull=never",
+                    "--network=host",
+                    "--user=root",
+                    *self._engine.run_options,
+                    *(f"--label={key}={value}" for key, value in labels.items()),
+                    image,
+                    *argv,
+                ]
+            )
+        else:
+            pid_file = shlex.quote(str(self._pid_file(name)))
+            inner = f"echo $$ >{pid_file} && exec {shlex.join(argv)} >>{shlex.quote(str(log))} 2>&1"
+            command = (
+                f"mkdir -p {shlex.quote(str(self._pid_file(name).parent))} && "
+                f"setsid -f sh -c {shlex.quote(inner)} </dev/null >/dev/null 2>&1"
+            )
+        started = self._shell(f"mkdir -p {shlex.quote(str(log.parent))} && {command}")
+        if started.returncode != 0:
+            raise InfractlError(f"the {name} server did not start on {where}: {_last_line(started.stderr)}")
+        deadline = time.monotonic() + SERVER_START_S
+        while (probe := self._probe(name, host, port)) != 0:
+            if time.monotonic() > deadline:
+                raise InfractlError(f"the {name} server did not start on {where} (probe {probe}); see {log} there")
+            time.sleep(1)
+        return True
+
+    def running(self, name: str, *, host: str, port: int) -> bool:
+        return self._probe(name, host, port) == 0
+
+    def put(self, path: Path, text: str) -> None:
+        self._host.write_file(self._name, path, text)
+
+    @contextmanager
+    def _tunnel(self, host: str, port: int) -> Iterator[tuple[str, int]]:
+        login, address = self._host._login(self._name)
+        local = free_port("127.0.0.1")
+        argv = ["ssh", *login.options(), "-N", "-o", "ExitOnForwardFailure=yes"]
+        argv += ["-L", f"127.0.0.1:{local}:{host}:{port}", "-l", login.user, address]
+        tunnel = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + SERVER_START_S
+            while not port_open("127.0.0.1", local):
+                if tunnel.poll() is not None or time.monotonic() > deadline:
+                    said = tunnel.stderr.read().decode() if tunnel.stderr and tunnel.poll() is not None else ""
+                    raise InfractlError(f"no SSH tunnel to {host}:{port} through {address}: {_last_line(said)}")
+                time.sleep(0.1)
+            yield "127.0.0.1", local
+        finally:
+            tunnel.terminate()
+            try:
+                tunnel.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                tunnel.kill()
+                tunnel.wait()
+
+    def reach(self, host: str, port: int) -> AbstractContextManager[tuple[str, int]]:
+        return self._tunnel(host, port)
+
+    def pull(self, reference: str, ca: Path) -> None:
+        registry = reference.split("/", 1)[0]
+        if self._engine.certs_dir is not None:
+            self.put(self._engine.certs_dir / registry / "ca.crt", ca.read_text())
+        engine = shlex.join(self._engine.argv)
+        quoted = shlex.quote(reference)
+        pulled = self._shell(
+            f"{engine} image inspect {quoted} >/dev/null 2>&1 || {engine} pull --quiet {quoted}", timeout=900
+        )
+        if pulled.returncode != 0:
+            raise InfractlError(f"{self._name} could not pull {reference}: {_last_line(pulled.stderr)}")
+
+    def stop(self) -> tuple[int, list[str]]:
+        """The servers' containers and processes; nothing to do when the host does not answer (it
+        goes with the cluster's instances)."""
+        engine = shlex.join(self._engine.argv)
+        label = shlex.quote(f"label=org.infractl.cluster={self.state.dir}")
+        run = shlex.quote(str(self.home / "run"))
+        script = (
+            f"n=0; for c in $({engine} ps -q --filter {label}); do "
+            f"{engine} rm -f -t 0 $c >/dev/null && n=$((n+1)); done; "
+            f'for f in {run}/*.pid; do [ -f "$f" ] || continue; '
+            'if kill -9 "$(cat "$f")" 2>/dev/null; then n=$((n+1)); fi; rm -f "$f"; done; echo $n'
+        )
+        done = self._shell(script)
+        if done.returncode != 0:
+            return 0, []
+        return int((done.stdout.split() or ["0"])[-1]), []
 
 
 def _last_line(stderr: str) -> str:
