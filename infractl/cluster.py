@@ -32,6 +32,8 @@ __all__ = [
 RENDEZVOUS_NODE = "rendezvous"
 # Debian's docker-registry package: the CNCF distribution registry.
 _REGISTRY = "docker-registry"
+# In the state directory once `terraform destroy` succeeded: a teardown run again only looks for leftovers.
+_DESTROYED = "destroyed"
 # `up` names the changed tasks when there are this few (a re-run that should change nothing did).
 _NAMED_CHANGES = 4
 
@@ -204,6 +206,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         store.ensure()
 
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
+    (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
     applied, provisioned = _provision(state, spec)
     if provider.makes_store(spec):
         store.ensure()
@@ -258,9 +261,11 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     )
 
 
-def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:
-    """Stop everything the cluster runs, destroy its nodes, and prove nothing is left."""
-    record = state.read()
+def _stop_and_destroy(
+    state: ClusterState, record: dict[str, Any], out: Output, *, purge: bool
+) -> tuple[int, list[str]]:
+    """Teardown's first half: every process of the cluster stopped, its containers removed, with
+    ``purge`` its runs deleted, then ``terraform destroy``. (Processes stopped, runs purged.)"""
     if purge:
         store_for(state).ping()  # a purge that cannot reach the store must fail before anything goes
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
@@ -288,6 +293,22 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         out.info(line)
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
+    return stopped + own, purged
+
+
+def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:
+    """Stop everything the cluster runs, destroy its nodes, and prove nothing is left. A teardown
+    that destroyed the nodes and then found something left is run again from that point: the
+    operator removed what it named, and only the proof is left to do."""
+    record = state.read()
+    provider = providers.of(state)
+    destroyed = state.dir / _DESTROYED
+    stopped, purged = 0, list[str]()
+    if destroyed.is_file():
+        out.info("terraform: the nodes were destroyed by an earlier teardown; looking for what is left")
+    else:
+        stopped, purged = _stop_and_destroy(state, record, out, purge=purge)
+        destroyed.touch()
     leftovers = provider.leftovers(state, record)
     if leftovers:
         raise InfractlError(
@@ -311,7 +332,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         shutil.rmtree(state.dir)
     return TeardownResult(
         cluster=state.name,
-        processes_killed=stopped + own,
+        processes_killed=stopped,
         nodes_removed=len(record["nodes"]),
         runs_purged=purged,
     )

@@ -194,7 +194,7 @@ def torchrun_argv(
 def _node_env(
     nodes: NodeControl, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat
 ) -> dict[str, str]:
-    env = dict(os.environ) | network_env(nodes, node["name"])
+    env = dict(os.environ) | network_env(nodes, node["name"]) | nodes.agent_env(node["name"])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(
         {

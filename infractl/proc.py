@@ -33,6 +33,7 @@ __all__ = [
     "CLUSTER_ENV",
     "NODE_ENV",
     "RUN_ENV",
+    "SPOT_NOTICE_ENV",
     "NodeProcess",
     "group_exists",
     "run",
@@ -51,6 +52,9 @@ NODE_ENV = "INFRACTL_NODE"
 RUN_ENV = "INFRACTL_RUN"
 #: The module a node's elastic agent runs (``python -m trainer.agent``): tells agents from workers.
 AGENT_MODULE = "trainer.agent"
+#: The instance metadata service (its ``/latest`` URL) whose spot interruption notice a node's agent
+#: polls, on a node that may be reclaimed (``trainer.agent``); unset elsewhere.
+SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
 
 
 def run(argv: list[str], *, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -14,6 +14,11 @@ SIGTERM and its grace period.
 
 Nothing else of torchrun changes: preemption (SIGTERM to the agent) still forwards SIGTERM and
 waits ``--shutdown-timeout``.
+
+On a node that may be reclaimed (a spot instance: its provider sets ``INFRACTL_SPOT_NOTICE_URL`` to
+the instance metadata service), the agent also polls the spot interruption notice, which EC2 posts
+two minutes before it takes the instance back, and answers one with that same SIGTERM to itself:
+the workers save an emergency checkpoint, this node leaves, and the others go on without it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import psutil
 from torch.distributed import run as torchrun
@@ -29,10 +38,15 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.launcher import api as launcher_api
 
 from infractl.log import get_logger
+from infractl.proc import SPOT_NOTICE_ENV
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
 log = get_logger(__name__)
+
+#: Seconds between two looks at the spot interruption notice (what AWS advises), and the most one may take.
+_SPOT_POLL_S = 5.0
+_METADATA_TIMEOUT_S = 2.0
 
 
 class StopStoppedWorkersAgent(LocalElasticAgent):
@@ -55,9 +69,37 @@ def _stopped(pid: int) -> bool:
         return False
 
 
+def spot_notice(metadata_url: str) -> str | None:
+    """The instance's spot interruption notice (its JSON), or None while there is none or the
+    metadata service does not answer. IMDSv2: a session token first."""
+    try:
+        token_request = urllib.request.Request(
+            f"{metadata_url}/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}
+        )
+        with urllib.request.urlopen(token_request, timeout=_METADATA_TIMEOUT_S) as answer:
+            token = answer.read().decode()
+        notice_request = urllib.request.Request(
+            f"{metadata_url}/meta-data/spot/instance-action", headers={"X-aws-ec2-metadata-token": token}
+        )
+        with urllib.request.urlopen(notice_request, timeout=_METADATA_TIMEOUT_S) as answer:
+            return str(answer.read().decode())
+    except (urllib.error.URLError, OSError):  # 404: no notice yet; no answer: ask again later
+        return None
+
+
+def _watch_spot_notice(metadata_url: str) -> None:
+    while (notice := spot_notice(metadata_url)) is None:
+        time.sleep(_SPOT_POLL_S)
+    log.warning("spot interruption notice %s: preempting this node", notice)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     # torchrun builds its agent from this module attribute (torch.distributed.launcher.api.launch_agent).
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
+    metadata_url = os.environ.get(SPOT_NOTICE_ENV)
+    if metadata_url:
+        threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()
     torchrun.main()
 
 

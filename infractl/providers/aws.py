@@ -520,14 +520,22 @@ def empty_bucket(bucket: str, region: str, *, endpoint_url: str | None = None) -
     s3 = boto3.client("s3", region_name=region, endpoint_url=endpoint_url)
     deleted = 0
     try:
-        for page in s3.get_paginator("list_object_versions").paginate(Bucket=bucket):
-            entries = [
-                {"Key": item["Key"], "VersionId": item["VersionId"]}
-                for item in [*page.get("Versions", []), *page.get("DeleteMarkers", [])]
+        # The first page again until there is none: paging on while deleting what was listed would
+        # walk markers whose entries are gone (an S3-compatible API may end the listing there).
+        while True:
+            page = s3.list_object_versions(Bucket=bucket)
+            # Delete markers before the versions they hide: an S3-compatible API (moto) fails to delete
+            # a key's last entry when that entry is a delete marker.
+            batches = [
+                [{"Key": item["Key"], "VersionId": item["VersionId"]} for item in page.get(kind, [])]
+                for kind in ("DeleteMarkers", "Versions")
             ]
-            for start in range(0, len(entries), 1000):  # DeleteObjects takes 1000 at a time
-                s3.delete_objects(Bucket=bucket, Delete={"Objects": entries[start : start + 1000], "Quiet": True})
-            deleted += len(entries)
+            if not any(batches):
+                break
+            for entries in batches:
+                if entries:  # a page holds 1000 entries at most, what DeleteObjects takes at a time
+                    s3.delete_objects(Bucket=bucket, Delete={"Objects": entries, "Quiet": True})
+                deleted += len(entries)
     except (BotoCoreError, ClientError) as exc:
         raise InfraError(
             f"could not empty bucket {bucket} for its deletion: {exc}; run teardown --purge again"
@@ -742,6 +750,8 @@ def _read_json(name: str) -> Any:
     return json.loads((infra.module_dir("aws") / name).read_text())
 
 
+#: An instance's metadata service (IMDS), as every instance reaches it.
+_METADATA_URL = "http://169.254.169.254/latest"
 #: The registry's port on the controller (the rendezvous endpoint's is ``aws.rendezvous_port``).
 _REGISTRY_PORT = 5000
 #: What the control plane's environment never passes to an instance: the instance profile gives
@@ -757,6 +767,7 @@ _CREDENTIAL_VARIABLES = frozenset(
         "AWS_CONFIG_FILE",
         "AWS_SHARED_CREDENTIALS_FILE",
         "AWS_EC2_METADATA_DISABLED",
+        "AWS_CA_BUNDLE",
     }
 )
 #: podman as Ubuntu's package installs it, for instance types without GPUs (the emulation's too).
@@ -983,6 +994,11 @@ class AwsNodes(SshNodes):
                 raise InfraError(f"cluster {self.state.name!r} records no image: its nodes were never configured")
         prefix = self.containers(node).run_prefix()
         return [*prefix, "--interactive", self._image, IMAGE_PYTHON, "-m", "infractl.proc", *args]
+
+    def agent_env(self, node: str) -> dict[str, str]:
+        """Every instance's agent polls its metadata service for a spot interruption notice (on an
+        on-demand instance there never is one) and takes it as the preemption it announces."""
+        return {proc.SPOT_NOTICE_ENV: _METADATA_URL}
 
     def ansible_host(self, node: str) -> dict[str, Any]:
         """A fresh instance has no work directory yet: the base role makes it."""

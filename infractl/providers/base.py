@@ -367,6 +367,10 @@ class NodeControl(ABC):
 
     # -- the agent ------------------------------------------------------------------------------
 
+    def agent_env(self, node: str) -> dict[str, str]:
+        """What ``node``'s agent needs in its environment from its provider (none by default)."""
+        return {}
+
     @abstractmethod
     def start(
         self,
