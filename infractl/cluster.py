@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
 from infractl.output import Output
 from infractl.providers.base import IMAGE_PYTHON, ServerHost
-from infractl.state import ClusterState
+from infractl.state import ClusterState, write_private
 from infractl.store import Store, StoreUnavailable, open_store
 
 __all__ = [
@@ -184,15 +185,21 @@ def _serve_image(
     return served, pulled, started or pushed
 
 
-def _provision(state: ClusterState, spec: ClusterSpec) -> tuple[infra.ApplyResult, list[infra.Node]]:
-    """Apply the provider's module; the apply, and its nodes as the control plane reaches them."""
+def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[infra.ApplyResult, list[infra.Node]]:
+    """Apply the provider's module, with the store ready before (or, where the module makes it,
+    after); the apply, and its nodes as the control plane reaches them."""
     provider = providers.get(spec.provider)
+    if not provider.makes_store(spec):
+        store.ensure()
+    (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
     applied = infra.apply(
         state.terraform_dir,
         infra.module_dir(spec.provider),
         provider.variables(spec, state),
         root=provider.root_settings(spec, state),
     )
+    if provider.makes_store(spec):
+        store.ensure()
     return applied, provider.provisioned(spec, state, applied)
 
 
@@ -202,14 +209,11 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
     provider = providers.get(spec.provider)
-    if not provider.makes_store(spec):
-        store.ensure()
-
+    write_private(
+        state.intent_path, json.dumps({"name": spec.name, "spec": spec.model_dump(mode="json"), "store": uri})
+    )
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
-    (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
-    applied, provisioned = _provision(state, spec)
-    if provider.makes_store(spec):
-        store.ensure()
+    applied, provisioned = _provision(state, spec, store)
     nodes = provider.control(state, provisioned)
     out.info(f"terraform: {applied.summary}")
 
@@ -289,25 +293,36 @@ def _stop_and_destroy(
         for run in runs.cluster_runs(state, store):
             store.delete_prefix(runstore.run_prefix(run.run_id))
             purged.append(run.run_id)
+    _destroy(state, provider, record, out, purge=purge)
+    return stopped + own, purged
+
+
+def _destroy(
+    state: ClusterState, provider: providers.Provider, record: dict[str, Any], out: Output, *, purge: bool
+) -> None:
     for line in provider.before_destroy(state, record, purge=purge):
         out.info(line)
     out.info("terraform: destroying nodes…")
     infra.destroy(state.terraform_dir)
-    return stopped + own, purged
 
 
 def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:
     """Stop everything the cluster runs, destroy its nodes, and prove nothing is left. A teardown
     that destroyed the nodes and then found something left is run again from that point: the
     operator removed what it named, and only the proof is left to do."""
-    record = state.read()
-    provider = providers.of(state)
+    record = state.read_intent()
+    provider = providers.get(record["spec"]["provider"])
     destroyed = state.dir / _DESTROYED
     stopped, purged = 0, list[str]()
     if destroyed.is_file():
         out.info("terraform: the nodes were destroyed by an earlier teardown; looking for what is left")
-    else:
+    elif state.is_up():
         stopped, purged = _stop_and_destroy(state, record, out, purge=purge)
+        destroyed.touch()
+    else:
+        out.info(f"cluster {state.name!r}: its `up` never finished; destroying what its Terraform state holds")
+        stopped, _ = provider.servers(state).stop()
+        _destroy(state, provider, record, out, purge=purge)
         destroyed.touch()
     leftovers = provider.leftovers(state, record)
     if leftovers:

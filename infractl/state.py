@@ -73,8 +73,26 @@ class ClusterState:
         """Where ``infractl bundle`` last wrote the handover (``{"out": ABS_PATH}``): status points there."""
         return self.dir / "bundle.json"
 
+    @property
+    def intent_path(self) -> Path:
+        """What ``up`` is making (``{"name", "spec", "store"}``), written before it changes anything:
+        an ``up`` that never wrote the cluster record (it failed, or was killed) is torn down from it."""
+        return self.dir / "intent.json"
+
     def is_up(self) -> bool:
         return self.record_path.is_file()
+
+    def was_started(self) -> bool:
+        """Whether an ``up`` of the cluster began here (it may have ended before the record)."""
+        return self.is_up() or self.intent_path.is_file()
+
+    def read_intent(self) -> dict[str, Any]:
+        """The cluster record of a cluster that is up, else what its interrupted ``up`` was making
+        (without nodes: none was recorded); StateError if no ``up`` began."""
+        if self.is_up() or not self.intent_path.is_file():
+            return self.read()
+        intent: dict[str, Any] = json.loads(self.intent_path.read_text())
+        return intent | {"nodes": []}
 
     def read(self) -> dict[str, Any]:
         """The cluster record written by ``up``; StateError if the cluster is not up."""
@@ -190,7 +208,7 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     if path.suffix in (".yaml", ".yml") or _is_file(path):
         spec = load_cluster(path)
         return ClusterState(spec.name, home() / spec.name), spec
-    if re.fullmatch(NAME_PATTERN, option) and _is_file(home() / option / "cluster.json"):
+    if re.fullmatch(NAME_PATTERN, option) and ClusterState(option, home() / option).was_started():
         return ClusterState(option, home() / option), None
     raise ConfigError(f"{option!r} is neither a cluster file nor a cluster that is up", field="--cluster")
 

@@ -50,7 +50,11 @@ import yaml
 
 from s3server import AWS_TEST_ENV, moto_server
 
-__all__ = ["EmulatedAws", "emulated_aws", "terraform_mirror"]
+__all__ = ["STATE_BUCKET", "VPC_CIDR", "EmulatedAws", "cluster_config", "emulated_aws", "terraform_mirror"]
+
+#: The emulation's default VPC, and the bucket it makes for the clusters' Terraform state.
+VPC_CIDR = "10.77.0.0/16"
+STATE_BUCKET = "infractl-state"
 
 _SSHD = "/usr/sbin/sshd"
 # The instance metadata service's address, its one token and the instance profile's role name.
@@ -366,6 +370,48 @@ def _serve_metadata(folder: Path, instance: str) -> None:
     ThreadingHTTPServer((_IMDS_ADDRESS, 80), _Metadata).serve_forever()
 
 
+def cluster_config(
+    name: str,
+    endpoint: str,
+    ami: str,
+    groups: dict[str, Any],
+    *,
+    image: str,
+    vpc_cidr: str = VPC_CIDR,
+    **aws_fields: Any,
+) -> dict[str, Any]:
+    """An aws cluster.yaml (as a mapping) for an emulated AWS at ``endpoint`` whose instances run
+    ``ami``: a bucket of its own for the store (``<name>-store``, made with the cluster), the
+    state in ``STATE_BUCKET``, the provider from this machine's mirror, the work directory on the
+    instances' own disk (``/mnt``), logging in as root (the emulated hosts share this machine's
+    users) from the VPC's router address (where this machine is on the VPC's link)."""
+    network = ipaddress.IPv4Network(vpc_cidr)
+    types = {group["instance_type"] for group in groups.values()} | {"m7i.large"}
+    return {
+        "name": name,
+        "provider": "aws",
+        "nodes": sum(group["nodes"] for group in groups.values()),
+        "store": f"s3://{name}-store/runs?endpoint_url={endpoint}&region={AWS_TEST_ENV['AWS_DEFAULT_REGION']}",
+        "aws": {
+            "region": AWS_TEST_ENV["AWS_DEFAULT_REGION"],
+            "state_bucket": STATE_BUCKET,
+            "availability_zone": AWS_TEST_ENV["AWS_DEFAULT_REGION"] + "a",
+            "vpc_cidr": str(network),
+            "node_groups": groups,
+            "create_bucket": True,
+            "ssh_ingress_cidrs": [f"{network.network_address + 1}/32"],
+            "login_user": "root",
+            "endpoint_url": endpoint,
+            "provider_mirror": str(terraform_mirror()),
+            "ami_overrides": dict.fromkeys(sorted(types), ami),
+            "workdir": "/mnt/infractl",
+            "ssh_timeout_s": 120,
+            **aws_fields,
+        },
+        "runtime": {"image": image},
+    }
+
+
 def _cloud_config(user_data: str) -> dict[str, Any]:
     if not user_data.startswith("#cloud-config"):
         return {}
@@ -405,8 +451,10 @@ def emulated_aws(folder: Path, vpc_cidr: str) -> Iterator[EmulatedAws]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="An emulated AWS on this machine (root): moto and instance hosts.")
-    parser.add_argument("--vpc-cidr", default="10.77.0.0/16", help="the cluster's aws.vpc_cidr")
+    parser.add_argument("--vpc-cidr", default=VPC_CIDR, help="the cluster's aws.vpc_cidr")
     parser.add_argument("--folder", default=".infractl/awsemu", help="where its files go")
+    parser.add_argument("--cluster", type=Path, help="write a cluster.yaml for this emulation here (2 c7i nodes)")
+    parser.add_argument("--image", help="the cluster.yaml's runtime.image (what `infractl image build` pinned)")
     # The emulator starts itself with these, in a host's namespace, as that host's metadata service.
     parser.add_argument("role", nargs="?", choices=["imds"], help=argparse.SUPPRESS)
     parser.add_argument("--instance", help=argparse.SUPPRESS)
@@ -416,18 +464,28 @@ def main() -> None:
         return
     os.environ.update(AWS_TEST_ENV)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill PID` cleans up as Ctrl-C does
+    if args.cluster is not None and args.image is None:
+        parser.error("--cluster needs --image (the digest `infractl image build` printed)")
     with emulated_aws(Path(args.folder).resolve(), args.vpc_cidr) as emulation:
-        emulation.client("s3").create_bucket(Bucket="infractl-state")
+        emulation.client("s3").create_bucket(Bucket=STATE_BUCKET)
+        if args.cluster is not None:
+            groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
+            config = cluster_config(
+                args.cluster.stem,
+                emulation.endpoint,
+                emulation.image_id,
+                groups,
+                image=args.image,
+                vpc_cidr=args.vpc_cidr,
+            )
+            args.cluster.write_text(yaml.safe_dump(config, sort_keys=False))
         print(
             json.dumps(
                 {
                     "endpoint_url": emulation.endpoint,
                     "ami": emulation.image_id,
-                    "state_bucket": "infractl-state",
-                    "ssh_ingress_cidrs": [f"{emulation.router}/32"],
-                    "login_user": "root",
-                    "provider_mirror": str(terraform_mirror()),
-                    "credentials": {k: AWS_TEST_ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+                    "cluster": str(args.cluster) if args.cluster else None,
+                    "environment": {k: AWS_TEST_ENV[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
                 },
                 indent=2,
             ),

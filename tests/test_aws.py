@@ -181,14 +181,15 @@ def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: C
         ({}, NO_CREDENTIALS, "provider: provider aws: no AWS credentials (set AWS_PROFILE, or AWS_ACCESS_KEY_ID"),
         ({"state_bucket": "no-such-state"}, {}, "aws.state_bucket: the state bucket no-such-state does not exist"),
         ({"availability_zone": "us-east-1e"}, {}, "aws.availability_zone: m7i.large not offered in us-east-1e"),
-        ({}, {}, "provider: provider aws: the account passed the checks, but `infractl up` plans only"),
+        # The account passes; the pinned image is not in this machine's cache, which is checked next.
+        ({}, {}, f"runtime.image: image {DIGEST} is not in this machine's image cache"),
     ],
 )
 def test_up_checks_the_account_before_anything_is_created(
     cli: Cli, s3_server: str, change: dict[str, object], credentials: dict[str, str], message: str
 ) -> None:
     """Against moto's server (``aws.endpoint_url``): each missing thing is one line naming it, exit 2, and
-    nothing is made, not even the cluster's state directory."""
+    nothing is made, not even the cluster's state directory; the image's check follows the account's."""
     import yaml
 
     state_bucket = new_bucket_name()

@@ -10,7 +10,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,54 +28,27 @@ from infractl.providers import aws
 from infractl.state import ClusterState
 from infractl.store import open_store
 
-from awsemu import EmulatedAws, emulated_aws, terraform_mirror
+from awsemu import STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws
 from conftest import REPO, BuiltImage, Cli, wait_for_commit, write
 
 # One emulated VPC at a time on this machine: the module's tests share one worker.
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated")]
 
-VPC = "10.77.0.0/16"
-STATE_BUCKET = "infractl-state"
 DIGEST = "sha256:" + "ab" * 32
 
 
 def cluster_yaml(
     folder: Path,
     endpoint: str,
-    image: str,
+    ami: str,
     groups: dict[str, Any],
     *,
     runtime_image: str = f"registry.example/trainer@{DIGEST}",
     **aws_fields: Any,
 ) -> Path:
-    """An aws cluster.yaml for the emulation (or any endpoint): its own store bucket, AMIs pinned,
-    the work directory on the instance's own disk (/mnt, which the emulated hosts keep to themselves)."""
+    """The emulation's cluster.yaml (``awsemu.cluster_config``) in ``folder``, named after it."""
     folder.mkdir(parents=True, exist_ok=True)
-    types = {group["instance_type"] for group in groups.values()} | {"m7i.large"}
-    config = {
-        "name": folder.name,
-        "provider": "aws",
-        "nodes": sum(group["nodes"] for group in groups.values()),
-        "store": f"s3://{folder.name}-store/runs?endpoint_url={endpoint}&region=us-east-1",
-        "aws": {
-            "region": "us-east-1",
-            "state_bucket": STATE_BUCKET,
-            "availability_zone": "us-east-1a",
-            "vpc_cidr": VPC,
-            "node_groups": groups,
-            "create_bucket": True,
-            "bucket_force_destroy": True,
-            "ssh_ingress_cidrs": ["10.77.0.1/32"],
-            "login_user": "root",
-            "endpoint_url": endpoint,
-            "provider_mirror": str(terraform_mirror()),
-            "ami_overrides": dict.fromkeys(sorted(types), image),
-            "workdir": "/mnt/infractl",
-            "ssh_timeout_s": 120,
-            **aws_fields,
-        },
-        "runtime": {"image": runtime_image},
-    }
+    config = cluster_config(folder.name, endpoint, ami, groups, image=runtime_image, **aws_fields)
     return write(folder / "cluster.yaml", yaml.safe_dump(config))
 
 
@@ -84,7 +59,7 @@ def ssh(node: Node, command: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
-    with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC) as emulated:
+    with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC_CIDR) as emulated:
         emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
         yield emulated
 
@@ -375,6 +350,47 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     cli("teardown", "-c", name, "--purge", "--yes")
     assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
     assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
+    emulation.sync()
+    assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
+    assert not (cli.home / name).exists()
+
+
+def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
+    emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The operator's terminal dies while Ansible configures the instances (the whole process group
+    goes, Ansible with it), so ``up`` never wrote the cluster record: ``teardown`` destroys what the
+    Terraform state holds from what the ``up`` had begun, stops the servers on the controller, and
+    nothing is left in the account."""
+    cli = Cli(tmp_path_factory.mktemp("killed"))
+    groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 1}}
+    pinned = f"infractl/trainer@{cpu_image.digest}"
+    config = cluster_yaml(cli.cwd, emulation.endpoint, emulation.image_id, groups, runtime_image=pinned)
+    name = cli.cwd.name
+    up = subprocess.Popen(
+        [*cli.program, "up", "-c", str(config)],
+        cwd=cli.cwd,
+        env=cli.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    said = []
+    assert up.stdout is not None
+    for line in up.stdout:
+        said.append(line)
+        if line.startswith("ansible: configuring nodes"):
+            break
+    time.sleep(5)  # Ansible is at work on the instance
+    os.killpg(up.pid, signal.SIGKILL)
+    up.wait()
+    assert "".join(said).count("rendezvous: ") == 1 and not (cli.home / name / "cluster.json").exists(), said
+
+    assert "is not up" in cli("status", "-c", name, expect=2).stderr  # nothing to show, one line
+    done = cli("teardown", "-c", name, "--yes", "--purge")
+    assert "its `up` never finished" in done.stderr, done.stderr
+    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
     emulation.sync()
     assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
     assert not (cli.home / name).exists()

@@ -93,7 +93,7 @@ def teardown(
     """Stop every job, destroy the nodes, and verify nothing of the cluster is left."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    if not state.is_up():
+    if not state.was_started():
         raise StateError(f"nothing to tear down: cluster {state.name!r} is not up")
     confirm(f"Destroy cluster {state.name!r}{' and purge its runs' if purge else ''}?", yes=yes)
     with state.lock("teardown"):

@@ -20,8 +20,10 @@ Prices come from ``infra/aws/prices.json``: dated us-east-1 list prices, to be c
 from __future__ import annotations
 
 import functools
+import getpass
 import ipaddress
 import json
+import socket
 import subprocess
 import tempfile
 import time
@@ -41,6 +43,7 @@ from infractl.providers.base import (
     DOCKER,
     IMAGE_PYTHON,
     ContainerEngine,
+    LocalServers,
     NodeControl,
     Provider,
     ServerHost,
@@ -499,6 +502,33 @@ def _iam_leaks(iam: Any, cluster: str) -> list[str]:
     return found
 
 
+def _state_key(cluster: str) -> str:
+    """Where the cluster's Terraform state lives in ``aws.state_bucket`` (its lock file: ``<key>.tflock``)."""
+    return f"infractl/{cluster}/terraform.tfstate"
+
+
+def _release_stale_lock(settings: AwsSpec, cluster: str) -> list[str]:
+    """Delete the lock file of the cluster's Terraform state when this machine's user holds it:
+    an infractl here was killed while Terraform held it (teardown holds the cluster's own lock, so
+    no other infractl here is running). A lock of anyone else's is left for destroy to name."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s3 = boto3.client("s3", region_name=settings.region, endpoint_url=settings.endpoint_url)
+    key = f"{_state_key(cluster)}.tflock"
+    try:
+        info = json.loads(s3.get_object(Bucket=settings.state_bucket, Key=key)["Body"].read())
+    except (BotoCoreError, ClientError, ValueError):
+        return []  # no lock (or none readable): destroy takes the lock itself, or says why not
+    if info.get("Who") != f"{getpass.getuser()}@{socket.gethostname()}":
+        return []
+    s3.delete_object(Bucket=settings.state_bucket, Key=key)
+    return [
+        f"terraform: released the state lock {info.get('ID')} of a killed infractl on this machine "
+        f"({info.get('Operation')}, {info.get('Created')})"
+    ]
+
+
 def _bucket_exists(bucket: str, region: str, endpoint_url: str | None) -> bool:
     """Whether ``bucket`` exists and these credentials may use it."""
     import boto3
@@ -523,7 +553,12 @@ def empty_bucket(bucket: str, region: str, *, endpoint_url: str | None = None) -
         # The first page again until there is none: paging on while deleting what was listed would
         # walk markers whose entries are gone (an S3-compatible API may end the listing there).
         while True:
-            page = s3.list_object_versions(Bucket=bucket)
+            try:
+                page = s3.list_object_versions(Bucket=bucket)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    break  # never made (an `up` stopped before), or deleted already
+                raise
             # Delete markers before the versions they hide: an S3-compatible API (moto) fails to delete
             # a key's last entry when that entry is a delete marker.
             batches = [
@@ -789,6 +824,13 @@ def engine_for(instance_type: str) -> ContainerEngine:
     return DOCKER if table.get(instance_type, {}).get("gpus", 0) > 0 else _PODMAN
 
 
+def _provisioned(state: ClusterState) -> _Provisioned:
+    provisioned = _Provisioned.load(state)
+    if provisioned is None:
+        raise InfraError(f"cluster {state.name!r} has no provisioned instances (run `infractl up`)")
+    return provisioned
+
+
 @dataclass(frozen=True)
 class _Provisioned:
     """What ``provisioned`` learnt from the apply that the cluster record does not hold: the
@@ -815,11 +857,12 @@ class _Provisioned:
         write_private(self.path(state), json.dumps(document, indent=2) + "\n")
 
     @classmethod
-    def load(cls, state: ClusterState) -> _Provisioned:
+    def load(cls, state: ClusterState) -> _Provisioned | None:
+        """What ``provisioned`` kept; None before (an ``up`` that stopped during its apply)."""
         try:
             document = json.loads(cls.path(state).read_text())
         except FileNotFoundError:
-            raise InfraError(f"cluster {state.name!r} has no provisioned instances (run `infractl up`)") from None
+            return None
         return cls(
             controller=Node.from_record(document["controller"]),
             private_address=document["private_address"],
@@ -861,7 +904,7 @@ class Aws(Provider):
         }
         backend: dict[str, Any] = {
             "bucket": aws.state_bucket,
-            "key": f"infractl/{spec.name}/terraform.tfstate",
+            "key": _state_key(spec.name),
             "region": aws.region,
             "use_lockfile": True,
             "encrypt": True,
@@ -937,15 +980,18 @@ class Aws(Provider):
 
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The controller instance's private address: every node reaches it, and it trains nothing."""
-        return _Provisioned.load(state).private_address
+        return _provisioned(state).private_address
 
     def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
         """Beside the rendezvous endpoint, on the controller."""
         return self.rendezvous_host(spec, state)
 
     def servers(self, state: ClusterState) -> ServerHost:
-        """On the controller, over SSH."""
+        """On the controller, over SSH. Before it was provisioned (an ``up`` that stopped during its
+        apply) none of the cluster's servers runs anywhere: this machine's servers, which are none."""
         provisioned = _Provisioned.load(state)
+        if provisioned is None:
+            return LocalServers(state)
         engine = engine_for(provisioned.instance_types["controller"])
         return RemoteServers(state, provisioned.controller, engine=engine, ports=provisioned.ports)
 
@@ -954,14 +1000,15 @@ class Aws(Provider):
         state (the next ``up`` of the cluster takes it back); purged, every version of every
         object goes first, so destroy can delete it."""
         settings = AwsSpec.model_validate(record["spec"][self.name])
+        said = _release_stale_lock(settings, state.name)
         if not settings.create_bucket:
-            return []
+            return said
         bucket = urlsplit(record["store"]).netloc
         if not purge:
             infra.forget(state.terraform_dir, "module.cluster.aws_s3_bucket")
-            return [f"store: bucket {bucket} kept with the runs in it (`teardown --purge` deletes it)"]
+            return [*said, f"store: bucket {bucket} kept with the runs in it (`teardown --purge` deletes it)"]
         deleted = empty_bucket(bucket, settings.region, endpoint_url=settings.endpoint_url)
-        return [f"store: bucket {bucket} emptied ({deleted} object version(s) and delete marker(s)) for destroy"]
+        return [*said, f"store: bucket {bucket} emptied ({deleted} object version(s) and delete marker(s)) for destroy"]
 
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""
@@ -969,7 +1016,8 @@ class Aws(Provider):
         return sweep(record["name"], settings["region"], endpoint_url=settings.get("endpoint_url"))
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
-        return AwsNodes(state, nodes, instance_types=_Provisioned.load(state).instance_types)
+        provisioned = _Provisioned.load(state)
+        return AwsNodes(state, nodes, instance_types=provisioned.instance_types if provisioned else {})
 
 
 class AwsNodes(SshNodes):
