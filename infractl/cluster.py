@@ -13,7 +13,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
 from infractl.output import Output
-from infractl.providers.base import IMAGE_PYTHON, ServerHost
+from infractl.providers.base import ServerHost
 from infractl.state import ClusterState, write_private
 from infractl.store import Store, StoreUnavailable, open_store
 
@@ -86,7 +86,7 @@ def ensure_rendezvous(
     back before the agents need it."""
     port = int(previous["rendezvous"]["port"]) if previous else servers.new_port(RENDEZVOUS_NODE, host)
     argv = [servers.python, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)]
-    in_image = image if servers.python == IMAGE_PYTHON else None
+    in_image = image if servers.runs_image else None
     return port, servers.keep(RENDEZVOUS_NODE, argv, host=host, port=port, image=in_image)
 
 
@@ -180,7 +180,7 @@ def _serve_image(
     with servers.reach(served.host, served.port) as (via_host, via_port):
         pulled, pushed = registry.publish(served, spec.runtime.image, progress=out.info, via=f"{via_host}:{via_port}")
     out.info(f"image: {pulled} ({'pushed' if pushed else 'already in the registry'})")
-    if servers.python == IMAGE_PYTHON:
+    if servers.runs_image:
         servers.pull(pulled, served.ca)
     return served, pulled, started or pushed
 
@@ -323,6 +323,11 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         out.info(f"cluster {state.name!r}: its `up` never finished; destroying what its Terraform state holds")
         stopped, _ = provider.servers(state).stop()
         _destroy(state, provider, record, out, purge=purge)
+        # What the interrupted apply made after Terraform last saved its state: the state never held it.
+        if reaped := provider.reap(state, record, purge=purge):
+            out.info(
+                f"terraform's state did not hold {len(reaped)} resource(s) of the cluster; deleted: {'; '.join(reaped)}"
+            )
         destroyed.touch()
     leftovers = provider.leftovers(state, record)
     if leftovers:

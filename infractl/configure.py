@@ -178,9 +178,14 @@ def _changed_tasks(events: Iterable[dict[str, Any]]) -> list[str]:
 
 def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
     """Every node with how Ansible reaches it and runs Python there (its provider says), and the
-    node's facts the roles use."""
+    node's facts the roles use; grouped where the provider groups nodes (``gpu``, ``cpu``)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for name in nodes.nodes:
+        if (group := nodes.host_group(name)) is not None:
+            groups.setdefault(group, {"hosts": {}})["hosts"][name] = {}
     return {
         "all": {
+            "children": groups,
             "hosts": {
                 node.name: {
                     **nodes.ansible_host(node.name),
@@ -191,7 +196,7 @@ def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
                     "node_index": index,
                 }
                 for index, node in enumerate(nodes.nodes.values())
-            }
+            },
         }
     }
 

@@ -304,6 +304,14 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     assert f"image: {record['image']} (pushed)" in up.stderr and up.stderr.count("all_reduce over 2 node(s)") == 2
     nodes = [Node.from_record(item) for item in record["nodes"]]
     assert [n.name for n in nodes] == ["main-0", "main-1"]
+    inventory = json.loads((cli.home / name / "ansible" / "inventory" / "hosts.json").read_text())["all"]
+    assert inventory["children"] == {"cpu": {"hosts": {"main-0": {}, "main-1": {}}}}
+    host = inventory["hosts"]["main-0"]
+    assert (host["instance_type"], host["ansible_become"], host["ansible_python_interpreter"]) == (
+        "c7i.4xlarge",
+        False,  # the emulation logs in as root; a cloud image's user gets sudo
+        "python3",
+    )
     for node in nodes:
         inspected = ssh(node, f"podman image inspect --format '{{{{.Digest}}}}' {record['image']}")
         assert inspected.stdout.strip() == cpu_image.digest, inspected.stderr
@@ -355,18 +363,12 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     assert not (cli.home / name).exists()
 
 
-def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
-    emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """The operator's terminal dies while Ansible configures the instances (the whole process group
-    goes, Ansible with it), so ``up`` never wrote the cluster record: ``teardown`` destroys what the
-    Terraform state holds from what the ``up`` had begun, stops the servers on the controller, and
-    nothing is left in the account."""
-    cli = Cli(tmp_path_factory.mktemp("killed"))
+def _up_in_its_own_group(emulation: EmulatedAws, cpu_image: BuiltImage, cli: Cli) -> tuple[str, subprocess.Popen[str]]:
+    """Start ``infractl up`` of a 1-node cluster in a process group of its own (a terminal's: killing
+    the group kills Ansible and every ssh with it); its name, and the process with its output."""
     groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 1}}
     pinned = f"infractl/trainer@{cpu_image.digest}"
     config = cluster_yaml(cli.cwd, emulation.endpoint, emulation.image_id, groups, runtime_image=pinned)
-    name = cli.cwd.name
     up = subprocess.Popen(
         [*cli.program, "up", "-c", str(config)],
         cwd=cli.cwd,
@@ -376,6 +378,26 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
         text=True,
         start_new_session=True,
     )
+    return cli.cwd.name, up
+
+
+def _nothing_left(emulation: EmulatedAws, cli: Cli, name: str) -> None:
+    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
+    assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
+    emulation.sync()
+    assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
+    assert not (cli.home / name).exists()
+
+
+def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
+    emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The operator's terminal dies while Ansible configures the instances (the whole process group
+    goes, Ansible with it), so ``up`` never wrote the cluster record: ``teardown`` destroys what the
+    Terraform state holds from what the ``up`` had begun, stops the servers on the controller, and
+    nothing is left in the account."""
+    cli = Cli(tmp_path_factory.mktemp("killed"))
+    name, up = _up_in_its_own_group(emulation, cpu_image, cli)
     said = []
     assert up.stdout is not None
     for line in up.stdout:
@@ -390,7 +412,30 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     assert "is not up" in cli("status", "-c", name, expect=2).stderr  # nothing to show, one line
     done = cli("teardown", "-c", name, "--yes", "--purge")
     assert "its `up` never finished" in done.stderr, done.stderr
-    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
-    emulation.sync()
-    assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
-    assert not (cli.home / name).exists()
+    _nothing_left(emulation, cli, name)
+
+
+def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(
+    emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The operator's terminal dies while Terraform applies (the first instance is running): the
+    S3 backend holds Terraform's lock and at most the state it last saved. ``teardown`` releases the
+    lock, destroys what the state holds, deletes what the state never held by the cluster's tag and
+    IAM path, and nothing is left in the account."""
+    cli = Cli(tmp_path_factory.mktemp("applying"))
+    name, up = _up_in_its_own_group(emulation, cpu_image, cli)
+    ec2 = emulation.client("ec2")
+    tagged = [
+        {"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [name]},
+        {"Name": "instance-state-name", "Values": ["running"]},
+    ]
+    deadline = time.monotonic() + 300
+    while not ec2.describe_instances(Filters=tagged)["Reservations"]:
+        assert up.poll() is None and time.monotonic() < deadline, "no instance came up during the apply"
+        time.sleep(0.5)
+    os.killpg(up.pid, signal.SIGKILL)
+    up.wait()
+
+    done = cli("teardown", "-c", name, "--yes", "--purge")
+    assert "its `up` never finished" in done.stderr and "released the state lock" in done.stderr, done.stderr
+    _nothing_left(emulation, cli, name)

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -68,6 +68,7 @@ __all__ = [
     "module_variables",
     "planned_resources",
     "hourly_cost",
+    "reap",
     "sweep",
 ]
 
@@ -482,6 +483,161 @@ def sweep(cluster: str, region: str, *, endpoint_url: str | None = None) -> list
     except (BotoCoreError, ClientError, ResponseParserError) as exc:
         raise InfraError(f"the leak sweep of cluster {cluster!r} in {region} could not ask AWS: {exc}") from None
     return found
+
+
+def reap(cluster: str, region: str, *, endpoint_url: str | None = None, timeout: float = 900) -> list[str]:
+    """Delete everything the account holds with the cluster's tag or under its IAM path: what an
+    ``up`` killed during its apply made before Terraform saved its state (Terraform alone can no
+    longer find it). In dependency order: instances, NAT gateways, Elastic IPs, network
+    interfaces, volumes, launch templates, key pairs, the VPCs with what is in them, security
+    groups, then the IAM roles, instance profiles and policies. One ``"<kind> <id>"`` per deletion."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    ec2 = boto3.client("ec2", region_name=region, endpoint_url=endpoint_url)
+    iam = boto3.client("iam", region_name=region, endpoint_url=endpoint_url)
+    try:
+        deleted = _reap_ec2(ec2, cluster, time.monotonic() + timeout)
+        deleted += _reap_iam(iam, cluster)
+    except (BotoCoreError, ClientError) as exc:
+        raise InfraError(
+            f"could not delete what cluster {cluster!r} left in {region}: {exc}; run teardown again"
+        ) from None
+    return deleted
+
+
+def _tagged(cluster: str) -> list[dict[str, Any]]:
+    return [{"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]}]
+
+
+def _wait(what: str, done: Callable[[], bool], deadline: float) -> None:
+    while not done():
+        if time.monotonic() > deadline:
+            raise InfraError(f"{what} did not finish in time; run teardown again")
+        time.sleep(5)
+
+
+# long: one kind after another in the order AWS lets them go; splitting would only scatter the order.
+def _reap_ec2(ec2: Any, cluster: str, deadline: float) -> list[str]:
+    tagged, deleted = _tagged(cluster), []
+    instances = [
+        i["InstanceId"]
+        for r in ec2.describe_instances(Filters=tagged)["Reservations"]
+        for i in r["Instances"]
+        if i["State"]["Name"] != "terminated"
+    ]
+    if instances:
+        ec2.terminate_instances(InstanceIds=instances)
+        deleted += [f"instance {i}" for i in instances]
+
+        def terminated() -> bool:
+            listed = ec2.describe_instances(InstanceIds=instances)["Reservations"]
+            return all(i["State"]["Name"] == "terminated" for r in listed for i in r["Instances"])
+
+        _wait("terminating the instances", terminated, deadline)
+    nats = [
+        g["NatGatewayId"]
+        for g in ec2.describe_nat_gateways(Filter=tagged)["NatGateways"]
+        if g["State"] not in ("deleted", "failed")
+    ]
+    for nat in nats:
+        ec2.delete_nat_gateway(NatGatewayId=nat)
+        deleted.append(f"nat-gateway {nat}")
+    if nats:
+        _wait(
+            "deleting the NAT gateways",
+            lambda: all(
+                g["State"] in ("deleted", "failed")
+                for g in ec2.describe_nat_gateways(NatGatewayIds=nats)["NatGateways"]
+            ),
+            deadline,
+        )
+    for address in ec2.describe_addresses(Filters=tagged)["Addresses"]:
+        ec2.release_address(AllocationId=address["AllocationId"])
+        deleted.append(f"elastic-ip {address['AllocationId']}")
+    for interface in ec2.describe_network_interfaces(Filters=tagged)["NetworkInterfaces"]:
+        if interface["Status"] == "available":
+            ec2.delete_network_interface(NetworkInterfaceId=interface["NetworkInterfaceId"])
+            deleted.append(f"network-interface {interface['NetworkInterfaceId']}")
+    for volume in ec2.describe_volumes(Filters=tagged)["Volumes"]:
+        ec2.delete_volume(VolumeId=volume["VolumeId"])
+        deleted.append(f"volume {volume['VolumeId']}")
+    for template in ec2.describe_launch_templates(Filters=tagged)["LaunchTemplates"]:
+        ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
+        deleted.append(f"launch-template {template['LaunchTemplateId']}")
+    for key in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"]:
+        ec2.delete_key_pair(KeyPairId=key["KeyPairId"])
+        deleted.append(f"key-pair {key['KeyName']}")
+    groups = ec2.describe_security_groups(Filters=tagged)["SecurityGroups"]
+    for group in groups:  # rules that name another group keep that group from going
+        if group["IpPermissions"]:
+            ec2.revoke_security_group_ingress(GroupId=group["GroupId"], IpPermissions=group["IpPermissions"])
+        if group["IpPermissionsEgress"]:
+            ec2.revoke_security_group_egress(GroupId=group["GroupId"], IpPermissions=group["IpPermissionsEgress"])
+    for group in groups:
+        ec2.delete_security_group(GroupId=group["GroupId"])
+        deleted.append(f"security-group {group['GroupId']}")
+    for vpc in ec2.describe_vpcs(Filters=tagged)["Vpcs"]:
+        deleted += _reap_vpc(ec2, vpc["VpcId"])
+    return deleted
+
+
+def _reap_vpc(ec2: Any, vpc: str) -> list[str]:
+    """A VPC and what is left in it: endpoints, internet gateways, subnets, route tables."""
+    inside = [{"Name": "vpc-id", "Values": [vpc]}]
+    endpoints = [e["VpcEndpointId"] for e in ec2.describe_vpc_endpoints(Filters=inside)["VpcEndpoints"]]
+    if endpoints:
+        ec2.delete_vpc_endpoints(VpcEndpointIds=endpoints)
+    gateways = ec2.describe_internet_gateways(Filters=[{"Name": "attachment.vpc-id", "Values": [vpc]}])
+    for gateway in gateways["InternetGateways"]:
+        ec2.detach_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"], VpcId=vpc)
+        ec2.delete_internet_gateway(InternetGatewayId=gateway["InternetGatewayId"])
+    for subnet in ec2.describe_subnets(Filters=inside)["Subnets"]:
+        ec2.delete_subnet(SubnetId=subnet["SubnetId"])
+    for table in ec2.describe_route_tables(Filters=inside)["RouteTables"]:
+        if any(a.get("Main") for a in table["Associations"]):
+            continue  # the VPC's own: it goes with the VPC
+        for association in table["Associations"]:
+            ec2.disassociate_route_table(AssociationId=association["RouteTableAssociationId"])
+        ec2.delete_route_table(RouteTableId=table["RouteTableId"])
+    for group in ec2.describe_security_groups(Filters=inside)["SecurityGroups"]:
+        if group["GroupName"] != "default":
+            ec2.delete_security_group(GroupId=group["GroupId"])
+    ec2.delete_vpc(VpcId=vpc)
+    return [f"vpc {vpc}"]
+
+
+def _reap_iam(iam: Any, cluster: str) -> list[str]:
+    """The roles, instance profiles and policies under the cluster's IAM path."""
+    path, deleted = f"/infractl/{cluster}/", []
+    for profile in iam.list_instance_profiles(PathPrefix=path)["InstanceProfiles"]:
+        if profile["Path"] != path:
+            continue
+        for role in profile["Roles"]:
+            iam.remove_role_from_instance_profile(
+                InstanceProfileName=profile["InstanceProfileName"], RoleName=role["RoleName"]
+            )
+        iam.delete_instance_profile(InstanceProfileName=profile["InstanceProfileName"])
+        deleted.append(f"instance-profile {profile['InstanceProfileName']}")
+    for role in iam.list_roles(PathPrefix=path)["Roles"]:
+        if role["Path"] != path:
+            continue
+        name = role["RoleName"]
+        for attached in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]:
+            iam.detach_role_policy(RoleName=name, PolicyArn=attached["PolicyArn"])
+        for inline in iam.list_role_policies(RoleName=name)["PolicyNames"]:
+            iam.delete_role_policy(RoleName=name, PolicyName=inline)
+        iam.delete_role(RoleName=name)
+        deleted.append(f"iam-role {name}")
+    for policy in iam.list_policies(Scope="Local", PathPrefix=path)["Policies"]:
+        if policy["Path"] != path:
+            continue
+        for version in iam.list_policy_versions(PolicyArn=policy["Arn"])["Versions"]:
+            if not version["IsDefaultVersion"]:
+                iam.delete_policy_version(PolicyArn=policy["Arn"], VersionId=version["VersionId"])
+        iam.delete_policy(PolicyArn=policy["Arn"])
+        deleted.append(f"iam-policy {policy['PolicyName']}")
+    return deleted
 
 
 def _iam_leaks(iam: Any, cluster: str) -> list[str]:
@@ -1010,6 +1166,22 @@ class Aws(Provider):
         deleted = empty_bucket(bucket, settings.region, endpoint_url=settings.endpoint_url)
         return [*said, f"store: bucket {bucket} emptied ({deleted} object version(s) and delete marker(s)) for destroy"]
 
+    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """Everything with the cluster's tag or IAM path (see ``reap``): after an interrupted
+        ``up``, what Terraform made before it saved its state; with ``purge``, the bucket the
+        cluster creates too (``before_destroy`` emptied it)."""
+        settings = AwsSpec.model_validate(record["spec"][self.name])
+        deleted = reap(record["name"], settings.region, endpoint_url=settings.endpoint_url)
+        bucket = urlsplit(record["store"]).netloc
+        if purge and settings.create_bucket and _bucket_exists(bucket, settings.region, settings.endpoint_url):
+            import boto3
+
+            boto3.client("s3", region_name=settings.region, endpoint_url=settings.endpoint_url).delete_bucket(
+                Bucket=bucket
+            )
+            deleted.append(f"bucket {bucket}")
+        return deleted
+
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""
         settings = record["spec"][self.name]
@@ -1050,7 +1222,11 @@ class AwsNodes(SshNodes):
 
     def ansible_host(self, node: str) -> dict[str, Any]:
         """A fresh instance has no work directory yet: the base role makes it."""
-        return super().ansible_host(node) | {"base_create_workdir": True}
+        return super().ansible_host(node) | {"base_create_workdir": True, "instance_type": self._types[node]}
+
+    def host_group(self, node: str) -> str | None:
+        """``gpu`` for an instance type with GPUs (playbooks/gpu.yml's hosts), else ``cpu``."""
+        return "gpu" if instance_types()[self._types[node]]["gpus"] > 0 else "cpu"
 
 
 register(

@@ -122,6 +122,13 @@ class Provider(ABC):
         deleted): make the state say what destroy may remove. Lines saying what was done."""
         return []
 
+    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """After ``terraform destroy`` of an ``up`` that was interrupted (its Terraform state may
+        lack what it made last): delete what is still the cluster's by the provider's own marks
+        (its tag), the store it made too with ``purge``. What was deleted, one item each; nothing
+        where destroy leaves nothing unnamed."""
+        return []
+
     @abstractmethod
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
         """After ``terraform destroy`` (and after every node process was stopped): what of the
@@ -212,6 +219,9 @@ class ServerHost(ABC):
 
     python: str
     """The Python that runs infractl's servers there (in ``image`` when ``keep`` is given one)."""
+    runs_image: ClassVar[bool] = False
+    """infractl's servers run there from the cluster's image (``pull`` puts it there), not from
+    this machine's Python."""
     home: Path
     """The folder the servers' files live in there."""
 
@@ -468,6 +478,10 @@ class NodeControl(ABC):
     @abstractmethod
     def ansible_host(self, node: str) -> dict[str, Any]:
         """The inventory variables by which Ansible reaches ``node`` (connection, interpreter)."""
+
+    def host_group(self, node: str) -> str | None:
+        """The inventory group of ``node`` (``gpu``, ``cpu``: the playbooks' targets), if any."""
+        return None
 
 
 class Watch(AbstractContextManager["Watch"], ABC):

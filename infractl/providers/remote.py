@@ -312,6 +312,7 @@ class RemoteServers(ServerHost):
     network."""
 
     python = IMAGE_PYTHON
+    runs_image = True
 
     def __init__(self, state: ClusterState, host: Node, *, engine: ContainerEngine, ports: Mapping[str, int]) -> None:
         self.state = state
