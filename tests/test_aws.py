@@ -203,3 +203,74 @@ def test_up_checks_the_account_before_anything_is_created(
 
     assert one_line(stderr).startswith(f"error: {message}"), stderr
     assert not cli.home.exists()
+
+
+def test_reap_deletes_every_kind_the_sweep_finds_in_the_order_aws_lets_them_go(s3_server: str) -> None:
+    """What an apply killed before Terraform saved its state leaves (made here with the cluster's
+    tag and IAM path, as the module makes them, with the dependencies that block a careless
+    delete: an instance in the VPC, a NAT gateway holding an Elastic IP, security groups naming
+    each other, a role in an instance profile with a policy attached): ``reap`` deletes all of it,
+    the sweep finds nothing, and another cluster's resources stay."""
+    import boto3
+
+    cluster, other = "reaped", "kept"
+    ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1")
+    iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1")
+
+    def tags(kind: str, name: str = cluster) -> list[dict[str, object]]:
+        return [{"ResourceType": kind, "Tags": [{"Key": aws.CLUSTER_TAG, "Value": name}]}]
+
+    vpc = ec2.create_vpc(CidrBlock="10.98.0.0/16", TagSpecifications=tags("vpc"))["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.98.1.0/24")["Subnet"]["SubnetId"]
+    gateway = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=gateway, VpcId=vpc)
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    ec2.associate_route_table(RouteTableId=table, SubnetId=subnet)
+    groups = [
+        ec2.create_security_group(
+            GroupName=f"g{i}", Description="x", VpcId=vpc, TagSpecifications=tags("security-group")
+        )["GroupId"]
+        for i in range(2)
+    ]
+    for group, peer in (groups, groups[::-1]):
+        ec2.authorize_security_group_ingress(
+            GroupId=group, IpPermissions=[{"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": peer}]}]
+        )
+    image = ec2.describe_images()["Images"][0]["ImageId"]
+    ec2.run_instances(
+        ImageId=image,
+        MinCount=1,
+        MaxCount=1,
+        SubnetId=subnet,
+        SecurityGroupIds=groups,
+        TagSpecifications=tags("instance"),
+    )
+    address = ec2.allocate_address(Domain="vpc", TagSpecifications=tags("elastic-ip"))["AllocationId"]
+    ec2.create_nat_gateway(SubnetId=subnet, AllocationId=address, TagSpecifications=tags("natgateway"))
+    ec2.create_volume(AvailabilityZone="us-east-1a", Size=8, TagSpecifications=tags("volume"))
+    kept = ec2.create_volume(AvailabilityZone="us-east-1a", Size=8, TagSpecifications=tags("volume", other))["VolumeId"]
+    ec2.create_key_pair(KeyName=f"infractl-{cluster}-1", TagSpecifications=tags("key-pair"))
+    ec2.create_launch_template(
+        LaunchTemplateName=f"infractl-{cluster}-lt",
+        LaunchTemplateData={"ImageId": image},
+        TagSpecifications=tags("launch-template"),
+    )
+    path = f"/infractl/{cluster}/"
+    document = json.dumps(
+        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*"}]}
+    )
+    role = iam.create_role(RoleName=f"{cluster}-node", Path=path, AssumeRolePolicyDocument="{}")["Role"]["RoleName"]
+    policy = iam.create_policy(PolicyName=f"{cluster}-store", Path=path, PolicyDocument=document)["Policy"]["Arn"]
+    iam.attach_role_policy(RoleName=role, PolicyArn=policy)
+    iam.put_role_policy(RoleName=role, PolicyName="inline", PolicyDocument=document)
+    iam.create_instance_profile(InstanceProfileName=f"{cluster}-node", Path=path)
+    iam.add_role_to_instance_profile(InstanceProfileName=f"{cluster}-node", RoleName=role)
+    assert len(aws.sweep(cluster, "us-east-1", endpoint_url=s3_server)) >= 10
+
+    deleted = aws.reap(cluster, "us-east-1", endpoint_url=s3_server)
+
+    kinds = {item.split()[0] for item in deleted}
+    assert kinds >= {"instance", "nat-gateway", "elastic-ip", "volume", "key-pair", "launch-template"}, deleted
+    assert kinds >= {"security-group", "vpc", "instance-profile", "iam-role", "iam-policy"}, deleted
+    assert aws.sweep(cluster, "us-east-1", endpoint_url=s3_server) == []
+    assert ec2.describe_volumes(VolumeIds=[kept])["Volumes"], "another cluster's volume went too"

@@ -566,7 +566,7 @@ def _reap_ec2(ec2: Any, cluster: str, deadline: float) -> list[str]:
         ec2.delete_launch_template(LaunchTemplateId=template["LaunchTemplateId"])
         deleted.append(f"launch-template {template['LaunchTemplateId']}")
     for key in ec2.describe_key_pairs(Filters=tagged)["KeyPairs"]:
-        ec2.delete_key_pair(KeyPairId=key["KeyPairId"])
+        ec2.delete_key_pair(KeyName=key["KeyName"])
         deleted.append(f"key-pair {key['KeyName']}")
     groups = ec2.describe_security_groups(Filters=tagged)["SecurityGroups"]
     for group in groups:  # rules that name another group keep that group from going
