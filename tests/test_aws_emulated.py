@@ -350,6 +350,8 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
         topology = (cli.cwd / "handover" / "topology.md").read_text()
         assert "Provider: `aws`" in topology and f"`{controller}:{record['rendezvous']['port']}`" in topology
         assert all(f"| {n.name} | {n.address} |" in topology for n in nodes), topology
+        assert "instances: main-0 `c7i.4xlarge`, main-1 `c7i.4xlarge`" in topology, topology
+        assert "Controller `m7i.large`" in topology and f"private `{controller}`" in topology, topology
     finally:
         planted = _plant_leaks(emulation, name)
         refused = cli("teardown", "-c", name, "--purge", "--yes", expect=1)

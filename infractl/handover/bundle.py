@@ -74,7 +74,9 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     nodes = providers.control(state)
     interfaces = {name: network_env(nodes, name).get("GLOO_SOCKET_IFNAME") for name in nodes.nodes}
     files: dict[str, bytes] = {
-        "topology.md": topology.topology_markdown(cluster, interfaces, bench[0] if bench else None).encode(),
+        "topology.md": topology.topology_markdown(
+            cluster, interfaces, bench[0] if bench else None, providers.of(state).topology(state)
+        ).encode(),
         "topology.svg": topology.topology_svg(cluster, interfaces).encode(),
         "reference.md": render_reference(cli).encode(),
     }

@@ -8,6 +8,7 @@ there) and the newest bench baseline."""
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from html import escape
 from typing import Any
 
@@ -27,7 +28,13 @@ def _bottleneck(bench: dict[str, Any] | None) -> str:
     )
 
 
-def topology_markdown(cluster: dict[str, Any], interfaces: dict[str, str | None], bench: dict[str, Any] | None) -> str:
+def topology_markdown(
+    cluster: dict[str, Any],
+    interfaces: dict[str, str | None],
+    bench: dict[str, Any] | None,
+    provider_facts: Sequence[str] = (),
+) -> str:
+    """``provider_facts``: what the provider says of the cluster's hosts (``Provider.topology``)."""
     spec, nodes = cluster["spec"], cluster["nodes"]
     rdzv = cluster["rendezvous"]
     processes = int(spec["processes_per_node"])
@@ -36,6 +43,7 @@ def topology_markdown(cluster: dict[str, Any], interfaces: dict[str, str | None]
         "",
         f"- Provider: `{spec['provider']}`; {len(nodes)} node(s) x {processes} rank(s) per node = "
         f"{len(nodes) * processes} rank(s) at most.",
+        *(f"- {fact}" for fact in provider_facts),
         f"- Rendezvous (torchrun's c10d store, run by `infractl up`, never on a training node): "
         f"`{rdzv['host']}:{rdzv['port']}`.",
         f"- Store (checkpoints, metrics, drills, benchmarks): `{cluster['store']}`.",

@@ -1129,6 +1129,27 @@ class Aws(Provider):
         """The account's checks (``check_account``)."""
         check_account(spec)
 
+    def topology(self, state: ClusterState) -> list[str]:
+        """The region and zone, each node's instance type and market, and the controller."""
+        spec = state.spec()
+        aws = spec.settings(AwsSpec)
+        provisioned = _provisioned(state)
+        assert aws is not None
+        nodes = ", ".join(
+            f"{name} `{instance_type}`"
+            for name, instance_type in provisioned.instance_types.items()
+            if name != "controller"
+        )
+        spot = sorted(name for name, group in aws.node_groups.items() if group.spot)
+        return [
+            f"AWS region `{aws.region}`, zone `{aws.availability_zone or 'of subnet ' + str(aws.subnet_id)}`; "
+            f"instances: {nodes}; spot node groups: {', '.join(spot) or 'none'} (every node's agent takes a spot "
+            "interruption notice as a preemption).",
+            f"Controller `{provisioned.instance_types['controller']}` (the only public address, the SSH jump host; "
+            f"the rendezvous endpoint and the image registry run there): public "
+            f"`{provisioned.controller.address}`, private `{provisioned.private_address}`.",
+        ]
+
     def makes_store(self, spec: ClusterSpec) -> bool:
         """``aws.create_bucket``: the module creates the store's bucket."""
         aws = spec.settings(AwsSpec)

@@ -98,6 +98,11 @@ class Provider(ABC):
         it says all of that itself)."""
         return applied.nodes
 
+    def topology(self, state: ClusterState) -> list[str]:
+        """What the handover's topology says of a cluster that is up beyond its nodes (one line of
+        Markdown each): where its hosts run, what they are. Nothing by default."""
+        return []
+
     def makes_store(self, spec: ClusterSpec) -> bool:
         """Whether the module creates the cluster's store (so it cannot be checked before ``up``
         applies it)."""
