@@ -8,7 +8,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
-from infractl import __version__, access, configure, image, infra, providers, runs, runstore
+from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
@@ -322,6 +322,10 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     else:
         out.info(f"cluster {state.name!r}: its `up` never finished; destroying what its Terraform state holds")
         stopped, _ = provider.servers(state).stop()
+        # What the interrupted `up` left running on this machine (Ansible, in a session of its own).
+        left = proc.find(state.dir)
+        proc.kill(left)
+        stopped += len(left)
         _destroy(state, provider, record, out, purge=purge)
         # What the interrupted apply made after Terraform last saved its state: the state never held it.
         if reaped := provider.reap(state, record, purge=purge):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import infractl
-from infractl import templates
+from infractl import proc, templates
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
@@ -32,6 +32,8 @@ _PLAYBOOK = "site.yml"
 _ACCESS_PLAYBOOK = "access.yml"
 # Runs kept under <state_dir>/ansible/artifacts/ for `infractl logs` and post-mortems.
 _KEEP_ARTIFACTS = 10
+# The marker node name of ansible-playbook and what it starts on this machine (infractl.proc).
+_ANSIBLE_NODE = "ansible"
 # A whole configure run (collective included) that takes longer than this is stuck.
 _RUN_TIMEOUT_S = 600
 
@@ -152,7 +154,7 @@ def _run_playbook(
         playbook=playbook,
         inventory=str(inventory),
         extravars=extravars,
-        envvars=_environment(data_dir),
+        envvars=_environment(state_dir, data_dir),
         # The health role runs one task on every node at once: it needs a fork per node.
         forks=max(len(nodes.nodes), 5),
         quiet=True,
@@ -222,9 +224,13 @@ def _parents_in(state_dir: Path, workdir: Path) -> list[str]:
     return [str(p) for p in reversed(workdir.resolve().parents) if p == state or state in p.parents]
 
 
-def _environment(data_dir: Path) -> dict[str, str]:
+def _environment(state_dir: Path, data_dir: Path) -> dict[str, str]:
     venv_bin = str(Path(sys.executable).parent)
     return {
+        # The cluster's marker (infractl.proc): ansible-runner starts ansible-playbook in a session of
+        # its own, which outlives an infractl that was killed; teardown finds and stops it by this.
+        proc.CLUSTER_ENV: str(state_dir),
+        proc.NODE_ENV: _ANSIBLE_NODE,
         # ansible-runner looks for ansible-playbook on PATH; it lives next to this Python.
         "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
         "ANSIBLE_PIPELINING": "True",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infractl import infra, runstore
+from infractl import infra, proc, runstore
 from infractl.config import ClusterSpec, load_cluster
 from infractl.errors import InfraError
 from infractl.infra import Node
@@ -310,7 +310,7 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     assert (host["instance_type"], host["ansible_become"], host["ansible_python_interpreter"]) == (
         "c7i.4xlarge",
         False,  # the emulation logs in as root; a cloud image's user gets sudo
-        "python3",
+        "/usr/bin/python3",
     )
     for node in nodes:
         inspected = ssh(node, f"podman image inspect --format '{{{{.Digest}}}}' {record['image']}")
@@ -415,6 +415,8 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     done = cli("teardown", "-c", name, "--yes", "--purge")
     assert "its `up` never finished" in done.stderr, done.stderr
     _nothing_left(emulation, cli, name)
+    # ansible-runner ran ansible-playbook in a session of its own, which the kill did not reach: teardown stopped it.
+    assert proc.find(cli.home / name) == []
 
 
 def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(

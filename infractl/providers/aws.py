@@ -49,7 +49,7 @@ from infractl.providers.base import (
     ServerHost,
     register,
 )
-from infractl.providers.remote import RemoteServers, SshNodes
+from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.state import ClusterState, write_private
 
 __all__ = [
@@ -1221,7 +1221,7 @@ class AwsNodes(SshNodes):
     withheld = _CREDENTIAL_VARIABLES
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node], *, instance_types: Mapping[str, str]) -> None:
-        super().__init__(state, nodes, python="python3")
+        super().__init__(state, nodes, python=SYSTEM_PYTHON)
         self._types = dict(instance_types)
         self._image: str | None = None
 

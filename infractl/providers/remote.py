@@ -37,7 +37,7 @@ from infractl.providers.base import (
 )
 from infractl.state import ClusterState
 
-__all__ = ["RemoteServers", "SshNodes"]
+__all__ = ["SYSTEM_PYTHON", "RemoteServers", "SshNodes"]
 
 # Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
 _SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -50,6 +50,10 @@ _HOST_ONLY = frozenset(
 )
 # ssh's own exit code when it could not connect (or the session broke).
 _SSH_FAILED = 255
+#: A Linux distribution's own Python (Debian, Ubuntu): what Ansible runs its modules with on a host
+#: that has no infractl. By its path: the first ``python3`` on a login's PATH may be anything (a
+#: pyenv shim that writes to stdout while it rehashes, say).
+SYSTEM_PYTHON = "/usr/bin/python3"
 
 
 class SshNodes(NodeControl):
@@ -317,7 +321,7 @@ class RemoteServers(ServerHost):
     def __init__(self, state: ClusterState, host: Node, *, engine: ContainerEngine, ports: Mapping[str, int]) -> None:
         self.state = state
         self.home = host.workdir
-        self._host = SshNodes(state, [host], python="python3")
+        self._host = SshNodes(state, [host], python=SYSTEM_PYTHON)
         self._name = host.name
         self._engine = engine
         self._ports = dict(ports)
