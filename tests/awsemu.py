@@ -150,7 +150,15 @@ class EmulatedAws:
             for instance_id in sorted(set(self.hosts) - set(running)):
                 self._log(f"removing {instance_id}")
                 self._remove(self.hosts.pop(instance_id))
+            taken = {host.private_ip: host.instance_id for host in self.hosts.values()}
             for instance_id, instance in sorted(running.items()):
+                address = instance["PrivateIpAddress"]
+                if instance_id not in self.hosts and taken.get(address, instance_id) != instance_id:
+                    # Two VPCs of one CIDR: their hosts would share an address on the one emulated link.
+                    if instance_id not in self._skipped:
+                        self._skipped.add(instance_id)
+                        self._log(f"not a host: {instance_id} ({address} is {taken[address]}'s)")
+                    continue
                 if instance_id not in self.hosts:
                     self._log(f"adding {instance_id} at {instance['PrivateIpAddress']}")
                     self.hosts[instance_id] = self._add(ec2, instance)

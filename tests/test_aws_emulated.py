@@ -64,7 +64,7 @@ def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
         yield emulated
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def applied(
     emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]]:
@@ -88,49 +88,53 @@ def applied(
         infra.destroy(state.terraform_dir)
 
 
-def test_the_module_applies_with_the_real_provider_and_its_state_lives_in_the_state_bucket(
-    emulation: EmulatedAws, applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]
-) -> None:
-    spec, state, result, nodes = applied
-    assert result.changed and [n.name for n in nodes] == ["main-0", "main-1"]
-    assert all(n.address.startswith("10.77.0.") for n in nodes), [n.address for n in nodes]
-    controller = result.outputs["controller"]
-    assert controller["address"].startswith("10.77.16.") and controller["public_address"]
-    listed = emulation.client("s3").list_objects_v2(Bucket=STATE_BUCKET, Prefix=f"infractl/{spec.name}/")
-    assert [o["Key"] for o in listed.get("Contents", [])] == [f"infractl/{spec.name}/terraform.tfstate"]
-    assert not (state.terraform_dir / "terraform.tfstate").exists(), "the state is remote, not on this machine"
-    tagged = emulation.client("ec2").describe_instances(
-        Filters=[{"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [spec.name]}]
-    )
-    assert len([i for r in tagged["Reservations"] for i in r["Instances"]]) == 3
+class TestOneApply:
+    """Two checks of one applied cluster, destroyed once both ran (before any other cluster of the
+    emulation exists: two VPCs of one CIDR would give two hosts one address on the emulated link)."""
 
+    def test_the_module_applies_with_the_real_provider_and_its_state_lives_in_the_state_bucket(
+        self, emulation: EmulatedAws, applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]
+    ) -> None:
+        spec, state, result, nodes = applied
+        assert result.changed and [n.name for n in nodes] == ["main-0", "main-1"]
+        assert all(n.address.startswith("10.77.0.") for n in nodes), [n.address for n in nodes]
+        controller = result.outputs["controller"]
+        assert controller["address"].startswith("10.77.16.") and controller["public_address"]
+        listed = emulation.client("s3").list_objects_v2(Bucket=STATE_BUCKET, Prefix=f"infractl/{spec.name}/")
+        assert [o["Key"] for o in listed.get("Contents", [])] == [f"infractl/{spec.name}/terraform.tfstate"]
+        assert not (state.terraform_dir / "terraform.tfstate").exists(), "the state is remote, not on this machine"
+        tagged = emulation.client("ec2").describe_instances(
+            Filters=[{"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [spec.name]}]
+        )
+        assert len([i for r in tagged["Reservations"] for i in r["Instances"]]) == 3
 
-def test_nodes_answer_ssh_through_the_controller_with_the_pinned_host_key(
-    applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]],
-) -> None:
-    _, state, result, nodes = applied
-    controller = result.outputs["controller"]
-    for node in nodes:
-        done = ssh(node, "echo $SSH_CONNECTION")
-        assert done.returncode == 0, done.stderr
-        client, _, server, _ = done.stdout.split()
-        # The node saw the controller's private address: the session came through the jump host.
-        assert (client, server) == (controller["address"], node.address)
-    # A host key other than the cluster's is refused (never trusted on first use).
-    known_hosts = state.dir / "ssh" / "known_hosts"
-    pinned = known_hosts.read_text()
-    other = state.dir / "ssh" / "other"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-    known_hosts.write_text(pinned.replace(pinned.split()[2], other.with_suffix(".pub").read_text().split()[1]))
-    try:
-        refused = ssh(nodes[0], "true")
-    finally:
-        known_hosts.write_text(pinned)
-    assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
-    # An instance that never answers is named, with what SSH said, once the wait is over.
-    assert nodes[0].ssh is not None
-    with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
-        aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
+    def test_nodes_answer_ssh_through_the_controller_with_the_pinned_host_key(
+        self,
+        applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]],
+    ) -> None:
+        _, state, result, nodes = applied
+        controller = result.outputs["controller"]
+        for node in nodes:
+            done = ssh(node, "echo $SSH_CONNECTION")
+            assert done.returncode == 0, done.stderr
+            client, _, server, _ = done.stdout.split()
+            # The node saw the controller's private address: the session came through the jump host.
+            assert (client, server) == (controller["address"], node.address)
+        # A host key other than the cluster's is refused (never trusted on first use).
+        known_hosts = state.dir / "ssh" / "known_hosts"
+        pinned = known_hosts.read_text()
+        other = state.dir / "ssh" / "other"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+        known_hosts.write_text(pinned.replace(pinned.split()[2], other.with_suffix(".pub").read_text().split()[1]))
+        try:
+            refused = ssh(nodes[0], "true")
+        finally:
+            known_hosts.write_text(pinned)
+        assert refused.returncode == 255 and "Host key verification failed" in refused.stderr
+        # An instance that never answers is named, with what SSH said, once the wait is over.
+        assert nodes[0].ssh is not None
+        with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
+            aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
 
 
 def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
