@@ -29,6 +29,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ _TOOLS = {
 _IMAGE_TOOLS = {"podman": "podman", "runc": "runc", "docker-registry": "docker-registry", "skopeo": "skopeo"}
 # Where the nodes' container engines keep their run state.
 _RUNROOTS = Path("/run/infractl")
+# How many times teardown runs a node's `podman system reset` before it gives up.
+_RESET_ATTEMPTS = 3
 # The most processes a container may have (RLIMIT_NPROC) that runc accepted on this machine.
 _MAX_NPROC = 32768
 # A default subnet is one of the /24s of 10.200.0.0/13, picked by the state directory's hash.
@@ -274,7 +277,13 @@ class NetnsNodes(SshNodes):
         def remove(name: str) -> None:
             engine = self.containers(name)
             assert engine.home is not None
-            done = proc.run([*engine.argv, "system", "reset", "--force"], timeout=120)
+            for attempt in range(_RESET_ATTEMPTS):
+                # A container killed a moment ago may still be removing its files from the run root
+                # ("directory not empty"): the next attempt finds it gone.
+                done = proc.run([*engine.argv, "system", "reset", "--force"], timeout=120)
+                if done.returncode == 0:
+                    break
+                time.sleep(2 * (attempt + 1))
             if done.returncode != 0:
                 raise InfractlError(
                     f"{name}: could not remove its containers and images: {_last_line(done.stderr)}; run teardown again"
