@@ -78,7 +78,7 @@ def store_for(state: ClusterState) -> Store:
 
 
 def ensure_rendezvous(
-    state: ClusterState, servers: ServerHost, host: str, previous: dict[str, Any] | None, image: str | None
+    servers: ServerHost, host: str, previous: dict[str, Any] | None, image: str | None
 ) -> tuple[int, bool]:
     """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
     a new cluster), in ``image`` where the servers' host runs infractl from the cluster's image;
@@ -93,7 +93,7 @@ def ensure_rendezvous(
 def keep_rendezvous(state: ClusterState, record: dict[str, Any]) -> None:
     """``ensure_rendezvous`` for a cluster that is up (``record``: its state file)."""
     servers = providers.get(record["spec"]["provider"]).servers(state)
-    ensure_rendezvous(state, servers, record["rendezvous"]["host"], record, record.get("image"))
+    ensure_rendezvous(servers, record["rendezvous"]["host"], record, record.get("image"))
 
 
 def _ensure_registry(
@@ -221,7 +221,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     served, pulled, image_changed = _serve_image(state, spec, servers, previous, out)
 
     host = provider.rendezvous_host(spec, state)
-    port, started = ensure_rendezvous(state, servers, host, previous, pulled)
+    port, started = ensure_rendezvous(servers, host, previous, pulled)
     out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
     roles = "base, access, " + ("container engine, trainer image, " if pulled else "") + "runtime, network, health gate"
@@ -266,7 +266,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
 
 
 def _stop_and_destroy(
-    state: ClusterState, record: dict[str, Any], out: Output, *, purge: bool
+    state: ClusterState, provider: providers.Provider, record: dict[str, Any], out: Output, *, purge: bool
 ) -> tuple[int, list[str]]:
     """Teardown's first half: every process of the cluster stopped, its containers removed, with
     ``purge`` its runs deleted, then ``terraform destroy``. (Processes stopped, runs purged.)"""
@@ -275,8 +275,8 @@ def _stop_and_destroy(
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
     if access.remove_from_store(state, store_for(state)):
         out.info("access: the roles' rights in the store are taken back")
-    provider = providers.of(state)
-    stopped, survived = providers.control(state).stop_all(timeout=20)
+    nodes = providers.control(state)
+    stopped, survived = nodes.stop_all(timeout=20)
     # Then the cluster's own servers (the rendezvous endpoint, the registry).
     own, leftover = provider.servers(state).stop()
     if stopped or own:
@@ -285,7 +285,7 @@ def _stop_and_destroy(
         pids = [f"{p.node}:{p.pid}" for p in survived] + leftover
         raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {', '.join(pids)}")
 
-    if record.get("image") is not None and (cleaned := providers.control(state).remove_containers()):
+    if record.get("image") is not None and (cleaned := nodes.remove_containers()):
         out.info(f"containers: removed the containers and images of {', '.join(cleaned)}")
     purged: list[str] = []
     if purge:
@@ -317,7 +317,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     if destroyed.is_file():
         out.info("terraform: the nodes were destroyed by an earlier teardown; looking for what is left")
     elif state.is_up():
-        stopped, purged = _stop_and_destroy(state, record, out, purge=purge)
+        stopped, purged = _stop_and_destroy(state, provider, record, out, purge=purge)
         destroyed.touch()
     else:
         out.info(f"cluster {state.name!r}: its `up` never finished; destroying what its Terraform state holds")

@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -406,7 +406,8 @@ class RemoteServers(ServerHost):
         self._host.write_file(self._name, path, text)
 
     @contextmanager
-    def _tunnel(self, host: str, port: int) -> Iterator[tuple[str, int]]:
+    def reach(self, host: str, port: int) -> Iterator[tuple[str, int]]:
+        """Through an SSH tunnel from this machine's loopback (``ssh -L``), open while the block runs."""
         login, address = self._host._login(self._name)
         local = free_port("127.0.0.1")
         argv = ["ssh", *login.options(), "-N", "-o", "ExitOnForwardFailure=yes"]
@@ -427,9 +428,6 @@ class RemoteServers(ServerHost):
             except subprocess.TimeoutExpired:
                 tunnel.kill()
                 tunnel.wait()
-
-    def reach(self, host: str, port: int) -> AbstractContextManager[tuple[str, int]]:
-        return self._tunnel(host, port)
 
     def pull(self, reference: str, ca: Path) -> None:
         registry = reference.split("/", 1)[0]
