@@ -13,7 +13,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.image import registry
 from infractl.output import Output
-from infractl.providers.base import ServerHost
+from infractl.providers.base import NodeControl, ServerHost
 from infractl.state import ClusterState, write_private
 from infractl.store import Store, StoreUnavailable, open_store
 
@@ -203,6 +203,14 @@ def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[in
     return applied, provider.provisioned(spec, state, applied)
 
 
+def _roles(nodes: NodeControl, image: str | None) -> str:
+    """What site.yml will do on ``nodes``, in words."""
+    roles = "base, access, " + ("container engine, trainer image, " if image else "") + "runtime, network, health gate"
+    if gpu_nodes := [name for name in nodes.nodes if nodes.host_group(name) == "gpu"]:
+        roles += f"; then GPU preflight, toolkit, NCCL and the nccl-tests gate on {', '.join(gpu_nodes)}"
+    return roles
+
+
 def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
     """Provision and configure the cluster (``store`` from ``preflight``); running it again on an
     unchanged cluster changes nothing."""
@@ -224,8 +232,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     port, started = ensure_rendezvous(servers, host, previous, pulled)
     out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
-    roles = "base, access, " + ("container engine, trainer image, " if pulled else "") + "runtime, network, health gate"
-    out.info(f"ansible: configuring nodes ({roles})…")
+    out.info(f"ansible: configuring nodes ({_roles(nodes, pulled)})…")
     configured = configure.configure(
         state.dir,
         nodes,

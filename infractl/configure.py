@@ -24,6 +24,7 @@ __all__ = [
     "apply_access",
     "configure",
     "container_vars",
+    "inventory_of",
     "network_env",
     "playbook_dir",
 ]
@@ -147,7 +148,7 @@ def _run_playbook(
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     inventory = data_dir / "inventory" / "hosts.json"
     inventory.parent.mkdir(mode=0o700, exist_ok=True)
-    inventory.write_text(json.dumps(_inventory(state_dir, nodes), indent=2) + "\n")
+    inventory.write_text(json.dumps(inventory_of(state_dir, nodes), indent=2) + "\n")
     runner = ansible_runner.run(
         private_data_dir=str(data_dir),
         project_dir=str(playbook_dir()),
@@ -178,7 +179,7 @@ def _changed_tasks(events: Iterable[dict[str, Any]]) -> list[str]:
     return found
 
 
-def _inventory(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
+def inventory_of(state_dir: Path, nodes: NodeControl) -> dict[str, Any]:
     """Every node with how Ansible reaches it and runs Python there (its provider says), and the
     node's facts the roles use; grouped where the provider groups nodes (``gpu``, ``cpu``)."""
     groups: dict[str, dict[str, Any]] = {}

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from infractl import configure
 from infractl.config import load_cluster
+from infractl.infra import Node, SshLogin
 from infractl.providers import aws
 from infractl.state import ClusterState
 
@@ -274,3 +279,50 @@ def test_reap_deletes_every_kind_the_sweep_finds_in_the_order_aws_lets_them_go(s
     assert kinds >= {"security-group", "vpc", "instance-profile", "iam-role", "iam-policy"}, deleted
     assert aws.sweep(cluster, "us-east-1", endpoint_url=s3_server) == []
     assert ec2.describe_volumes(VolumeIds=[kept])["Volumes"], "another cluster's volume went too"
+
+
+def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None:
+    """The inventory ``up`` writes for a g5 group and a c7i group puts each instance in its group
+    with its type, and site.yml (what ``up`` runs) configures every node, then the gpu group
+    again with playbooks/gpu.yml's roles: preflight, toolkit, the image with its GPUs, NCCL."""
+    state = ClusterState("mixed", tmp_path / "mixed")
+    login = SshLogin(user="ubuntu", identity_file=tmp_path / "id", known_hosts=tmp_path / "known", jump="root@1.2.3.4")
+    nodes = [
+        Node(name=name, address=f"10.77.1.{i + 4}", workdir=Path("/mnt/infractl"), processes=1, ssh=login)
+        for i, name in enumerate(["gpu-0", "cpu-0"])
+    ]
+    control = aws.AwsNodes(state, nodes, instance_types={"gpu-0": "g5.12xlarge", "cpu-0": "c7i.4xlarge"})
+    inventory = configure.inventory_of(state.dir, control)
+    assert inventory["all"]["children"] == {"gpu": {"hosts": {"gpu-0": {}}}, "cpu": {"hosts": {"cpu-0": {}}}}
+    hosts = inventory["all"]["hosts"]
+    assert (hosts["gpu-0"]["node_instance_type"], hosts["gpu-0"]["ansible_become"]) == ("g5.12xlarge", True)
+    assert hosts["gpu-0"]["container_runtime_cli"] == ["/usr/bin/docker"]  # Docker's daemon serves --gpus
+    # Every container of the image on a GPU instance (the trainer's as the health gate's) gets the GPUs;
+    # the EFA devices only on a type that has them.
+    trainer = control.containers("gpu-0").run_prefix()
+    assert hosts["gpu-0"]["container_runtime_run"] == trainer and "--gpus=all" in trainer
+    assert (
+        "--device=/dev/infiniband" not in trainer
+        and "--device=/dev/infiniband" in aws.engine_for("p5.48xlarge").run_prefix()
+    )
+    assert "--gpus=all" not in control.containers("cpu-0").run_prefix()
+    path = write(tmp_path / "hosts.json", json.dumps(inventory))
+
+    def listed(what: str) -> list[str]:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(path), what, "site.yml"],
+            cwd=configure.playbook_dir(),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+    plays = listed("--list-hosts")
+    first, second = plays.index("pattern: ['all']"), plays.index("pattern: ['gpu']")
+    assert plays[first + 1] == "hosts (2):" and sorted(plays[first + 2 : first + 4]) == ["cpu-0", "gpu-0"]
+    assert plays[second + 1 :] == ["hosts (1):", "gpu-0"]
+    tasks = listed("--list-tasks")
+    gpu_play = tasks[tasks.index(next(t for t in tasks if t.startswith("play #2 (gpu)"))) :]
+    roles = {task.split(" : ")[0] for task in gpu_play if " : " in task}
+    assert roles == {"gpu_preflight", "container_runtime", "trainer_image", "nccl_env", "nccl_health"}

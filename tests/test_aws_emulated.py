@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infractl import infra, proc, runstore
+from infractl import infra, proc, providers, runstore
 from infractl.config import ClusterSpec, load_cluster
 from infractl.errors import InfraError
 from infractl.infra import Node
@@ -311,7 +311,7 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     inventory = json.loads((cli.home / name / "ansible" / "inventory" / "hosts.json").read_text())["all"]
     assert inventory["children"] == {"cpu": {"hosts": {"main-0": {}, "main-1": {}}}}
     host = inventory["hosts"]["main-0"]
-    assert (host["instance_type"], host["ansible_become"], host["ansible_python_interpreter"]) == (
+    assert (host["node_instance_type"], host["ansible_become"], host["ansible_python_interpreter"]) == (
         "c7i.4xlarge",
         False,  # the emulation logs in as root; a cloud image's user gets sudo
         "/usr/bin/python3",
@@ -334,6 +334,27 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
         )
         assert drill["outcome"] == "recovered" and drill["resumed_correctly"], drill
         assert drill["final_committed"] and drill["final_step"] == 400, drill
+
+        # A partition the instance makes itself (iptables; its SSH port spared, so the drill can
+        # undo it): main-0 goes on alone, and main-1 comes back into the run once its link is.
+        cut = DRILLED_RUN.replace("name: drilled", "name: cut").replace("steps: 400", "steps: 100000")
+        cli("train", str(write(cli.cwd / "cut.yaml", cut)), "-c", name, "--detach")
+        wait_for_commit(store, "cut", at_least=10, timeout=300)
+        refused = cli("drill", "partition", "-c", name, "--node", "main-1", "--kind", "down", expect=2).stderr
+        assert "error: --kind: node 'main-1' cannot take a 'down' fault" in refused, refused
+        partition = json.loads(
+            cli(
+                "drill", "partition", "-c", name, "--node", "main-1", "--kind", "drop", "--seconds", "45",
+                "--no-wait", "--json", "--timeout", "400",
+            ).stdout
+        )  # fmt: skip
+        assert partition["outcome"] == "recovered" and partition["survivors"] == ["main-0"], partition
+        assert partition["world_size_after"] == 1 and partition["resumed_correctly"], partition
+        assert partition["fault"]["rejoined_by"] in ("itself", "infractl rejoin"), partition
+        assert "INFRACTL" not in ssh(nodes[1], "iptables -S").stdout
+        control = providers.control(ClusterState(name, cli.home / name))
+        for node in nodes:
+            control.kill_node(node.name, "cut")
 
         # A spot interruption notice in one instance's metadata service: its agent takes it as the
         # preemption it announces (emergency checkpoint, the node leaves), and the run goes on.

@@ -1,4 +1,4 @@
-"""The GPU node roles (playbooks/gpu.yml and gpu_train.yml, run on the inventory's group gpu) in check
+"""The GPU node roles (playbooks/gpu.yml, run on the inventory's group gpu) in check
 mode on this machine.
 
 Each node is described by a fact fixture (tests/fixtures/gpu_facts/): what a real node's probes would
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from infractl.configure import container_vars, playbook_dir
-from infractl.providers.base import DOCKER
+from infractl.providers import aws
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpu_facts"
 VENV_BIN = Path(sys.executable).parent
@@ -34,16 +34,6 @@ IMAGE = (
     "123456789012.dkr.ecr.us-east-1.amazonaws.com/infractl/trainer"
     "@sha256:895747542690d408428ed48b7fdbda3b8e4ee5965b8be88c4f776b42dec0d174"
 )
-CONTROLLER = ("10.0.0.10", 29400)
-LAUNCH: dict[str, Any] = {
-    "trainer_unit_rendezvous_host": CONTROLLER[0],
-    "trainer_unit_rendezvous_port": CONTROLLER[1],
-    "trainer_unit_run_id": "llama-1-ab12cd34",
-    "trainer_unit_nnodes": "1:2",
-    "trainer_unit_torchrun_args": ["--max-restarts=3", "--rdzv-conf=is_host=false,last_call_timeout=5"],
-    "trainer_unit_command": ["-m", "trainer.train", "--spec", "/srv/run.yaml", "--note", "50% of $HOME"],
-    "trainer_unit_environment": {"PYTHONUNBUFFERED": "1"},
-}
 
 
 @dataclass
@@ -97,10 +87,11 @@ def _node(fixture: str | dict[str, Any], index: int, tmp_path: Path) -> dict[str
     workdir = tmp_path / f"node-{index}"
     workdir.mkdir(exist_ok=True)
     facts = _facts(fixture) if isinstance(fixture, str) else fixture
-    # A GPU node's engine as the provider's node control gives it to the inventory (Docker's daemon).
+    # A GPU node's engine as the provider's node control gives it to the inventory (Docker's daemon,
+    # with the GPUs and, where the type has them, the EFA devices).
     return (
         facts
-        | container_vars(DOCKER)
+        | container_vars(aws.engine_for(facts["node_instance_type"]))
         | {
             "ansible_connection": "local",
             "ansible_python_interpreter": sys.executable,
@@ -280,7 +271,7 @@ def test_check_mode_assembles_the_health_sweep_without_running_it(tmp_path: Path
     assert {"FI_PROVIDER=efa", "NCCL_NET=AWS Libfabric", "NCCL_SOCKET_IFNAME=enp71s0"} <= set(sweep)
     assert sweep[-11:] == ["/opt/nccl-tests/all_reduce_perf", *"-b 512M -e 2G -f 2 -g 1 -c 1".split()]
     container = play.facts("_nccl_health_container_argv")["node-1"]
-    # The same run options as the trainer's container (container_runtime's run_options.yml).
+    # The same run options as the trainer's container (aws.engine_for: a p5 has GPUs and EFA).
     assert {"--device=/dev/infiniband", "--gpus=all", "--ulimit=memlock=-1", "--network=host"} <= set(container)
     assert IMAGE in container
     assert all(not report["measured"] for report in play.facts("health_report").values())
@@ -297,42 +288,6 @@ def test_a_second_configure_changes_nothing(tmp_path: Path) -> None:
     assert again.changed == 0
     written = _env_file((tmp_path / "node-1" / "env" / "nccl.env").read_text())
     assert written["INFRACTL_NODE_ADDRESS"] == "10.0.1.24"
-
-
-@pytest.mark.parametrize(
-    ("fixture", "efa", "gpus"),
-    [("p5", True, 8), ("g5", False, 4)],
-)
-def test_the_trainer_unit_runs_torchrun_against_the_controller(
-    tmp_path: Path, fixture: str, efa: bool, gpus: int
-) -> None:
-    play = check(tmp_path, "gpu_train.yml", [fixture], extravars=LAUNCH)
-
-    assert play.status == "successful", play.failures()
-    unit = play.rendered("Write the trainer's unit")["node-0"]
-    start = unit[unit.index("ExecStart=") : unit.index("\nExecStop=")].replace("\\\n", " ").split()
-    workdir = str(tmp_path / "node-0")
-    # The node's run options, assembled by container_runtime's run_options.yml as for every role.
-    assert start[:3] == ["ExecStart=/usr/bin/docker", "run", "--rm"]
-    assert {"--network=host", "--pid=host", "--ipc=host", "--gpus=all", "--ulimit=memlock=-1", "--init"} <= set(start)
-    assert ("--device=/dev/infiniband" in start) is efa
-    assert {f"{workdir}/env/nccl.env", f"{workdir}/env/trainer.env"} <= set(start)
-    image_at = start.index(IMAGE)
-    assert start[image_at + 1 : image_at + 11] == [
-        "python",
-        "-m",
-        "trainer.agent",  # torchrun (trainer/agent.py)
-        "--nnodes=1:2",
-        f"--nproc-per-node={gpus}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={CONTROLLER[0]}:{CONTROLLER[1]}",
-        "--rdzv-id=llama-1-ab12cd34",
-        *LAUNCH["trainer_unit_torchrun_args"],
-    ]
-    # systemd would expand % and $: the unit doubles them, and quotes an argument with spaces.
-    assert '    -m trainer.train --spec /srv/run.yaml --note "50%% of $$HOME"\n' in unit
-    env = _env_file(play.rendered("Write the trainer's environment")["node-0"])
-    assert env == {"PYTHONUNBUFFERED": "1"}
 
 
 def test_pci_devices_reads_gpus_and_efa_from_sysfs(tmp_path: Path) -> None:

@@ -962,6 +962,9 @@ _CREDENTIAL_VARIABLES = frozenset(
     }
 )
 #: podman as Ubuntu's package installs it, for instance types without GPUs (the emulation's too).
+# A GPU type's containers: every GPU, unlimited locked memory (NCCL's and EFA's registered
+# buffers) and a 64 MiB stack, as NVIDIA's containers recommend.
+_GPU_RUN_OPTIONS = ("--gpus=all", "--ulimit=memlock=-1", "--ulimit=stack=67108864")
 _PODMAN = ContainerEngine(
     argv=("podman",),
     home=None,
@@ -974,10 +977,15 @@ _PODMAN = ContainerEngine(
 
 
 def engine_for(instance_type: str) -> ContainerEngine:
-    """How an instance of ``instance_type`` runs containers: Docker with the NVIDIA container
-    toolkit on a GPU type (the Deep Learning AMIs ship both), podman on a CPU type."""
-    table = instance_types()
-    return DOCKER if table.get(instance_type, {}).get("gpus", 0) > 0 else _PODMAN
+    """How an instance of ``instance_type`` runs containers: podman on a CPU type; Docker with the
+    NVIDIA container toolkit on a GPU type, every container with the GPUs, the locked memory and
+    stack NCCL needs, and the EFA devices where the type has them (the trainer's, the health
+    gate's, nccl-tests')."""
+    entry = instance_types().get(instance_type, {})
+    if entry.get("gpus", 0) == 0:
+        return _PODMAN
+    efa = ("--device=/dev/infiniband",) if entry.get("efa_interfaces", 0) > 0 else ()
+    return replace(DOCKER, run_options=(*_GPU_RUN_OPTIONS, *efa))
 
 
 def _provisioned(state: ClusterState) -> _Provisioned:
@@ -1243,7 +1251,7 @@ class AwsNodes(SshNodes):
 
     def ansible_host(self, node: str) -> dict[str, Any]:
         """A fresh instance has no work directory yet: the base role makes it."""
-        return super().ansible_host(node) | {"base_create_workdir": True, "instance_type": self._types[node]}
+        return super().ansible_host(node) | {"base_create_workdir": True, "node_instance_type": self._types[node]}
 
     def host_group(self, node: str) -> str | None:
         """``gpu`` for an instance type with GPUs (playbooks/gpu.yml's hosts), else ``cpu``."""

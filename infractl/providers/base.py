@@ -52,6 +52,8 @@ __all__ = [
 #: down: its sockets see the network vanish), ``drop`` (packets vanish silently both ways, the link
 #: still up), ``delay`` (latency on everything the node sends). A provider makes those it can.
 LINK_FAULTS = ("down", "drop", "delay")
+#: What a failed ``delay`` fault adds to its error: the usual cause.
+NETEM_HINT = " (netem: this kernel lacks the sch_netem qdisc)"
 
 #: The trainer image's Python, first on its PATH (images/trainer/README.md's contract).
 IMAGE_PYTHON = "python"

@@ -42,7 +42,7 @@ from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, ContainerEngine, NodeControl, Provider, register
+from infractl.providers.base import LINK_FAULTS, NETEM_HINT, ContainerEngine, NodeControl, Provider, register
 from infractl.providers.local import node_directories
 from infractl.providers.remote import SshNodes
 from infractl.state import ClusterState
@@ -337,7 +337,7 @@ class NetnsNodes(SshNodes):
         done = proc.run(make, timeout=30)
         if done.returncode != 0:
             why = _last_line(done.stderr)
-            hint = " (netem: this kernel lacks the sch_netem qdisc)" if fault == "delay" else ""
+            hint = NETEM_HINT if fault == "delay" else ""
             raise UsageError(f"cannot make a {fault!r} fault on {node}'s link: {why}{hint}", field="--kind")
         namespace = str(self.node(node).namespace)
         return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})

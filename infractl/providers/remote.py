@@ -19,14 +19,15 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from infractl import proc
-from infractl.errors import InfractlError
+from infractl.errors import InfractlError, UsageError
 from infractl.infra import Node, SshLogin
 from infractl.proc import NodeProcess
 from infractl.providers.base import (
     IMAGE_PYTHON,
+    NETEM_HINT,
     SERVER_START_S,
     ContainerEngine,
     NodeControl,
@@ -50,6 +51,10 @@ _HOST_ONLY = frozenset(
 )
 # ssh's own exit code when it could not connect (or the session broke).
 _SSH_FAILED = 255
+# The iptables chains a ``drop`` fault puts first in INPUT and OUTPUT (one of each on a node).
+_CUT_CHAINS = {"INPUT": ("INFRACTL-CUT-IN", "--dport"), "OUTPUT": ("INFRACTL-CUT-OUT", "--sport")}
+# The device of the node's default route (where a ``delay`` fault's netem goes).
+_DEFAULT_DEVICE = "dev=$(ip -o -4 route show to default | awk '{print $5; exit}') && test -n \"$dev\""
 #: A Linux distribution's own Python (Debian, Ubuntu): what Ansible runs its modules with on a host
 #: that has no infractl. By its path: the first ``python3`` on a login's PATH may be anything (a
 #: pyenv shim that writes to stdout while it rehashes, say).
@@ -63,6 +68,9 @@ class SshNodes(NodeControl):
 
     #: Variables of the control plane's environment that never go to a node (``start``).
     withheld: frozenset[str] = frozenset()
+    #: Made by the node itself, in iptables and tc. Never ``down``: the drill's own session, which
+    #: restores the link, runs over it.
+    link_faults: ClassVar[tuple[str, ...]] = ("drop", "delay")
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node], *, python: str) -> None:
         super().__init__(state, nodes)
@@ -235,6 +243,49 @@ class SshNodes(NodeControl):
         not a listing's round trip late)."""
         args = ["kill", "--cluster", str(self.state.dir), "--node", node, "--run", run]
         self._ask(node, shlex.join(self._node_side(node, *args)))
+
+    def _link_scripts(self, fault: str, latency_ms: int) -> tuple[str, str]:
+        """The shell script that makes ``fault`` on a node, and the one that undoes it. ``drop``
+        discards every packet but loopback's and SSH's (port 22, the drill's own path);
+        ``delay`` puts netem on the default route's device."""
+        if fault == "drop":
+            make, undo = [], []
+            for hook, (chain, port) in _CUT_CHAINS.items():
+                lo = "-i" if hook == "INPUT" else "-o"
+                make += [
+                    f"iptables -w -N {chain}",
+                    f"iptables -w -A {chain} {lo} lo -j RETURN",
+                    f"iptables -w -A {chain} -p tcp {port} 22 -j RETURN",
+                    f"iptables -w -A {chain} -j DROP",
+                    f"iptables -w -I {hook} 1 -j {chain}",
+                ]
+                undo += [f"iptables -w -D {hook} -j {chain}", f"iptables -w -F {chain}", f"iptables -w -X {chain}"]
+            return " && ".join(make), "; ".join(undo)
+        tc = 'tc qdisc {} dev "$dev" root'
+        return (
+            f"{_DEFAULT_DEVICE} && {tc.format('add')} netem delay {latency_ms}ms",
+            f"{_DEFAULT_DEVICE} && {tc.format('del')}",
+        )
+
+    def cut_link(self, node: str, fault: str, *, latency_ms: int = 0) -> dict[str, Any]:
+        make, undo = self._link_scripts(fault, latency_ms)
+        done = self._ask(node, make)
+        if done.returncode != 0:
+            self._ask(node, undo)  # whatever part of it was made
+            hint = NETEM_HINT if fault == "delay" else ""
+            raise UsageError(
+                f"cannot make a {fault!r} fault on {node}: {_last_line(done.stderr)}{hint}", field="--kind"
+            )
+        return {"link": fault, "node": node} | ({"latency_ms": latency_ms} if fault == "delay" else {})
+
+    def restore_link(self, node: str, fault: str) -> None:
+        _, undo = self._link_scripts(fault, 0)
+        done = self._ask(node, undo)
+        if done.returncode != 0:
+            raise InfractlError(
+                f"could not restore {node}'s link after a {fault!r} fault: {_last_line(done.stderr)}; run on the "
+                f"node: {undo}"
+            )
 
     # -- configuration --------------------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 links of their own), then restore it.
 
 ``--kind down`` takes the node's interface down, ``drop`` drops its packets silently, ``delay``
-adds ``--latency-ms`` (see ``providers.LINK_FAULTS``; the provider makes them). The
-other nodes' collectives time out (half the step timeout), their agents re-rendezvous without the
-node (the rendezvous endpoint is on the host, outside every node, so the cut node can never form
-a world of its own) and the run goes on from the last committed step. Once the link is back the
-node comes back into the run: its agent rejoins the next rendezvous by itself when it is still
-running, or the drill runs ``infractl rejoin`` when it gave up.
+adds ``--latency-ms`` (see ``providers.LINK_FAULTS``; the provider makes them: netns nodes take
+every kind from the host, an SSH node such as an aws instance makes ``drop`` and ``delay`` itself,
+with its SSH port spared). The other nodes' collectives time out (half the step timeout), their
+agents re-rendezvous without the node (the rendezvous endpoint is outside every node, on the host
+or the controller, so the cut node can never form a world of its own) and the run goes on from
+the last committed step. Once the link is back the node comes back into the run: its agent
+rejoins the next rendezvous by itself when it is still running, or the drill runs
+``infractl rejoin`` when it gave up.
 
 ``rejoin_s`` is link back -> the first step on the whole world again; the drill has recovered
 only then.
@@ -71,11 +73,18 @@ class Partition(Kind):
         self._fault = str(drill.options.get("link", "down"))
         if self._fault not in LINK_FAULTS:
             raise UsageError(f"{self._fault!r} is not a link fault (one of: {', '.join(LINK_FAULTS)})", field="--kind")
-        if self._fault not in drill.nodes.link_faults:
+        offered = drill.nodes.link_faults
+        if not offered:
             raise UsageError(
                 f"node {self._node!r} has no network link of its own to cut: partition needs a provider whose "
                 "nodes have links",
                 field="--node",
+            )
+        if self._fault not in offered:
+            raise UsageError(
+                f"node {self._node!r} cannot take a {self._fault!r} fault on this provider "
+                f"(one of: {', '.join(offered)})",
+                field="--kind",
             )
 
     def inject(self, drill: Drill) -> list[NodeProcess]:
