@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import secrets
 import shutil
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import ConfigError, InfractlError, UsageError
+from infractl.errors import ConfigError, InfractlError, Interrupted, UsageError
 from infractl.image import registry
 from infractl.output import Output
 from infractl.providers.base import NodeControl, ServerHost
-from infractl.state import ClusterState, write_private
+from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
 
 __all__ = [
@@ -203,6 +205,30 @@ def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[in
     return applied, provider.provisioned(spec, state, applied)
 
 
+@contextlib.contextmanager
+def interruptible(state: ClusterState) -> Iterator[None]:
+    """Around ``up``: Ctrl-C, a closed terminal (SIGHUP) or SIGTERM stop it between two steps
+    (a Terraform apply under way ends first), stop the Ansible run it started (in a session of its
+    own, the terminal's signal never reaches it), and end the command with one line saying what
+    finishes or undoes the rest. Everything made so far is in the state directory."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    except KeyboardInterrupt:
+        proc.kill(proc.find(state.dir, node=configure.ANSIBLE_NODE))
+        raise Interrupted(
+            f"interrupted: `infractl up -c {state.name}` again picks up where this one stopped; "
+            f"`infractl teardown -c {state.name}` removes what it made"
+        ) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _roles(nodes: NodeControl, image: str | None) -> str:
     """What site.yml will do on ``nodes``, in words."""
     roles = "base, access, " + ("container engine, trainer image, " if image else "") + "runtime, network, health gate"
@@ -217,9 +243,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     previous = state.read() if state.is_up() else None
     uri = store_uri(state, spec)
     provider = providers.get(spec.provider)
-    write_private(
-        state.intent_path, json.dumps({"name": spec.name, "spec": spec.model_dump(mode="json"), "store": uri})
-    )
+    state.start({"name": spec.name, "spec": spec.model_dump(mode="json"), "store": uri})
     out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
     applied, provisioned = _provision(state, spec, store)
     nodes = provider.control(state, provisioned)
@@ -361,6 +385,7 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
             child.unlink()
     if {c.name for c in state.dir.iterdir()} <= {"lock"}:
         shutil.rmtree(state.dir)
+    state.unlist()
     return TeardownResult(
         cluster=state.name,
         processes_killed=stopped,

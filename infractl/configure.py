@@ -19,6 +19,7 @@ from infractl.errors import ConfigureError
 from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
 
 __all__ = [
+    "ANSIBLE_NODE",
     "AccessResult",
     "ConfigureResult",
     "apply_access",
@@ -34,7 +35,7 @@ _ACCESS_PLAYBOOK = "access.yml"
 # Runs kept under <state_dir>/ansible/artifacts/ for `infractl logs` and post-mortems.
 _KEEP_ARTIFACTS = 10
 # The marker node name of ansible-playbook and what it starts on this machine (infractl.proc).
-_ANSIBLE_NODE = "ansible"
+ANSIBLE_NODE = "ansible"
 # A whole configure run (collective included) that takes longer than this is stuck.
 _RUN_TIMEOUT_S = 600
 
@@ -163,6 +164,9 @@ def _run_playbook(
         rotate_artifacts=_KEEP_ARTIFACTS,
         timeout=_RUN_TIMEOUT_S,
     )
+    if runner.status == "canceled":
+        # ansible-runner took the Ctrl-C (it stopped ansible-playbook): the caller's to take too.
+        raise KeyboardInterrupt
     return runner, list(runner.events)
 
 
@@ -231,7 +235,7 @@ def _environment(state_dir: Path, data_dir: Path) -> dict[str, str]:
         # The cluster's marker (infractl.proc): ansible-runner starts ansible-playbook in a session of
         # its own, which outlives an infractl that was killed; teardown finds and stops it by this.
         proc.CLUSTER_ENV: str(state_dir),
-        proc.NODE_ENV: _ANSIBLE_NODE,
+        proc.NODE_ENV: ANSIBLE_NODE,
         # ansible-runner looks for ansible-playbook on PATH; it lives next to this Python.
         "PATH": os.pathsep.join([venv_bin, os.environ.get("PATH", "")]),
         "ANSIBLE_PIPELINING": "True",

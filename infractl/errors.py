@@ -18,6 +18,7 @@ __all__ = [
     "InfraError",
     "ConfigureError",
     "TrainingError",
+    "Interrupted",
     "StoreError",
 ]
 
@@ -46,6 +47,13 @@ class InfractlError(Exception):
         if self.file is not None:
             error["file"] = self.file
         return {"error": error}
+
+
+class Interrupted(InfractlError):
+    """The command was interrupted (Ctrl-C, its terminal closed, SIGTERM) and stopped what it had
+    started; the message says which command finishes or undoes the rest."""
+
+    exit_code = 130
 
 
 class UsageError(InfractlError):

@@ -42,6 +42,7 @@ __all__ = [
     "kill",
     "wait_gone",
     "listing",
+    "marked",
     "signal_listed",
     "monitor",
     "main",
@@ -105,20 +106,31 @@ def spawn(
 
 def find(cluster_dir: Path, *, node: str | None = None, run: str | None = None) -> list[psutil.Process]:
     """Live processes carrying this cluster's marker (optionally one node's or one run's)."""
-    want = {CLUSTER_ENV: str(cluster_dir)}
-    if node is not None:
-        want[NODE_ENV] = node
-    if run is not None:
-        want[RUN_ENV] = run
+    want = {key: value for key, value in ((NODE_ENV, node), (RUN_ENV, run)) if value is not None}
+    found = []
+    for marked_dir, proc in marked():
+        if str(marked_dir) != str(cluster_dir):
+            continue
+        try:
+            if all(proc.environ().get(k) == v for k, v in want.items()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def marked() -> list[tuple[Path, psutil.Process]]:
+    """Every live process on this machine that carries a cluster's marker, with its cluster's
+    state directory."""
     me = os.getpid()
     found = []
     for proc in psutil.process_iter():
         if proc.pid == me:
             continue
         try:
-            env = proc.environ()
-            if all(env.get(k) == v for k, v in want.items()) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
+            cluster_dir = proc.environ().get(CLUSTER_ENV)
+            if cluster_dir is not None and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((Path(cluster_dir), proc))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found

@@ -32,7 +32,7 @@ __all__ = [
     "run_state",
 ]
 
-RunState = Literal["running", "completed", "failed", "stopped"]
+RunState = Literal["running", "restarting", "completed", "failed", "stopped"]
 
 
 def node(state: ClusterState, name: str, *, field: str) -> dict[str, Any]:
@@ -87,11 +87,15 @@ def latest_run(state: ClusterState, store: Store) -> str:
     return max(launched, key=lambda r: r.last_attempt.started if r.last_attempt else 0.0).run_id
 
 
-def run_state(record: RunRecord, *, is_running: bool, last_committed: int | None, steps: int | None) -> RunState:
-    """running while it has processes; completed once its last step is committed; failed when
-    its last attempt ended without that; stopped otherwise (killed, or never followed to the end)."""
+def run_state(
+    record: RunRecord, *, is_running: bool, training: bool, last_committed: int | None, steps: int | None
+) -> RunState:
+    """running while it has processes and workers among them (``training``); restarting while its
+    agents have no workers (between two worker groups: a node left or came back, a worker
+    failed); completed once its last step is committed; failed when its last attempt ended
+    without that; stopped otherwise (killed, or never followed to the end)."""
     if is_running:
-        return "running"
+        return "running" if training else "restarting"
     if steps is not None and (last_committed or 0) >= steps:
         return "completed"
     attempt = record.last_attempt
@@ -139,7 +143,7 @@ def attention(
         if any(marker in tail for tail in log_tails for marker in _OOM_MARKERS):
             return Attention("failed", "a rank ran out of device memory", "out-of-memory")
         return Attention("failed", "every node's agent gave up before the last step", "node-failure")
-    if state != "running":
+    if state not in ("running", "restarting"):  # a restart that waits for a missing node needs a person too
         return None
     # A missing node comes first: the survivors may wait for it in the rendezvous (a stall too).
     full_nodes = min(spec.nodes.max, cluster_nodes)

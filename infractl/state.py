@@ -13,21 +13,40 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infractl.config import NAME_PATTERN, ClusterSpec, default_cluster, load_cluster, parse_cluster
 from infractl.errors import ConfigError, InfractlError, LockedError, StateError, UsageError
 
-__all__ = ["home", "ClusterState", "KnownCluster", "known_clusters", "resolve_cluster", "write_private"]
+__all__ = [
+    "home",
+    "ClusterState",
+    "KnownCluster",
+    "Orphan",
+    "known_clusters",
+    "ledger",
+    "owned_ids",
+    "resolve_cluster",
+    "started_clusters",
+    "write_private",
+]
 
 HOME_ENV = "INFRACTL_HOME"
 
 
 def home() -> Path:
     return Path(os.environ.get(HOME_ENV) or ".infractl").absolute()
+
+
+def ledger() -> Path:
+    """Where this machine lists every cluster state directory an ``up`` started on it, whatever its
+    state root (``gc`` finds what belongs to none of them): machine-wide for root, else the user's."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/infractl/clusters")
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "infractl" / "clusters"
 
 
 def write_private(path: Path, data: str) -> bool:
@@ -86,6 +105,32 @@ class ClusterState:
         """Whether an ``up`` of the cluster began here (it may have ended before the record)."""
         return self.is_up() or self.intent_path.is_file()
 
+    def start(self, intent: dict[str, Any]) -> None:
+        """Before ``up`` makes anything: what it is about to make (``read_intent``), and the state
+        directory in this machine's ``ledger``."""
+        write_private(self.intent_path, json.dumps(intent))
+        entry = ledger() / f"{self.short_id}.json"
+        if not entry.is_file():
+            write_private(entry, json.dumps({"name": self.name, "dir": str(self.dir.resolve())}))
+
+    def unlist(self) -> None:
+        """After ``teardown``: nothing of the cluster is left for the ledger to own."""
+        (ledger() / f"{self.short_id}.json").unlink(missing_ok=True)
+
+    def busy(self) -> bool:
+        """Whether a command holds the cluster's lock now."""
+        try:
+            fd = os.open(self.dir / "lock", os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
     def read_intent(self) -> dict[str, Any]:
         """The cluster record of a cluster that is up, else what its interrupted ``up`` was making
         (without nodes: none was recorded); StateError if no ``up`` began."""
@@ -112,7 +157,8 @@ class ClusterState:
         return write_private(self.record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
     def spec(self) -> ClusterSpec:
-        return parse_cluster(self.read()["spec"])
+        """The cluster.yaml the cluster was brought up with (or its interrupted ``up`` began with)."""
+        return parse_cluster(self.read_intent()["spec"])
 
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
@@ -173,6 +219,40 @@ class KnownCluster:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "up": self.up, "provider": self.provider, "nodes": self.nodes}
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """Something infractl made on this machine that no cluster state owns any more (``gc``)."""
+
+    kind: str
+    name: str
+    remove: Callable[[], None] = field(compare=False, repr=False)
+    """Deletes it; raises ``InfractlError`` when it cannot."""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "name": self.name}
+
+
+def started_clusters() -> list[ClusterState]:
+    """Every cluster state directory on this machine that an ``up`` started and no ``teardown``
+    finished: those in the ledger and those under the state root."""
+    found: dict[Path, ClusterState] = {}
+    entries = sorted(ledger().glob("*.json")) if ledger().is_dir() else []
+    for entry in entries:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            listed = json.loads(entry.read_text())
+            found[Path(listed["dir"])] = ClusterState(str(listed["name"]), Path(listed["dir"]))
+    root = home()
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if path.is_dir() and re.fullmatch(NAME_PATTERN, path.name):
+            found.setdefault(path.resolve(), ClusterState(path.name, path.resolve()))
+    return [state for state in found.values() if state.was_started() or state.busy()]
+
+
+def owned_ids() -> set[str]:
+    """The ``short_id`` of every started cluster: what carries one of them in its name is theirs."""
+    return {state.short_id for state in started_clusters()}
 
 
 def known_clusters() -> list[KnownCluster]:

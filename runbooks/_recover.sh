@@ -7,7 +7,7 @@ print(next((r["state"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.
 state=$$(state_of_run)
 echo "run $run is $$state"
 case "$$state" in
-  running)
+  running|restarting)
     # The survivors go on, or wait in the rendezvous below nodes.min ($nodes_min): bring back
     # each node that has no process left, up to nodes.max ($nodes_max).
     left=$$(infractl status -c $cluster --json | python3 -c '

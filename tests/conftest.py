@@ -43,6 +43,19 @@ settings.register_profile("long", max_examples=3000, **_PROPERTY_SETTINGS)
 settings.load_profile("ci")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test (once, in the process that starts the workers): ``infractl gc --yes``, so
+    what an interrupted earlier run left on this machine (clusters whose state directory is gone,
+    an `up` that never finished) cannot break this one. What it could not remove is printed."""
+    if hasattr(config, "workerinput"):
+        return
+    done = subprocess.run(
+        [sys.executable, "-m", "infractl", "gc", "--yes"], capture_output=True, text=True, timeout=600, check=False
+    )
+    if done.returncode != 0:
+        sys.stderr.write(f"infractl gc --yes before the tests failed:\n{done.stderr}")
+
+
 @dataclass
 class Cli:
     """Runs the real ``infractl`` in its own process, in a private working directory."""

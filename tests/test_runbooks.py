@@ -128,7 +128,7 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
     committed = runstore.latest_committed_step(store, "lost")
     assert committed is not None and committed >= 20
     transcript = run_blocks(cluster, runbook)
-    assert "run lost is running" in transcript and "infractl rejoin" in transcript
+    assert "run lost is restarting" in transcript and "infractl rejoin" in transcript
     assert "run lost recovered: " in transcript
     assert_completed_from(store, "lost", steps=steps, fault_time=fault_time, committed=committed)
     assert proc.wait_gone(node_dir, run="lost", timeout=60) == []

@@ -27,7 +27,7 @@ everything back at teardown). The handover bundle's ``access/`` is written by
 
 from __future__ import annotations
 
-from infractl.access.grants import Change, grant, remove_from_store, remove_groups, revoke
+from infractl.access.grants import Change, grant, remove_from_store, remove_groups, revoke, stray_groups
 from infractl.access.roles import (
     NODE_DIRECTORIES,
     ROLE_NAMES,
@@ -57,6 +57,7 @@ __all__ = [
     "policy_name",
     "remove_from_store",
     "remove_groups",
+    "stray_groups",
     "revoke",
     "rights",
 ]

@@ -3,6 +3,8 @@ when either side fails), and taking every right back when the cluster is torn do
 
 from __future__ import annotations
 
+import functools
+import grp
 import re
 import subprocess
 import time
@@ -24,7 +26,7 @@ from infractl.access.roles import (
 )
 from infractl.errors import ConfigureError, InfractlError, UsageError
 from infractl.providers import NodeControl
-from infractl.state import ClusterState
+from infractl.state import ClusterState, Orphan
 from infractl.store import Store, StoreError, UnknownUser
 
 __all__ = ["Change", "grant", "remove_from_store", "remove_groups", "revoke"]
@@ -166,6 +168,8 @@ def remove_from_store(state: ClusterState, store: Store) -> bool:
 # groupdel waits for /etc/group's lock; another cluster configuring on this machine may hold it.
 _GROUPDEL_ATTEMPTS = 10
 _GROUPDEL_RETRY_S = 0.5
+# A role's group (roles.group_name): the cluster's name cut to 12 characters, its short_id, the role.
+_GROUP = re.compile(rf".{{1,12}}-(?P<id>[0-9a-f]{{6}})-(?:{'|'.join(ROLE_NAMES)})")
 
 
 def remove_groups(state: ClusterState) -> None:
@@ -180,13 +184,28 @@ def remove_groups(state: ClusterState) -> None:
         if done.returncode != 0:
             raise InfractlError(f"cannot remove the access groups from the ACL of {state.dir}: {done.stderr.strip()}")
     for group in present:
-        for _attempt in range(_GROUPDEL_ATTEMPTS):
-            if _run(["groupdel", group]).returncode == 0 or not proc.group_exists(group):
-                break
-            time.sleep(_GROUPDEL_RETRY_S)
+        _delete_group(group)
     left = [g for g in groups if proc.group_exists(g)]
     if left:
         raise InfractlError(f"teardown left the access groups of cluster {state.name!r} behind: {', '.join(left)}")
+
+
+def stray_groups(owned: set[str]) -> list[Orphan]:
+    """The roles' groups on this machine named after no started cluster (``owned``: their
+    ``short_id``): a local cluster's whose state directory was deleted without ``teardown``."""
+    return [
+        Orphan("group", entry.gr_name, functools.partial(_delete_group, entry.gr_name))
+        for entry in grp.getgrall()
+        if (match := _GROUP.fullmatch(entry.gr_name)) and match["id"] not in owned
+    ]
+
+
+def _delete_group(group: str) -> None:
+    for _attempt in range(_GROUPDEL_ATTEMPTS):
+        if _run(["groupdel", group]).returncode == 0 or not proc.group_exists(group):
+            return
+        time.sleep(_GROUPDEL_RETRY_S)
+    raise InfractlError(f"cannot delete group {group}")
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:

@@ -14,9 +14,10 @@ from rich.table import Table
 from rich.text import Text
 
 from infractl import cluster, providers, runs, runstore
+from infractl import gc as garbage
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster
-from infractl.errors import StateError, StoreError
+from infractl.errors import InfractlError, StateError, StoreError
 from infractl.handover import runbooks
 from infractl.launcher import node_log
 from infractl.providers import NodeControl
@@ -40,13 +41,13 @@ def up(
     out = output(json_mode)
     state, spec = resolve_cluster(cluster_opt)
     if spec is None:
-        spec = state.spec() if state.is_up() else default_cluster()
+        spec = state.spec() if state.was_started() else default_cluster()
     if dry_run:
         plan = providers.get(spec.provider).dry_run(spec, state)
         out.result(plan, Group(*(Text(line) for line in _dry_run_lines(spec.name, plan))))
         return
     store = cluster.preflight(state, spec)
-    with state.lock("up"):
+    with state.lock("up"), cluster.interruptible(state):
         result = cluster.up(state, spec, store, out)
     for h in result.health:
         out.info(
@@ -106,9 +107,37 @@ def teardown(
     out.result(asdict(result))
 
 
-def _run_rows(state: ClusterState, store: Store, nodes: NodeControl, live: dict[str, set[str]]) -> list[dict[str, Any]]:
+def gc(yes: YesOpt = False, json_mode: JsonOpt = False) -> None:
+    """Find what infractl made on this machine that no cluster owns any more (an interrupted `up`,
+    a state directory deleted without `teardown`, an interrupted test run) and, with --yes, remove it.
+
+    Lists: clusters whose `up` never finished (torn down as `teardown` would), processes carrying
+    the marker of a cluster that is gone, netns namespaces, interfaces, container run roots and sshd
+    processes, and the access roles' groups. Exit 1 when something could not be removed.
+    """
+    out = output(json_mode)
+    found = garbage.find()
+    lines = [f"cluster {s.name!r} at {s.dir}: its `up` never finished" for s in found.interrupted]
+    lines += [f"{o.kind} {o.name}" for o in found.orphans]
+    if not yes:
+        said = "nothing to collect" if not lines else f"{len(lines)} to collect (`infractl gc --yes` removes them)"
+        out.result(found.to_dict() | {"removed": False}, Text("\n".join([*lines, said])))
+        return
+    for line in lines:
+        out.info(f"gc: {line}")
+    done = garbage.collect(found, out)
+    if done.failed:
+        raise InfractlError(f"gc could not remove {len(done.failed)} thing(s): {'; '.join(done.failed)}")
+    out.success(f"gc: {len(lines)} removed" if lines else "gc: nothing to collect")
+    out.result(done.to_dict() | {"removed": True})
+
+
+def _run_rows(
+    state: ClusterState, store: Store, nodes: NodeControl, live: dict[str, set[str]], training: set[str]
+) -> list[dict[str, Any]]:
     """Every run of the cluster: its state, attempts, last committed step, newest metrics, and
-    the runbook section of a run that needs a person (failed, degraded or stalled)."""
+    the runbook section of a run that needs a person (failed, degraded or stalled). ``live``: run
+    -> the nodes running it; ``training``: the runs with workers."""
     rows = []
     for record in runs.cluster_runs(state, store):
         try:
@@ -118,7 +147,13 @@ def _run_rows(state: ClusterState, store: Store, nodes: NodeControl, live: dict[
         steps = spec.steps if spec else None
         last = runstore.latest_committed_step(store, record.run_id)
         latest = runstore.latest_metrics(store, record.run_id)
-        run_state = runs.run_state(record, is_running=record.run_id in live, last_committed=last, steps=steps)
+        run_state = runs.run_state(
+            record,
+            is_running=record.run_id in live,
+            training=record.run_id in training,
+            last_committed=last,
+            steps=steps,
+        )
         attention = (
             runs.attention(
                 spec,
@@ -219,10 +254,10 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     record = state.read()
     rdzv = record["rendezvous"]
     control = providers.control(state)
-    nodes, live = _node_rows(record, control)
+    nodes, live, training = _node_rows(record, control)
     store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
     try:
-        runs = _run_rows(state, cluster.store_for(state), control, live)
+        runs = _run_rows(state, cluster.store_for(state), control, live, training)
     except StoreError as exc:
         store_status |= {
             "reachable": False,
@@ -258,9 +293,11 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     out.result(data, Group(*parts))
 
 
-def _node_rows(record: dict[str, Any], control: NodeControl) -> tuple[list[dict[str, Any]], dict[str, set[str]]]:
-    """Each node with how many processes of the cluster it runs (None: it did not answer), and
-    run id -> the nodes running it."""
+def _node_rows(
+    record: dict[str, Any], control: NodeControl
+) -> tuple[list[dict[str, Any]], dict[str, set[str]], set[str]]:
+    """Each node with how many processes of the cluster it runs (None: it did not answer), run id
+    -> the nodes running it, and the runs with workers (a run with agents alone is restarting)."""
     processes = control.processes()
     live: dict[str, set[str]] = {}
     for p in processes:
@@ -275,7 +312,7 @@ def _node_rows(record: dict[str, Any], control: NodeControl) -> tuple[list[dict[
         }
         for n in record["nodes"]
     ]
-    return rows, live
+    return rows, live, {p.run for p in processes if p.run is not None and not p.agent}
 
 
 def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
@@ -333,3 +370,4 @@ def register(app: typer.Typer) -> None:
     app.command()(up)
     app.command()(teardown)
     app.command()(status)
+    app.command()(gc)

@@ -92,6 +92,7 @@ def run_drill(
             progress=progress,
             options=options or {},
         )
+        _wait_first_commit(drill)
         record = _strike(drill, kind)
         try:
             kind.settle(drill)
@@ -107,6 +108,32 @@ def run_drill(
     record.finished_time = time.time()
     runstore.write_drill_record(store, record)
     return record
+
+
+def _wait_first_commit(drill: Drill) -> None:
+    """Until the run's current attempt has committed a checkpoint it is still starting (a run just
+    launched, or relaunched): a fault then would measure its start-up, not a recovery. Wait for
+    that commit, within the drill's timeout."""
+    run_id = drill.target.run_id
+    record = runstore.read_run_record(drill.store, run_id)
+    started = record.last_attempt.started if record is not None and record.last_attempt is not None else 0.0
+    said = False
+    while True:
+        drill.commits.poll()
+        if drill.commits.since(started):
+            return
+        if not said:
+            drill.progress(f"run {run_id!r} has committed no checkpoint yet in this attempt: waiting for its first")
+            said = True
+        if drill.watch.gone():
+            raise StateError(f"run {run_id!r} ended before it committed a checkpoint: there is nothing to recover to")
+        if time.monotonic() > drill.deadline:
+            raise StateError(
+                f"run {run_id!r} committed no checkpoint within the drill's --timeout ({drill.timeout:g}s): a drill "
+                "measures the recovery to a committed step; look at `infractl logs`",
+                field="--timeout",
+            )
+        time.sleep(recovery.STORE_POLL_S)
 
 
 def _wait(done: Callable[[], bool], *, timeout: float) -> None:

@@ -20,15 +20,20 @@ import importlib
 import pkgutil
 
 from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, provider_named
+from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, every_provider, provider_named
 from infractl.state import ClusterState
 
-__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "get", "of"]
+__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of"]
 
 
 def get(name: str) -> Provider:
     """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
     return provider_named(name)
+
+
+def every() -> list[Provider]:
+    """Every provider infractl has."""
+    return every_provider()
 
 
 def of(state: ClusterState) -> Provider:

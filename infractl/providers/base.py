@@ -29,7 +29,7 @@ from infractl.config import ClusterSpec, ProviderConfig, register_provider
 from infractl.errors import InfractlError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings
 from infractl.proc import NodeProcess
-from infractl.state import ClusterState, write_private
+from infractl.state import ClusterState, Orphan, write_private
 
 __all__ = [
     "DOCKER",
@@ -145,6 +145,12 @@ class Provider(ABC):
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         """How the control plane reaches ``nodes`` (the cluster's, as provisioned)."""
 
+    def orphans(self, owned: set[str]) -> list[Orphan]:
+        """What the provider makes on this machine under a cluster's ``short_id`` and no started
+        cluster (``owned``: their ids) owns: an interrupted test run's, a deleted state
+        directory's. Nothing where it makes nothing outside the state directory."""
+        return []
+
 
 _PROVIDERS: dict[str, Provider] = {}
 
@@ -161,6 +167,10 @@ def register(provider: Provider, config: ProviderConfig) -> None:
 def provider_named(name: str) -> Provider:
     """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
     return _PROVIDERS[name]
+
+
+def every_provider() -> list[Provider]:
+    return list(_PROVIDERS.values())
 
 
 @dataclass(frozen=True)

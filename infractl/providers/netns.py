@@ -21,16 +21,19 @@ reached again), and its link is cut on the bridge or inside the namespace.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ipaddress
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -45,7 +48,7 @@ from infractl.infra import Node
 from infractl.providers.base import LINK_FAULTS, NETEM_HINT, ContainerEngine, NodeControl, Provider, register
 from infractl.providers.local import node_directories
 from infractl.providers.remote import SshNodes
-from infractl.state import ClusterState
+from infractl.state import ClusterState, Orphan
 
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
@@ -62,6 +65,13 @@ _TOOLS = {
 _IMAGE_TOOLS = {"podman": "podman", "runc": "runc", "docker-registry": "docker-registry", "skopeo": "skopeo"}
 # Where the nodes' container engines keep their run state.
 _RUNROOTS = Path("/run/infractl")
+# What the netns provider names after a cluster's short_id (``id``), for ``gc``: the nodes'
+# namespaces, the bridge and the veths' host ends, the container run roots, and the sshd config
+# path of a node (its cluster's state directory, ``dir``).
+_NAMESPACE = re.compile(r"infractl-(?P<id>[0-9a-f]{6})-\d+")
+_INTERFACE = re.compile(r"ix[bv](?P<id>[0-9a-f]{6})(-\d+)?")
+_RUNROOT = re.compile(r"(?P<id>[0-9a-f]{6})-.+")
+_SSHD_CONFIG = re.compile(r"-f (?P<dir>\S+)/ssh/nodes/")
 # How many times teardown runs a node's `podman system reset` before it gives up.
 _RESET_ATTEMPTS = 3
 # The most processes a container may have (RLIMIT_NPROC) that runc accepted on this machine.
@@ -223,6 +233,23 @@ class Netns(Provider):
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         return NetnsNodes(state, nodes, python=sys.executable)
+
+    def orphans(self, owned: set[str]) -> list[Orphan]:
+        """Namespaces (with everything in them: sshd, a run), bridges, veths and container run
+        roots named after no started cluster, and sshd processes of a node whose state directory
+        is gone."""
+        return _made(lambda short_id: short_id not in owned, lambda cluster_dir: not cluster_dir.exists())
+
+    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """What the module's provisioners made after Terraform last saved its state (an apply
+        that was killed): the cluster's namespaces, interfaces, run roots and sshd processes."""
+        mine = _made(
+            lambda short_id: short_id == state.short_id,
+            lambda cluster_dir: cluster_dir.resolve() == state.dir.resolve(),
+        )
+        for thing in mine:
+            thing.remove()
+        return [f"{thing.kind} {thing.name}" for thing in mine]
 
 
 class NetnsNodes(SshNodes):
@@ -397,10 +424,10 @@ def _container_leftovers(state: ClusterState) -> list[str]:
     return found
 
 
-def _sshds(state: ClusterState) -> list[psutil.Process]:
-    """The nodes' sshd processes, by their config path: sshd overwrites its environment with its
-    process title, so the cluster's marker does not find them."""
-    configs = str(state.dir / "ssh" / "nodes") + "/"
+def _sshds(state: ClusterState | None) -> list[psutil.Process]:
+    """The nodes' sshd processes (of every netns cluster with None), by their config path: sshd
+    overwrites its environment with its process title, so the cluster's marker does not find them."""
+    configs = str(state.dir / "ssh" / "nodes") + "/" if state is not None else "/ssh/nodes/"
     found = []
     for process in psutil.process_iter():
         try:
@@ -409,6 +436,65 @@ def _sshds(state: ClusterState) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def _made(named_for: Callable[[str], bool], of_dir: Callable[[Path], bool]) -> list[Orphan]:
+    """What the module makes outside the state directory on this machine, where the cluster's
+    short_id in its name passes ``named_for`` (an sshd: its state directory passes ``of_dir``),
+    processes first: a namespace goes more easily once nothing runs in it."""
+    found = []
+    for process in _sshds(None):
+        config = _SSHD_CONFIG.search(" ".join(process.cmdline()))
+        if config and of_dir(Path(config["dir"])):
+            found.append(Orphan("sshd process", str(process.pid), functools.partial(proc.kill, [process])))
+    found += [
+        Orphan("network namespace", name, functools.partial(_delete_namespace, name))
+        for name in (e["name"] for e in _ip_json("netns", "list"))
+        if (match := _NAMESPACE.fullmatch(name)) and named_for(match["id"])
+    ]
+    found += [
+        Orphan("interface", name, functools.partial(_delete_link, name))
+        for name in (link.get("ifname", "") for link in _ip_json("link", "show"))
+        if (match := _INTERFACE.fullmatch(name)) and named_for(match["id"])
+    ]
+    runroots = sorted(_RUNROOTS.iterdir()) if _RUNROOTS.is_dir() else []
+    found += [
+        Orphan("container run root", str(path), functools.partial(_delete_runroot, path))
+        for path in runroots
+        if (match := _RUNROOT.fullmatch(path.name)) and named_for(match["id"])
+    ]
+    return found
+
+
+def _delete_namespace(name: str) -> None:
+    """Every process in it, then the namespace (its veth ends go with it)."""
+    listed = proc.run(["ip", "netns", "pids", name])
+    for pid in listed.stdout.split() if listed.returncode == 0 else []:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(int(pid)).kill()
+    _ip_or_raise(["ip", "netns", "del", name])
+
+
+def _delete_link(name: str) -> None:
+    if _ip_json("link", "show", "dev", name):  # a veth goes with its namespace's end
+        _ip_or_raise(["ip", "link", "del", name])
+
+
+def _delete_runroot(path: Path) -> None:
+    """Unmount what is still mounted below it (deepest first), then remove it."""
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(f"{path}/")), reverse=True):
+        proc.run(["umount", "-l", point])
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        raise InfractlError(f"cannot remove {path}")
+
+
+def _ip_or_raise(argv: list[str]) -> None:
+    done = proc.run(argv)
+    if done.returncode != 0:
+        raise InfractlError(f"{shlex.join(argv)} failed: {_last_line(done.stderr)}")
 
 
 register(

@@ -1,0 +1,112 @@
+"""An ``up`` killed at each of its phases (during the Terraform apply, once the rendezvous endpoint
+runs, during Ansible, during the health gate), on local and on netns: ``teardown`` removes
+everything it made (no process, node directory, namespace, interface, key file or group is
+left). One Ctrl-C ends ``up`` with exit 130 and one line naming what finishes or undoes it, and
+the next ``up`` picks up where it stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from infractl import proc
+from infractl.access import ROLE_NAMES, group_name
+from infractl.state import ClusterState, ledger
+
+from conftest import Cli, write
+
+pytestmark = pytest.mark.e2e
+
+# How long a phase may take to begin (an apply on a busy machine included).
+_PHASE_TIMEOUT_S = 300
+
+
+def _phase_started(state_dir: Path, log: Path, phase: str) -> bool:
+    """Whether ``up`` (its stderr in ``log``) has begun ``phase``."""
+    said = log.read_text() if log.is_file() else ""
+    if phase == "apply":
+        return "terraform: applying" in said
+    if phase == "rendezvous":
+        return "rendezvous:" in said
+    if phase == "ansible":
+        return "ansible: configuring" in said
+    # The health gate: Ansible reported the health role's first task.
+    events = state_dir / "ansible" / "artifacts"
+    for event in events.glob("*/job_events/*.json") if events.is_dir() else []:
+        try:
+            data = json.loads(event.read_text()).get("event_data", {})
+        except (OSError, ValueError):
+            continue  # being written
+        if data.get("role") == "health":
+            return True
+    return False
+
+
+def _up_until(cli: Cli, config: Path, phase: str, sig: int) -> subprocess.CompletedProcess[str]:
+    """Start ``infractl up``, send ``sig`` once ``phase`` began, and wait for its end."""
+    log = cli.cwd / f"up-{phase}.log"
+    with log.open("w") as stderr:
+        up = subprocess.Popen(
+            [*cli.program, "up", "-c", str(config)], cwd=cli.cwd, env=cli.env(), stdout=subprocess.PIPE,
+            stderr=stderr, text=True,
+            # As from a terminal: a test worker ignores SIGINT, and its children would inherit that.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        deadline = time.monotonic() + _PHASE_TIMEOUT_S
+        state_dir = cli.home / config.stem
+        while not _phase_started(state_dir, log, phase):
+            assert up.poll() is None, f"up ended before {phase}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"up never began {phase} within {_PHASE_TIMEOUT_S}s:\n{log.read_text()}"
+            time.sleep(0.1)
+        up.send_signal(sig)
+        stdout, _ = up.communicate(timeout=_PHASE_TIMEOUT_S)
+    return subprocess.CompletedProcess(up.args, up.returncode, stdout, log.read_text())
+
+
+def _nothing_left(state: ClusterState, provider: str) -> None:
+    assert not state.dir.exists(), sorted(state.dir.iterdir())
+    assert proc.find(state.dir) == []
+    assert not (ledger() / f"{state.short_id}.json").exists()
+    assert [name for name in ROLE_NAMES if proc.group_exists(group_name(state, name))] == []
+    if provider == "netns":
+        listed = subprocess.run(["ip", "-json", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert [n["name"] for n in json.loads(listed or "[]") if state.short_id in n["name"]] == []
+        links = subprocess.run(["ip", "-json", "link"], capture_output=True, text=True, check=True).stdout
+        assert [link["ifname"] for link in json.loads(links) if state.short_id in link["ifname"]] == []
+
+
+@pytest.mark.parametrize(
+    "provider",
+    [
+        pytest.param("local", marks=pytest.mark.xdist_group("interrupted-local")),
+        pytest.param("netns", marks=pytest.mark.xdist_group("interrupted-netns")),
+    ],
+)
+def test_an_up_killed_at_any_phase_is_torn_down_and_an_interrupted_one_resumed(provider: str, tmp_path: Path) -> None:
+    cli = Cli(tmp_path)
+    nodes = 2 if provider == "local" else 1  # a netns node is slower to make: one shows each phase
+    config = write(tmp_path / "halted.yaml", f"name: halted\nprovider: {provider}\nnodes: {nodes}\n")
+    state = ClusterState("halted", cli.home / "halted")
+    for phase in ("apply", "rendezvous", "ansible", "health"):
+        killed = _up_until(cli, config, phase, signal.SIGKILL)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        torn = cli("teardown", "-c", "halted", "--purge", "--yes")
+        assert "its `up` never finished" in torn.stderr, torn.stderr
+        _nothing_left(state, provider)
+
+    # Ctrl-C while Ansible configures: what it started stops, one line says what to run next.
+    interrupted = _up_until(cli, config, "ansible", signal.SIGINT)
+    assert interrupted.returncode == 130, interrupted.stderr
+    last = interrupted.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted: `infractl up -c halted` again picks up"), interrupted.stderr
+    assert "`infractl teardown -c halted`" in last and "Traceback" not in interrupted.stderr
+    assert proc.find(state.dir, node="ansible") == []
+    # The next `up`, as the line says, picks up where it stopped; the cluster is then torn down as any other.
+    assert "cluster 'halted' is up" in cli("up", "-c", "halted", timeout=900).stderr
+    cli("teardown", "-c", "halted", "--purge", "--yes")
+    _nothing_left(state, provider)
