@@ -6,6 +6,7 @@ import contextlib
 import secrets
 import shutil
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,6 +206,10 @@ def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[in
     return applied, provider.provisioned(spec, state, applied)
 
 
+# Set by ``interruptible``'s signal handler; what ``up`` gives Ansible's run as its cancel callback.
+_INTERRUPTED = threading.Event()
+
+
 @contextlib.contextmanager
 def interruptible(state: ClusterState) -> Iterator[None]:
     """Around ``up``: Ctrl-C, a closed terminal (SIGHUP) or SIGTERM stop it between two steps
@@ -213,9 +218,11 @@ def interruptible(state: ClusterState) -> Iterator[None]:
     finishes or undoes the rest. Everything made so far is in the state directory."""
 
     def interrupt(signum: int, frame: object) -> None:
+        _INTERRUPTED.set()  # for Ansible's run, should the exception not reach us through it
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    _INTERRUPTED.clear()
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     except KeyboardInterrupt:
@@ -266,6 +273,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         access=access.node_vars(state, access.load_members(state)),
         image=pulled,
         registry_ca=served.ca if served is not None else None,
+        cancel=_INTERRUPTED.is_set,
     )
     out.info(f"ansible: {configured.changed} task(s) changed")
     if 0 < configured.changed <= _NAMED_CHANGES:

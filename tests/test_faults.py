@@ -164,9 +164,8 @@ def test_settle_waits_a_bounded_time_for_the_save_in_flight(
     checkpointer = Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
     assert checkpointer.settle(0.1) is False  # nothing in flight
     checkpointer.save(1, {"w": torch.zeros(8)}, extra={})
-    started = time.monotonic()
-    assert checkpointer.settle(0.1) is True  # still in its upload delay: skip the next save
-    assert time.monotonic() - started < 0.5
+    # Still in its upload delay after 0.1 s: settle says so instead of waiting the upload out.
+    assert checkpointer.settle(0.1) is True
     assert checkpointer.settle(30) is False
     checkpointer.save(2, {"w": torch.ones(8)}, extra={"reason": "final"})
     checkpointer.close()

@@ -20,7 +20,8 @@ from infractl.state import ClusterState, ledger, owned_ids
 from conftest import Cli, write
 
 # gc --yes tears down every `up` on this machine that never finished: the other tests that leave
-# one for a moment (an `up` killed on purpose, torn down right after) share this group's worker.
+# one for a moment (an `up` killed on purpose, torn down right after: tests/test_interrupted.py,
+# tests/test_aws_emulated.py) share this group's worker.
 pytestmark = pytest.mark.xdist_group("aws-emulated")
 
 _SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,8 +109,25 @@ def test_every_command_and_option_appears(reference: str) -> None:
     assert row(section(reference, "## Commands"), "`--debug`")[1:3] == ["flag", "off"]
 
 
-def test_rendering_twice_gives_the_same_bytes(reference: str) -> None:
-    assert render_reference(typer.main.get_command(app)) == reference
+def test_rendering_gives_the_same_bytes_in_processes_with_different_hash_seeds(reference: str) -> None:
+    # A set or dict order that leaked into the text would differ between two interpreters' hash seeds.
+    script = (
+        "import sys, typer.main; from infractl.cli import app; "
+        "from infractl.handover.reference import render_reference; "
+        "sys.stdout.write(render_reference(typer.main.get_command(app)))"
+    )
+    rendered = [
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    ]
+    assert rendered == [reference, reference]
 
 
 def test_failure_signatures_quote_real_events_and_name_every_runbook(reference: str) -> None:

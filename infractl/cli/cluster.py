@@ -107,13 +107,16 @@ def teardown(
     out.result(asdict(result))
 
 
-def gc(yes: YesOpt = False, json_mode: JsonOpt = False) -> None:
+def gc(
+    yes: bool = typer.Option(False, "--yes", "-y", help="Remove what was found (without it, gc only lists)."),
+    json_mode: JsonOpt = False,
+) -> None:
     """Find what infractl made on this machine that no cluster owns any more (an interrupted `up`,
     a state directory deleted without `teardown`, an interrupted test run) and, with --yes, remove it.
 
-    Lists: clusters whose `up` never finished (torn down as `teardown` would), processes carrying
-    the marker of a cluster that is gone, netns namespaces, interfaces, container run roots and sshd
-    processes, and the access roles' groups. Exit 1 when something could not be removed.
+    Lists: clusters whose `up` never finished (torn down as `teardown` would), processes carrying the
+    marker of a cluster that is gone, netns namespaces, interfaces, container run roots and sshd processes,
+    and the access roles' groups. Exit 1 when something could not be removed.
     """
     out = output(json_mode)
     found = garbage.find()
