@@ -9,6 +9,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
@@ -208,6 +209,8 @@ def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[in
 
 # Set by ``interruptible``'s signal handler; what ``up`` gives Ansible's run as its cancel callback.
 _INTERRUPTED = threading.Event()
+# Set while Ansible runs: the handler then only sets _INTERRUPTED, and the run cancels itself.
+_CANCELLABLE = threading.Event()
 
 
 @contextlib.contextmanager
@@ -218,8 +221,9 @@ def interruptible(state: ClusterState) -> Iterator[None]:
     finishes or undoes the rest. Everything made so far is in the state directory."""
 
     def interrupt(signum: int, frame: object) -> None:
-        _INTERRUPTED.set()  # for Ansible's run, should the exception not reach us through it
-        raise KeyboardInterrupt
+        _INTERRUPTED.set()
+        if not _CANCELLABLE.is_set():  # Ansible's run polls the flag: an exception there is lost in its threads
+            raise KeyboardInterrupt
 
     _INTERRUPTED.clear()
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -234,6 +238,36 @@ def interruptible(state: ClusterState) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _configure(
+    state: ClusterState,
+    spec: ClusterSpec,
+    nodes: NodeControl,
+    rendezvous: tuple[str, int],
+    image: str | None,
+    registry_ca: Path | None,
+) -> configure.ConfigureResult:
+    """Ansible's run of ``up``, cancelled through its callback when ``interruptible`` is told to stop."""
+    members = access.node_vars(state, access.load_members(state))
+    _CANCELLABLE.set()
+    try:
+        configured = configure.configure(
+            state.dir,
+            nodes,
+            runtime=spec.runtime,
+            rendezvous=rendezvous,
+            nonce=secrets.token_hex(4),
+            access=members,
+            image=image,
+            registry_ca=registry_ca,
+            cancel=_INTERRUPTED.is_set,
+        )
+    finally:
+        _CANCELLABLE.clear()
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+    return configured
 
 
 def _roles(nodes: NodeControl, image: str | None) -> str:
@@ -264,17 +298,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     out.info(f"rendezvous: {host}:{port} ({'started' if started else 'already running'})")
 
     out.info(f"ansible: configuring nodes ({_roles(nodes, pulled)})…")
-    configured = configure.configure(
-        state.dir,
-        nodes,
-        runtime=spec.runtime,
-        rendezvous=(host, port),
-        nonce=secrets.token_hex(4),
-        access=access.node_vars(state, access.load_members(state)),
-        image=pulled,
-        registry_ca=served.ca if served is not None else None,
-        cancel=_INTERRUPTED.is_set,
-    )
+    configured = _configure(state, spec, nodes, (host, port), pulled, served.ca if served is not None else None)
     out.info(f"ansible: {configured.changed} task(s) changed")
     if 0 < configured.changed <= _NAMED_CHANGES:
         out.info("ansible: changed " + "; ".join(configured.changed_tasks))
