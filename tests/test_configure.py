@@ -69,11 +69,16 @@ def _vars(state_dir: Path) -> dict[str, Any]:
 @contextlib.contextmanager
 def _access_groups(state_dir: Path) -> Iterator[dict[str, Any]]:
     """``_vars``; the groups the access role creates on this machine are removed afterwards, as
-    `infractl teardown` does."""
+    `infractl teardown` does. Meanwhile the state directory is a started cluster's, as `up` makes
+    it (in the machine's ledger): `infractl gc` leaves its groups alone."""
+    state = ClusterState("test", state_dir)
+    state.start({"name": "test"})
+    state.record_path.write_text("{}")
     try:
         yield _vars(state_dir)
     finally:
-        access.remove_groups(ClusterState("test", state_dir))
+        access.remove_groups(state)
+        state.unlist()
 
 
 def _control(state_dir: Path, nodes: list[Node]) -> NodeControl:
