@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from infractl import access, cluster, proc, providers
 from infractl.errors import InfractlError
 from infractl.output import Output
-from infractl.state import ClusterState, Orphan, ledger, owned_ids, started_clusters
+from infractl.state import ClusterState, Orphan, ledger, started_clusters
 
 __all__ = ["Found", "collect", "find"]
 
@@ -43,7 +43,7 @@ class Found:
 def find() -> Found:
     """Look; change nothing."""
     started = started_clusters()
-    interrupted = [s for s in started if not s.is_up() and s.was_started() and not s.busy()]
+    interrupted = [s for s in started if not s.is_up() and not s.busy()]
     # Processes first: a namespace or group goes more easily once nothing uses it. A process
     # outlives its cluster only when the state directory went without a teardown.
     orphans = [
@@ -51,7 +51,7 @@ def find() -> Found:
         for cluster_dir, process in proc.marked()
         if not cluster_dir.exists()
     ]
-    owned = owned_ids()
+    owned = {s.short_id for s in started}
     for provider in providers.every():
         orphans += provider.orphans(owned)
     orphans += access.stray_groups(owned)

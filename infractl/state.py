@@ -28,7 +28,6 @@ __all__ = [
     "Orphan",
     "known_clusters",
     "ledger",
-    "owned_ids",
     "resolve_cluster",
     "started_clusters",
     "write_private",
@@ -248,11 +247,6 @@ def started_clusters() -> list[ClusterState]:
         if path.is_dir() and re.fullmatch(NAME_PATTERN, path.name):
             found.setdefault(path.resolve(), ClusterState(path.name, path.resolve()))
     return [state for state in found.values() if state.was_started() or state.busy()]
-
-
-def owned_ids() -> set[str]:
-    """The ``short_id`` of every started cluster: what carries one of them in its name is theirs."""
-    return {state.short_id for state in started_clusters()}
 
 
 def known_clusters() -> list[KnownCluster]:

@@ -15,7 +15,7 @@ import pytest
 
 from infractl import proc
 from infractl.config import load_cluster
-from infractl.state import ClusterState, ledger, owned_ids
+from infractl.state import ClusterState, ledger, started_clusters
 
 from conftest import Cli, write
 
@@ -29,7 +29,8 @@ _SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 def _free_id() -> str:
     """A short_id no started cluster has."""
-    while (found := secrets.token_hex(3)) in owned_ids():
+    owned = {state.short_id for state in started_clusters()}
+    while (found := secrets.token_hex(3)) in owned:
         continue
     return found
 
