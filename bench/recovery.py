@@ -12,11 +12,19 @@ recovered from the last committed step, the median and worst restart_s (fault ->
 completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again), and one line per
 other kind.
 
+With ``--chaos N``: a seeded series instead, ``infractl drill chaos --count N --seed S`` against
+one deterministic 2-node run (random kinds, nodes (node-0 included) and moments, each fault
+recovered from and the node back before the next), then the finished run compared with an
+uninterrupted reference run of the same spec. Reports recovered/total, the median and worst
+restart_s, the steps lost, the comparison, and one line per kind.
+
     python bench/recovery.py [--provider local|netns] [--drills 20] [--kinds KIND,...] [--json results.json]
+    python bench/recovery.py [--provider local|netns] --chaos 50 [--seed 1] [--steps N] [--json results.json]
 
 --kinds picks the other kinds (default: all of the provider's; ``none`` for the kill-node series
-alone). The CI smoke test runs ``--drills 1 --kinds store-outage``: every kind is a test of
-its own in tests/test_drill.py and tests/test_netns.py. netns needs root (see the README).
+alone). The CI smoke tests run ``--drills 1 --kinds none`` and ``--chaos 1 --seed 0 --steps 300``
+(seed 0 draws a store outage): every kind is a test of its own in tests/test_drill.py, and a
+10-fault chaos series one in tests/test_netns.py. netns needs root (see the README).
 
 Not a test: it asserts nothing. The numbers depend on the machine and its load.
 """
@@ -24,6 +32,7 @@ Not a test: it asserts nothing. The numbers depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -31,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +64,25 @@ nodes: 2
 # Every command after `up` names the benchmark's cluster.
 _CLUSTER = ("-c", "recovery")
 
+# The chaos series' run: deterministic (the comparison is bitwise where it can be), a step timeout
+# of 8 s (a partition lasts twice that), a restart budget for every fault. It must outlast the
+# series: seed 1's ten faults took about 2,300 steps on this 2-core machine with nothing else
+# running (the run trains between and during faults), so each fault is given 300.
+CHAOS_RUN = """\
+name: chaos
+model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
+data: {{max_bytes: 200000}}
+batch_size: 8
+steps: {steps}
+checkpoint: {{every: 10, keep: 2}}
+nodes: {{min: 1, max: 2}}
+max_restarts: {budget}
+deterministic: true
+watchdog: {{step_timeout_s: 8}}
+"""
+CHAOS_STEPS_PER_FAULT = 300
+CHAOS_STEPS_AFTER = 500
+
 OTHER_KINDS = ("kill-during-checkpoint", "hang-node", "preempt", "store-outage")
 # Link cuts need links: netns only. KIND:LINK picks the partition's --kind.
 LINK_KINDS = ("partition", "partition:drop")
@@ -73,6 +102,25 @@ def _infractl(home: Path, *args: str, timeout: float) -> subprocess.CompletedPro
     if done.returncode not in (0, 1):  # 1: a drill did not recover; still a result to report
         raise SystemExit(f"infractl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return done
+
+
+@contextlib.contextmanager
+def _training(provider: str, run_yaml: str) -> Iterator[Path]:
+    """A fresh 2-node cluster of ``provider`` training ``run_yaml`` (its first checkpoint
+    committed), torn down afterwards; yields the infractl home."""
+    with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
+        home = Path(tmp) / ".infractl"
+        run = Path(tmp) / "run.yaml"
+        run.write_text(run_yaml)
+        cluster = Path(tmp) / "cluster.yaml"
+        cluster.write_text(CLUSTER.format(provider=provider))
+        _infractl(home, "up", "-c", str(cluster), timeout=600)
+        try:
+            _infractl(home, "train", str(run), *_CLUSTER, "--detach", timeout=300)
+            _waited_for_first_commit(home, timeout=300)
+            yield home
+        finally:
+            _infractl(home, "teardown", *_CLUSTER, "--yes", timeout=600)
 
 
 def _waited_for_first_commit(home: Path, timeout: float) -> None:
@@ -143,28 +191,17 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
 
 
 def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="infractl-recovery-") as tmp:
-        home = Path(tmp) / ".infractl"
-        run = Path(tmp) / "run.yaml"
-        # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
-        run.write_text(RUN.format(budget=drills + len(kinds) + 1))
-        cluster = Path(tmp) / "cluster.yaml"
-        cluster.write_text(CLUSTER.format(provider=provider))
-        _infractl(home, "up", "-c", str(cluster), timeout=600)
+    # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
+    with _training(provider, RUN.format(budget=drills + len(kinds) + 1)) as home:
+        started = time.monotonic()
+        series = _kill_node_series(home, drills)
+        elapsed = time.monotonic() - started
+        others: list[dict[str, Any]] = []
+        others_error = None
         try:
-            _infractl(home, "train", str(run), *_CLUSTER, "--detach", timeout=300)
-            _waited_for_first_commit(home, timeout=300)
-            started = time.monotonic()
-            series = _kill_node_series(home, drills)
-            elapsed = time.monotonic() - started
-            others: list[dict[str, Any]] = []
-            others_error = None
-            try:
-                _other_kinds(home, kinds, others)
-            except SystemExit as exc:  # keep the figures so far if a later drill cannot run
-                others_error = str(exc)
-        finally:
-            _infractl(home, "teardown", *_CLUSTER, "--yes", timeout=600)
+            _other_kinds(home, kinds, others)
+        except SystemExit as exc:  # keep the figures so far if a later drill cannot run
+            others_error = str(exc)
     results = series["results"]
     rejoins = [r["rejoin_s"] for r in results if r.get("rejoin_s") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
@@ -206,6 +243,68 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
     }
 
 
+def measure_chaos(provider: str, count: int, seed: int, steps: int) -> dict[str, Any]:
+    """``drill chaos --count COUNT --seed SEED`` against a fresh 2-node run of ``steps``, and its result."""
+    with _training(provider, CHAOS_RUN.format(steps=steps, budget=min(100, count + 2))) as home:
+        started = time.monotonic()
+        series = json.loads(
+            _infractl(
+                home, "drill", "chaos", *_CLUSTER, "--count", str(count), "--seed", str(seed), "--min-gap", "1",
+                "--json", timeout=count * 900 + 3600,
+            ).stdout
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    results = series.pop("results")
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        kinds.setdefault(r["drill"], []).append(r)
+    return {
+        "provider": provider,
+        "steps": steps,
+        "series_s": round(elapsed, 1),
+        "nodes": {node: sum(1 for r in results if (r["node"] or "the store") == node) for node in
+                  sorted({r["node"] or "the store" for r in results})},
+        "per_kind": {
+            kind: {
+                "faults": len(rs),
+                "recovered": sum(1 for r in rs if r["outcome"] == "recovered"),
+                "median_restart_s": _median([r["restart_s"] for r in rs]),
+                "median_rejoin_s": _median([r["rejoin_s"] for r in rs]),
+            }
+            for kind, rs in sorted(kinds.items())
+        },
+        **series,
+    }  # fmt: skip
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def _print_chaos(report: dict[str, Any]) -> None:
+    c = report["comparison"]
+    print(f"provider:                     {report['provider']}")
+    where = ", ".join(f"{node}: {n}" for node, n in report["nodes"].items())
+    label = f"chaos series, seed {report['seed']}:"
+    print(f"{label:<30}{report['recovered']}/{report['count']} faults recovered ({where})")
+    print(f"restart_s median / worst:     {report['median_restart_s']} / {report['worst_restart_s']}")
+    print(f"steps lost, all faults:       {report['lost_steps']}")
+    if report["stopped"]:
+        print(f"stopped:                      {report['stopped']}")
+    if c is not None:
+        weights = "bitwise" if c["weights_bitwise"] else f"relative difference {c['weights_rel_diff']:.1e}"
+        print(
+            f"against the reference run:    {'matches' if c['matches'] else 'DOES NOT MATCH'}: {c['bitwise_steps']} of "
+            f"{c['steps']} steps bitwise (first step on another world size: {c['first_other_world_step']}), "
+            f"largest loss difference {c['max_loss_rel_diff']:.1e}, final weights {weights}"
+        )
+    print(f"series wall time (s):         {report['series_s']} (run of {report['steps']} steps)")
+    for kind, k in report["per_kind"].items():
+        rejoin = f", rejoin_s median {k['median_rejoin_s']}" if k["median_rejoin_s"] is not None else ""
+        print(f"{kind:<24} {k['recovered']}/{k['faults']} recovered, restart_s median {k['median_restart_s']}{rejoin}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--provider", choices=("local", "netns"), default="local", help="default local")
@@ -215,10 +314,29 @@ def main() -> None:
         help=f"the other kinds, one drill each, comma-separated, or none (default {','.join(OTHER_KINDS)}, "
         f"and on netns {','.join(LINK_KINDS)})",
     )
+    parser.add_argument("--chaos", type=int, metavar="N", help="a seeded chaos series of N faults instead")
+    parser.add_argument("--seed", type=int, default=1, help="the chaos series' seed (default 1)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"the chaos run's steps (default {CHAOS_STEPS_AFTER} + {CHAOS_STEPS_PER_FAULT} per fault): it must "
+        "outlast the series",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     if args.drills < 1:
         parser.error("--drills: at least 1")
+    if args.chaos is not None:
+        if not 1 <= args.chaos <= 98:  # max_restarts is at most 100
+            parser.error("--chaos: 1 to 98 faults")
+        steps = args.steps or CHAOS_STEPS_AFTER + CHAOS_STEPS_PER_FAULT * args.chaos
+        if steps < 20:
+            parser.error("--steps: at least 20 (the first checkpoint is at step 10)")
+        chaos = measure_chaos(args.provider, args.chaos, args.seed, steps)
+        _print_chaos(chaos)
+        if args.json:
+            args.json.write_text(json.dumps(chaos, indent=1))
+        return
     known = OTHER_KINDS + (LINK_KINDS if args.provider == "netns" else ())
     kinds = list(known) if args.kinds is None else [k.strip() for k in args.kinds.split(",") if k.strip()]
     kinds = [] if kinds == ["none"] else kinds

@@ -347,6 +347,7 @@ def test_the_bundle_describes_the_roles_and_their_members(team: Team) -> None:
             "arn:aws:s3:::BUCKET/runs/*/metrics/*",
             "arn:aws:s3:::BUCKET/runs/*/tensorboard/*",
             "arn:aws:s3:::BUCKET/runs/*/drills/*",
+            "arn:aws:s3:::BUCKET/runs/*/chaos/*",
         ],
     } in viewer["Statement"]
     readme = files["access/README.md"].decode()

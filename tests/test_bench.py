@@ -42,18 +42,25 @@ def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     assert results["upload"]["ours_mib_s"] > 0 and results["upload"]["ratio"] > 0
 
 
-def test_recovery_benchmark_a_kill_node_series_and_other_kinds(tmp_path: Path) -> None:
-    # One other kind, after node-1 rejoined the world the kill-node drill left without it; every
-    # kind is drilled on its own in tests/test_drill.py.
-    results = _bench(
-        "recovery.py", "--drills", "1", "--kinds", "store-outage", out=tmp_path / "recovery.json", timeout=1500
-    )
+def test_recovery_benchmark_a_kill_node_series(tmp_path: Path) -> None:
+    # Every kind is drilled on its own in tests/test_drill.py, and all of them in a chaos series in
+    # tests/test_netns.py.
+    results = _bench("recovery.py", "--drills", "1", "--kinds", "none", out=tmp_path / "recovery.json", timeout=1500)
     assert results["drills"] == 1 and results["succeeded"] == 1, results
     assert results["median_restart_s"] > 0 and results["median_detect_s"] is not None
-    assert results["other_kinds_error"] is None, results
-    kinds = {r["drill"]: r for r in results["other_kinds"]}
-    assert set(kinds) == {"store-outage"}
-    assert all(r["outcome"] == "recovered" for r in kinds.values()), kinds
+    assert results["other_kinds"] == [] and results["other_kinds_error"] is None, results
+
+
+def test_recovery_benchmark_a_chaos_series(tmp_path: Path) -> None:
+    # Seed 0 draws one store outage on local: the shortest series, with its comparison.
+    results = _bench(
+        "recovery.py", "--chaos", "1", "--seed", "0", "--steps", "300", out=tmp_path / "chaos.json", timeout=1500
+    )
+    assert (results["count"], results["recovered"], results["stopped"], results["passed"]) == (1, 1, None, True)
+    assert results["per_kind"] == {"store-outage": results["per_kind"]["store-outage"]}
+    comparison = results["comparison"]
+    assert comparison["matches"] and comparison["steps"] == 300 and comparison["weights_bitwise"], comparison
+    assert results["series_s"] > 0 and results["nodes"] == {"the store": 1}
 
 
 def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:

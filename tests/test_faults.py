@@ -16,7 +16,7 @@ import psutil
 import pytest
 import structlog
 import torch
-from test_trainer import REPO, ok, start_torchrun, store_of, tiny_spec, torchrun
+from test_trainer import REPO, Agents, Run, ok, start_torchrun, store_of, tiny_spec, torchrun
 
 from infractl.config import CheckpointSpec, WatchdogSpec
 from infractl.runstore import (
@@ -33,6 +33,9 @@ from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
 from trainer.metrics import MetricsWriter
 
 from conftest import wait_for_commit
+
+#: How long torchrun's agent waits for its workers to end after SIGTERM before it SIGKILLs them.
+SIGTERM_GRACE_S = 30
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -100,6 +103,19 @@ def wait_for_step(store: FileStore, run_id: str, *, at_least: int, timeout: floa
 
 
 # -- unit -------------------------------------------------------------------------------------
+
+
+def _wait_for_log(agents: Agents, *wanted: tuple[str, ...], timeout: float) -> None:
+    """Until the running agents' log has, for each tuple of ``wanted``, an event of one of its names
+    (any rank's)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = Run([], agents.text())
+        missing = [names for names in wanted if not any(run.event(n, rank=None) for n in names)]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"no {' or '.join(missing[0])} event within {timeout:g}s"
+        time.sleep(0.2)
 
 
 def test_retry_delays_double_up_to_the_cap_and_stay_within_the_total() -> None:
@@ -201,13 +217,14 @@ def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_t
     wait_for_commit(store, spec.name, at_least=5, timeout=60)
     stopped = time.monotonic()
     os.kill(workers[1], signal.SIGSTOP)
-    time.sleep(1)  # a commit whose files were all uploaded may still land
-    committed_before = latest_committed_step(store, spec.name)
 
     run = agents.finish()
+    # Read once every process is gone: a commit whose files were all uploaded may land after the stop.
+    committed_before = latest_committed_step(store, spec.name)
 
     assert run.returncodes == [-signal.SIGKILL], run.stderr[-4000:]
-    assert time.monotonic() - stopped < 20  # the deadline, not the agent's 30 s SIGTERM grace
+    # The deadline reaped the stopped worker: the agent's SIGTERM grace would have taken 30 s.
+    assert time.monotonic() - stopped < SIGTERM_GRACE_S
     assert still_running(workers, within=10) == []  # nothing left behind
     assert "Timed out waiting 3000ms" in run.stderr  # the peer's collective: half of 6 s
     assert [e["file_timer"] for e in run.event("watchdog_started")] == [True]
@@ -272,7 +289,8 @@ def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
         with pytest.raises(OSError):
             FileStore(root).put_bytes("probe", b"")
         assert not root.exists(), "FileStore must never re-create its vanished root"
-        time.sleep(5)
+        # The outage lasts until training has met it: a save and a metrics write failed.
+        _wait_for_log(agents, ("metrics_write_failed",), ("checkpoint_failed", "checkpoint_skipped"), timeout=120)
     finally:
         away.rename(root)
     run = ok(agents.finish())

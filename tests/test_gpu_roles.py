@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import yaml
 
 from infractl.configure import container_vars, playbook_dir
 from infractl.providers import aws
+
+from conftest import REPO
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpu_facts"
 VENV_BIN = Path(sys.executable).parent
@@ -81,6 +84,27 @@ class Play:
 def _facts(fixture: str) -> dict[str, Any]:
     facts: dict[str, Any] = yaml.safe_load((FIXTURES / f"{fixture}.yml").read_text())
     return facts
+
+
+def _printed_busbw(nccl_tests: str) -> float:
+    """The average bus bandwidth the fixture's nccl-tests output prints."""
+    text = (FIXTURES / f"nccl_tests_{nccl_tests}.txt").read_text()
+    return float(re.search(r"^# Avg bus bandwidth\s*:\s*([0-9.]+)", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def _catalog(instance_type: str) -> dict[str, Any]:
+    """The instance type's entry in infra/aws/instances.json."""
+    entry: dict[str, Any] = json.loads((REPO / "infra" / "aws" / "instances.json").read_text())["instance_types"][
+        instance_type
+    ]
+    return entry
+
+
+def _image_versions(fixture: str) -> tuple[str, str]:
+    """The NCCL and aws-ofi-nccl versions the fixture node's image labels name."""
+    text = (FIXTURES / f"{fixture}.yml").read_text()
+    found = {k: v for k, v in re.findall(r'"org\.infractl\.([a-z-]+)\.version": "([^"]+)"', text)}
+    return found["nccl"], found["aws-ofi-nccl"]
 
 
 def _node(fixture: str | dict[str, Any], index: int, tmp_path: Path) -> dict[str, Any]:
@@ -162,10 +186,11 @@ def test_p5_nodes_pass_with_nccl_over_efa(tmp_path: Path) -> None:
     assert sorted(report) == ["node-0", "node-1"]
     assert report["node-0"] | {"node": "node-1", "rank": 1} == report["node-1"]
     assert report["node-0"]["measured"] is True
-    assert report["node-0"]["busbw_gbps"] == 337.549
-    assert report["node-0"]["busbw_min_gbps"] == 200  # p5.48xlarge's floor in infra/aws/instances.json
-    assert (report["node-0"]["gpus"], report["node-0"]["world"]) == (16, 2)
-    assert (report["node-0"]["nccl"], report["node-0"]["aws_ofi_nccl"]) == ("2.29.7", "1.21.1")
+    # What the sweep printed, the type's floor in the catalog, the versions the image's labels name.
+    assert report["node-0"]["busbw_gbps"] == _printed_busbw("p5")
+    assert report["node-0"]["busbw_min_gbps"] == _catalog("p5.48xlarge")["nccl_min_busbw_gb_per_s"]
+    assert (report["node-0"]["gpus"], report["node-0"]["world"]) == (2 * _catalog("p5.48xlarge")["gpus"], 2)
+    assert (report["node-0"]["nccl"], report["node-0"]["aws_ofi_nccl"]) == _image_versions("p5")
 
 
 def test_g5_nodes_pass_with_nccl_over_tcp_sockets(tmp_path: Path) -> None:
@@ -178,7 +203,9 @@ def test_g5_nodes_pass_with_nccl_over_tcp_sockets(tmp_path: Path) -> None:
     assert env["NCCL_NET"] == "Socket"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ens5"
     report = play.facts("health_report")["node-1"]
-    assert (report["busbw_gbps"], report["busbw_min_gbps"], report["gpus"]) == (3.55, 1.5, 8)
+    g5 = _catalog("g5.12xlarge")
+    assert (report["busbw_gbps"], report["busbw_min_gbps"]) == (_printed_busbw("g5"), g5["nccl_min_busbw_gb_per_s"])
+    assert report["gpus"] == 2 * g5["gpus"]
 
 
 def test_a_missing_efa_device_fails_preflight_naming_it(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ ROLES: tuple[Role, ...] = (
         "viewer",
         "read metrics, logs and status; nothing else",
         ("status", "logs", "metrics"),
-        read=("runs/*/run.json", "runs/*/metrics/*", "runs/*/tensorboard/*", "runs/*/drills/*"),
+        read=("runs/*/run.json", "runs/*/metrics/*", "runs/*/tensorboard/*", "runs/*/drills/*", "runs/*/chaos/*"),
         nodes={".": "--x", "logs": "r-x"},
     ),
     Role(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -9,9 +10,12 @@ from typing import Annotated, Any, Literal
 import typer
 
 from infractl import drill as drills
+from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, finite_option, name_option, output
+from infractl.cluster import store_for
+from infractl.drill import chaos
 from infractl.output import Output
-from infractl.runstore import DrillRecord
+from infractl.runstore import ChaosRecord, DrillRecord
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -142,6 +146,94 @@ def _command(kind: type[drills.Kind]) -> Callable[..., None]:
 
 for _kind in drills.KINDS.values():
     app.command(_kind.name)(_command(_kind))
+
+
+@app.command("chaos")
+def chaos_command(
+    count: Annotated[int, typer.Option("--count", help="Faults in the series.", min=1, max=1000)] = 10,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the series: the same seed strikes the same series.", min=0)
+    ] = 0,
+    kinds: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--kinds", help="Kinds to draw from, comma-separated or repeated. Default: every kind the run can take."
+        ),
+    ] = None,
+    min_gap: Annotated[
+        float,
+        typer.Option(
+            "--min-gap",
+            help="Least seconds between the run being whole again and the next fault (at most twice this).",
+            min=0,
+            max=3600,
+            callback=finite_option,
+        ),
+    ] = 5.0,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            "--reference",
+            callback=name_option,
+            help="A finished uninterrupted run of the same spec to compare with. Default: <run>-reference, trained "
+            "after the series unless the store has it.",
+        ),
+    ] = None,
+    plan_only: Annotated[bool, typer.Option("--plan", help="Print the drawn series and strike nothing.")] = False,
+    run: RunOpt = None,
+    cluster_opt: ClusterOpt = None,
+    timeout: TimeoutOpt = 600.0,
+    json_mode: JsonOpt = False,
+) -> None:
+    """A seeded series of random faults (kind, node, moment) against a running run; each is
+    recovered from before the next. Then the finished run's losses and weights are compared with
+    an uninterrupted reference run: bitwise while the world size never changed, within 1e-5 after."""
+    out = output(json_mode)
+    state, _ = resolve_cluster(cluster_opt)
+    names = [k.strip() for value in kinds or [] for k in value.split(",") if k.strip()]
+    plan = chaos.plan_chaos(
+        state, count=count, seed=seed, kinds=names or None, min_gap=min_gap, run=run, reference=reference
+    )
+    if plan_only:
+        faults = [dataclasses.asdict(f) for f in plan.faults]
+        data = {"run": plan.run_id, "seed": seed, "kinds": plan.kinds, "nodes": plan.nodes, "plan": faults}
+        out.result(data, "\n".join(f"{f.index:>3}  {f.describe()}" for f in plan.faults))
+        return
+    for fault in plan.faults:
+        out.info(f"chaos seed {seed}, fault {fault.index}: {fault.describe()}")
+    record = chaos.run_chaos(state, plan, timeout=timeout, progress=out.info)
+    _report_chaos(out, record, runstore.read_drill_records(store_for(state), record.run_id))
+    if not record.passed:
+        raise typer.Exit(1)
+
+
+def _report_chaos(out: Output, record: ChaosRecord, drills: list[DrillRecord]) -> None:
+    """The series' result: its record and drills as JSON, else a line per drill and the summary."""
+    by_id = {d.drill_id: d for d in drills}
+    drilled = [by_id[i] for i in record.drill_ids if i in by_id]
+    if out.json_mode:
+        out.result(record.to_dict() | {"results": [d.to_dict() for d in drilled]})
+        return
+    for result in drilled:
+        out.info(_line(result))
+    (out.success if record.passed else out.warn)(_chaos_line(record))
+
+
+def _chaos_line(r: ChaosRecord) -> str:
+    line = (
+        f"chaos {r.series_id} on run {r.run_id!r}: {r.recovered}/{r.count} faults recovered; restart_s median "
+        f"{_s(r.median_restart_s)}, worst {_s(r.worst_restart_s)}; {r.lost_steps} step(s) lost"
+    )
+    if r.stopped is not None:
+        return f"{line}; stopped: {r.stopped}"
+    c = r.comparison or {}
+    exact = f"{c['bitwise_steps']} of {c['steps']} steps bitwise"
+    weights = "weights bitwise" if c["weights_bitwise"] else f"weights within {c['weights_rel_diff']:.1e}"
+    verdict = "matches" if c["matches"] else "does NOT match"
+    return (
+        f"{line}; {verdict} reference run {c['reference']!r}: {exact}, largest loss difference "
+        f"{c['max_loss_rel_diff']:.1e}, {weights}"
+    )
 
 
 def register(parent: typer.Typer) -> None:

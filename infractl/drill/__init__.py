@@ -6,8 +6,10 @@ operator could watch: the nodes' processes and the run's objects in the store (s
 ``runs/<run>/drills/<drill-id>.json``.
 
 Rooms: ``kind`` (what a fault kind is, and the registry), ``kinds/`` (one file per kind),
-``recovery`` (watching and measuring), ``run`` (one drill), ``series`` (``--repeat N``). Adding a
-kind is one new file in ``kinds/``, its own command-line options included (``Kind.options``).
+``recovery`` (watching and measuring), ``run`` (one drill), ``series`` (``--repeat N``), ``chaos``
+(a seeded series of random kinds, nodes and moments) and ``compare`` (its run against an
+uninterrupted reference run). Adding a kind is one new file in ``kinds/``, its own command-line
+options included (``Kind.options``); a chaos series draws it from then on.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from infractl.config import RunSpec
 from infractl.drill import recovery
 from infractl.errors import UsageError
 from infractl.proc import NodeProcess
@@ -98,6 +99,11 @@ class Kind:
     options: ClassVar[tuple[KindOption, ...]] = ()
     #: How long a timed fault lasts unless ``--seconds`` says otherwise.
     seconds: ClassVar[float] = 10.0
+
+    @classmethod
+    def series_seconds(cls, spec: RunSpec) -> float:
+        """How long a timed fault of a chaos series lasts against a run of ``spec``."""
+        return cls.seconds
 
     def prepare(self, drill: Drill) -> None:
         """Before the fault: validate and look up whatever the fault needs (may wait)."""

@@ -17,7 +17,7 @@ from infractl.runstore import DrillRecord
 from infractl.state import ClusterState
 from infractl.store import Store
 
-__all__ = ["Series", "run_series"]
+__all__ = ["Series", "drill_whole_again", "run_series", "whole_again"]
 
 
 @dataclass
@@ -75,7 +75,7 @@ def run_series(
     for i in range(repeat):
         last = i == repeat - 1
         progress(f"drill {i + 1}/{repeat}")
-        record = run_drill(
+        record = drill_whole_again(
             state,
             kind_name,
             node=target.node,
@@ -83,19 +83,55 @@ def run_series(
             seconds=seconds,
             timeout=timeout,
             wait_finish=last and wait_finish,
+            rejoin=not last,
             progress=progress,
             options=options,
         )
         series.results.append(record)
-        if record.outcome != "recovered":
+        if not whole_again(record):
             break
-        if kind.node_leaves and not kind.rejoins and not last:
-            store = store_for(state)
-            _rejoin(state, store, record, timeout=timeout, progress=progress)
-            runstore.write_drill_record(store, record)
-            if record.rejoin_s is None:
-                break
     return series
+
+
+def drill_whole_again(
+    state: ClusterState,
+    kind_name: str,
+    *,
+    node: str | None,
+    run: str,
+    seconds: float,
+    timeout: float,
+    wait_finish: bool,
+    rejoin: bool,
+    progress: Progress,
+    options: dict[str, Any] | None,
+) -> DrillRecord:
+    """One drill of a series (``run_drill``); with ``rejoin``, a node the fault removed (and the
+    kind does not bring back itself) rejoins afterwards and the drill's record gets its
+    ``rejoin_s``. ``whole_again`` says whether the run is then fit for the next fault."""
+    kind = kind_named(kind_name)
+    record = run_drill(
+        state,
+        kind_name,
+        node=node,
+        run=run,
+        seconds=seconds,
+        timeout=timeout,
+        wait_finish=wait_finish,
+        progress=progress,
+        options=options,
+    )
+    if record.outcome == "recovered" and rejoin and kind.node_leaves and not kind.rejoins:
+        store = store_for(state)
+        _rejoin(state, store, record, timeout=timeout, progress=progress)
+        runstore.write_drill_record(store, record)
+    return record
+
+
+def whole_again(record: DrillRecord) -> bool:
+    """Whether the run recovered from the drill with every node it had at the fault."""
+    kind = kind_named(record.drill)
+    return record.outcome == "recovered" and (not kind.node_leaves or record.rejoin_s is not None)
 
 
 def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: float, progress: Progress) -> None:

@@ -1,8 +1,9 @@
 """The bundle's baseline/: what normal looks like, so the team can tell a regression from noise.
 
 Per run: step time, tokens/s, the step-time split and peak memory (medians over the steps of its
-latest attempt), its drills (``runs/<run>/drills/``), and the loss and validation-loss curves;
-from the newest ``infractl bench`` of the cluster, the scaling figures and plots. JSON plus PNG."""
+latest attempt), its drills (``runs/<run>/drills/``) and chaos series (``runs/<run>/chaos/``), and
+the loss and validation-loss curves; from the newest ``infractl bench`` of the cluster, the scaling
+figures and plots. JSON plus PNG."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def run_baseline(store: Store, record: RunRecord, records: list[StepRecord]) -> 
         "final_loss": records[-1]["loss"] if records else None,
         "val_loss": [[r["step"], r["val_loss"]] for r in records if "val_loss" in r],
         "drills": [d.to_dict() for d in runstore.read_drill_records(store, record.run_id)],
+        "chaos": [c.to_dict() for c in runstore.read_chaos_records(store, record.run_id)],
     }
 
 

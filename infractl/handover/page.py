@@ -42,6 +42,7 @@ _SPLIT = {
     "optimizer_s": "optimizer",
     "checkpoint_blocking_s": "checkpoint (blocking)",
 }
+_CHAOS_HEADERS = ("run", "seed", "recovered", "median restart", "worst restart", "steps lost", "against the reference")
 _DRILL_HEADERS = ("run", "drill", "node", "outcome", "detected", "restarted", "steps lost", "world after")
 _BENCH_HEADERS = ("nodes", "ranks", "global batch", "step time", "tokens/s", "speedup", "efficiency", "idle cause")
 
@@ -165,6 +166,7 @@ def _baselines(files: Mapping[str, bytes], run_ids: list[str]) -> str:
         [_row(_code(run), *(_seconds(f["median_split_s"].get(key)) for key in _SPLIT)) for run, f in figures.items()],
     )
     drills = [_drill_row(run, d) for run, f in figures.items() for d in f["drills"]]
+    chaos = [_chaos_row(run, c) for run, f in figures.items() for c in f.get("chaos", [])]
     plots = [
         _figure(f"baseline/{run}-loss.png", f"Run {run}: training and validation loss against the step.")
         for run in figures
@@ -175,6 +177,7 @@ def _baselines(files: Mapping[str, bytes], run_ids: list[str]) -> str:
         + "<h3>Where a step's time goes (medians)</h3>"
         + split
         + ("<h3>Fault drills</h3>" + _table(_DRILL_HEADERS, drills) if drills else "")
+        + ("<h3>Chaos series</h3>" + _table(_CHAOS_HEADERS, chaos) if chaos else "")
         + f'<div class="plots">{"".join(plots)}</div>'
     )
 
@@ -213,6 +216,27 @@ def _drill_row(run: str, drill: dict[str, Any]) -> str:
         _seconds(drill["restart_s"]),
         _number(drill["lost_work_steps"], "d"),
         _number(drill["world_size_after"], "d"),
+    )
+
+
+def _chaos_row(run: str, series: dict[str, Any]) -> str:
+    comparison = series["comparison"]
+    if comparison is None:
+        against = escape(f"not compared: {series['stopped']}" if series["stopped"] else "not compared")
+    else:
+        verdict = "matches" if comparison["matches"] else "does not match"
+        against = escape(
+            f"{verdict} {comparison['reference']}: {comparison['bitwise_steps']}/{comparison['steps']} steps bitwise, "
+            f"largest loss difference {comparison['max_loss_rel_diff']:.1e}"
+        )
+    return _row(
+        _code(run),
+        _number(series["seed"], "d"),
+        f"{series['recovered']}/{series['count']}",
+        _seconds(series["median_restart_s"]),
+        _seconds(series["worst_restart_s"]),
+        _number(series["lost_steps"], "d"),
+        against,
     )
 
 

@@ -16,6 +16,8 @@ Layout (``<store>/runs/<run-id>/``)::
                                       environment fingerprint, save timings)
     ckpt/step-<N>/COMMITTED           written last and create-only
     drills/<drill-id>.json            DrillRecord: one fault drill and its measured recovery
+    chaos/<series-id>.json            ChaosRecord: a seeded series of random faults (its drills are
+                                      in drills/) and the finished run against a reference run
     profiles/request.json             ProfileRequest: `infractl profile` asks every rank to trace steps
     profiles/<first>-<last>/rank-<r>.pt.trace.json.gz
                                       rank r's torch.profiler trace of those steps (gzipped Chrome
@@ -56,6 +58,7 @@ from infractl.runstore.commit import (
 from infractl.runstore.layout import (
     PREFIXES,
     bench_prefix,
+    chaos_key,
     checkpoint_prefix,
     drill_key,
     export_record_key,
@@ -66,12 +69,14 @@ from infractl.runstore.layout import (
     profile_prefix,
     profile_trace_key,
     profile_traces,
+    read_chaos_records,
     read_drill_records,
     read_export_records,
     read_metrics,
     read_profile_request,
     read_run_record,
     run_prefix,
+    write_chaos_record,
     write_drill_record,
     write_metrics,
     write_profile_request,
@@ -79,6 +84,7 @@ from infractl.runstore.layout import (
 )
 from infractl.runstore.records import (
     Attempt,
+    ChaosRecord,
     DrillRecord,
     Manifest,
     ManifestEntry,
@@ -92,6 +98,7 @@ from infractl.runstore.records import (
 
 __all__ = [
     "Attempt",
+    "ChaosRecord",
     "CheckpointError",
     "DrillRecord",
     "Manifest",
@@ -103,6 +110,7 @@ __all__ = [
     "SaveReason",
     "StepRecord",
     "bench_prefix",
+    "chaos_key",
     "checkpoint_prefix",
     "commit_checkpoint",
     "committed_steps",
@@ -119,6 +127,7 @@ __all__ = [
     "profile_trace_key",
     "profile_traces",
     "prune_checkpoints",
+    "read_chaos_records",
     "read_drill_records",
     "read_export_records",
     "read_manifest",
@@ -129,6 +138,7 @@ __all__ = [
     "starts_a_process",
     "step_objects",
     "verify_checkpoint",
+    "write_chaos_record",
     "write_drill_record",
     "write_metrics",
     "write_profile_request",

@@ -11,12 +11,13 @@ from dataclasses import asdict
 from typing import Any
 
 from infractl.errors import StoreError
-from infractl.runstore.records import DrillRecord, ProfileRequest, RunRecord, StepRecord
+from infractl.runstore.records import ChaosRecord, DrillRecord, ProfileRequest, RunRecord, StepRecord
 from infractl.store import ObjectInfo, Store, StoreKeyError
 
 __all__ = [
     "PREFIXES",
     "bench_prefix",
+    "chaos_key",
     "checkpoint_prefix",
     "drill_key",
     "export_record_key",
@@ -27,12 +28,14 @@ __all__ = [
     "profile_prefix",
     "profile_trace_key",
     "profile_traces",
+    "read_chaos_records",
     "read_drill_records",
     "read_export_records",
     "read_metrics",
     "read_profile_request",
     "read_run_record",
     "run_prefix",
+    "write_chaos_record",
     "write_drill_record",
     "write_metrics",
     "write_profile_request",
@@ -175,11 +178,29 @@ def write_drill_record(store: Store, record: DrillRecord) -> None:
 
 def read_drill_records(store: Store, run_id: str) -> list[DrillRecord]:
     """Every drill of the run, oldest first."""
-    records = []
-    for obj in store.list(f"{run_prefix(run_id)}/drills/"):
-        if obj.key.endswith(".json"):
-            records.append(DrillRecord.from_dict(_parse_json(store, obj.key, store.get_bytes(obj.key))))
+    records = [DrillRecord.from_dict(raw) for raw in _json_objects(store, f"{run_prefix(run_id)}/drills/")]
     return sorted(records, key=lambda r: r.fault_time)
+
+
+def _json_objects(store: Store, prefix: str) -> list[Any]:
+    """The JSON of every ``.json`` object under ``prefix``."""
+    return [
+        _parse_json(store, obj.key, store.get_bytes(obj.key)) for obj in store.list(prefix) if obj.key.endswith(".json")
+    ]
+
+
+def chaos_key(run_id: str, series_id: str) -> str:
+    return f"{run_prefix(run_id)}/chaos/{series_id}.json"
+
+
+def write_chaos_record(store: Store, record: ChaosRecord) -> None:
+    store.put_bytes(chaos_key(record.run_id, record.series_id), json.dumps(record.to_dict(), indent=1).encode())
+
+
+def read_chaos_records(store: Store, run_id: str) -> list[ChaosRecord]:
+    """Every chaos series of the run, oldest first."""
+    records = [ChaosRecord.from_dict(raw) for raw in _json_objects(store, f"{run_prefix(run_id)}/chaos/")]
+    return sorted(records, key=lambda r: r.started)
 
 
 def profile_prefix(run_id: str, first: int, last: int) -> str:

@@ -13,6 +13,7 @@ from typing import Any, NotRequired, TypedDict, TypeVar
 
 __all__ = [
     "Attempt",
+    "ChaosRecord",
     "DrillRecord",
     "Manifest",
     "ManifestEntry",
@@ -182,6 +183,44 @@ class DrillRecord:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DrillRecord:
+        return _from_dict(cls, raw)
+
+
+@dataclass
+class ChaosRecord:
+    """``chaos/<series-id>.json``: a seeded series of random faults against one run (``infractl
+    drill chaos``): what was drawn, how the run recovered from each fault (its drills are in
+    ``drills/``), and how the finished run compared with an uninterrupted reference run."""
+
+    series_id: str
+    run_id: str
+    cluster: str
+    seed: int
+    count: int
+    kinds: list[str]  # the kinds the series drew from
+    min_gap_s: float
+    plan: list[dict[str, Any]]  # the drawn faults, in order: what the seed replays
+    started: float
+    drill_ids: list[str] = field(default_factory=list)  # the faults struck, in order
+    recovered: int = 0
+    median_restart_s: float | None = None
+    worst_restart_s: float | None = None
+    lost_steps: int = 0  # steps trained but not kept, over every fault
+    stopped: str | None = None  # why the series ended before its count, if it did
+    comparison: dict[str, Any] | None = None  # the finished run against the reference (drill/compare.py)
+    finished: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """Every fault struck and recovered, and the result matches the reference."""
+        matches = self.comparison is not None and bool(self.comparison.get("matches"))
+        return self.stopped is None and self.recovered == self.count and matches
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": self.passed}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ChaosRecord:
         return _from_dict(cls, raw)
 
 

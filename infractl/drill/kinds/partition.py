@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from infractl import launcher, runstore
+from infractl.config import RunSpec
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, KindOption, register
 from infractl.errors import InfractlError, UsageError
@@ -59,6 +60,12 @@ class Partition(Kind):
             maximum=60_000,
         ),
     )
+
+    @classmethod
+    def series_seconds(cls, spec: RunSpec) -> float:
+        """Twice the step timeout: the collectives across the cut time out at half of it, so the run
+        has surely noticed before the link is back (a shorter cut may only stall a step)."""
+        return 2.0 * spec.watchdog.step_timeout_s
 
     def __init__(self) -> None:
         self._node = ""
