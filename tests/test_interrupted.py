@@ -2,7 +2,8 @@
 runs, during Ansible, during the health gate), on local and on netns: ``teardown`` removes
 everything it made (no process, node directory, namespace, interface, key file or group is
 left). One Ctrl-C ends ``up`` with exit 130 and one line naming what finishes or undoes it, and
-the next ``up`` picks up where it stopped."""
+the next ``up`` picks up where it stopped. A ``teardown`` killed while it destroys the nodes is
+run again and finishes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,21 +54,29 @@ def _phase_started(state_dir: Path, log: Path, phase: str) -> bool:
 
 def _up_until(cli: Cli, config: Path, phase: str, sig: int) -> subprocess.CompletedProcess[str]:
     """Start ``infractl up``, send ``sig`` once ``phase`` began, and wait for its end."""
-    log = cli.cwd / f"up-{phase}.log"
+    state_dir = cli.home / config.stem
+    return _until(cli, ("up", "-c", str(config)), phase, lambda log: _phase_started(state_dir, log, phase), sig)
+
+
+def _until(
+    cli: Cli, args: tuple[str, ...], phase: str, began: Callable[[Path], bool], sig: int
+) -> subprocess.CompletedProcess[str]:
+    """Start ``infractl ARGS``, send ``sig`` once ``began(its stderr's file)``, and wait for its end."""
+    log = cli.cwd / f"{args[0]}-{phase}.log"
     with log.open("w") as stderr:
-        up = subprocess.Popen(
-            [*cli.program, "up", "-c", str(config)], cwd=cli.cwd, env=cli.env(), stdout=subprocess.PIPE,
-            stderr=stderr, text=True,
-        )  # fmt: skip
+        command = subprocess.Popen(
+            [*cli.program, *args], cwd=cli.cwd, env=cli.env(), stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
         deadline = time.monotonic() + _PHASE_TIMEOUT_S
-        state_dir = cli.home / config.stem
-        while not _phase_started(state_dir, log, phase):
-            assert up.poll() is None, f"up ended before {phase}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"up never began {phase} within {_PHASE_TIMEOUT_S}s:\n{log.read_text()}"
+        while not began(log):
+            assert command.poll() is None, f"{args[0]} ended before {phase}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, (
+                f"{args[0]} never began {phase} within {_PHASE_TIMEOUT_S}s:\n{log.read_text()}"
+            )
             time.sleep(0.1)
-        up.send_signal(sig)
-        stdout, _ = up.communicate(timeout=_PHASE_TIMEOUT_S)
-    return subprocess.CompletedProcess(up.args, up.returncode, stdout, log.read_text())
+        command.send_signal(sig)
+        stdout, _ = command.communicate(timeout=_PHASE_TIMEOUT_S)
+    return subprocess.CompletedProcess(command.args, command.returncode, stdout, log.read_text())
 
 
 def _nothing_left(state: ClusterState, provider: str) -> None:
@@ -103,5 +113,11 @@ def test_an_up_killed_at_any_phase_is_torn_down_and_an_interrupted_one_resumed(p
     assert proc.find(state.dir, node="ansible") == []
     # The next `up`, as the line says, picks up where it stopped; the cluster is then torn down as any other.
     assert "cluster 'halted' is up" in cli("up", "-c", "halted", timeout=900).stderr
+    # A teardown killed while Terraform destroys the nodes is run again, and finishes the job.
+    destroying = _until(
+        cli, ("teardown", "-c", "halted", "--purge", "--yes"), "destroy",
+        lambda log: "terraform: destroying" in (log.read_text() if log.is_file() else ""), signal.SIGKILL,
+    )  # fmt: skip
+    assert destroying.returncode == -signal.SIGKILL, destroying.stderr
     cli("teardown", "-c", "halted", "--purge", "--yes")
     _nothing_left(state, provider)
