@@ -8,6 +8,9 @@ in its marker (processes, a netns node's sshd) for as long as the directory exis
 lists its state directory in this machine's ledger (``state.ledger``) before it makes anything,
 so a cluster under any state root is known. An ``up`` that never finished (intent, no record,
 nobody holding its lock) is torn down as ``teardown`` would; everything else is deleted directly.
+
+A cloud account is not this machine: given a cluster.yaml, gc also asks its provider what the
+account holds of clusters whose state is gone from everywhere (``Provider.account_orphans``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import functools
 from dataclasses import dataclass, field
 
 from infractl import access, cluster, proc, providers
+from infractl.config import ClusterSpec
 from infractl.errors import InfractlError
 from infractl.output import Output
 from infractl.state import ClusterState, Orphan, ledger, started_clusters
@@ -40,8 +44,9 @@ class Found:
         }
 
 
-def find() -> Found:
-    """Look; change nothing."""
+def find(account: ClusterSpec | None = None) -> Found:
+    """Look; change nothing. With ``account`` (a cluster.yaml), also in its provider's account
+    (``Provider.account_orphans``: on aws, the clusters of its region whose state is gone)."""
     started = started_clusters()
     interrupted = [s for s in started if not s.is_up() and not s.busy()]
     # Processes first: a namespace or group goes more easily once nothing uses it. A process
@@ -55,6 +60,8 @@ def find() -> Found:
     for provider in providers.every():
         orphans += provider.orphans(owned)
     orphans += access.stray_groups(owned)
+    if account is not None:
+        orphans += providers.get(account.provider).account_orphans(account)
     return Found(interrupted, orphans)
 
 

@@ -1,5 +1,6 @@
 """``infractl gc``: what no cluster owns any more, planted here one of each kind, is listed without
-being touched, then removed with --yes; what a started cluster owns is never listed."""
+being touched, then removed with --yes; what a started cluster owns is never listed. In a cloud
+account (``--account``, on moto): the clusters whose Terraform state is gone, and no other."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from infractl import proc
 from infractl.config import load_cluster
 from infractl.state import ClusterState, ledger, started_clusters
 
-from conftest import Cli, write
+from conftest import REPO, Cli, new_bucket_name, s3_client, write
 
 # gc --yes tears down every `up` on this machine that never finished: the other tests that leave
 # one for a moment (an `up` killed on purpose, torn down right after: tests/test_interrupted.py,
@@ -143,3 +144,42 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     assert not runroot.exists() and _mounted(runroot) == []
     again = json.loads(cli("gc", "--json").stdout)
     assert not expected & {(o["kind"], o["name"]) for o in again["orphans"]}, again
+
+
+def test_account_gc_takes_the_aws_clusters_whose_state_is_gone_and_no_other(tmp_path: Path, s3_server: str) -> None:
+    """On moto: a VPC tagged for each of three clusters: ``lost`` (no Terraform state in the state
+    bucket), ``kept`` (its state is there: a controller somewhere manages it) and ``making`` (only
+    the state's lock: an `up` is applying now). gc --account lists and removes ``lost`` alone."""
+    import boto3
+    import yaml
+
+    from infractl.providers import aws
+
+    bucket = new_bucket_name()
+    s3 = s3_client(s3_server)
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="infractl/kept/terraform.tfstate", Body=b"{}")
+    s3.put_object(Bucket=bucket, Key="infractl/making/terraform.tfstate.tflock", Body=b"{}")
+    config = yaml.safe_load((REPO / "examples" / "aws" / "cluster.yaml").read_text())
+    config["aws"] |= {"state_bucket": bucket, "endpoint_url": s3_server, "region": "us-east-1"}
+    account = write(tmp_path / "account.yaml", yaml.safe_dump(config))
+    ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1")
+    vpcs = {
+        name: ec2.create_vpc(
+            CidrBlock=f"10.{97 - i}.0.0/16",
+            TagSpecifications=[{"ResourceType": "vpc", "Tags": [{"Key": aws.CLUSTER_TAG, "Value": name}]}],
+        )["Vpc"]["VpcId"]
+        for i, name in enumerate(("lost", "kept", "making"))
+    }
+    cli = Cli(tmp_path)
+
+    listed = json.loads(cli("gc", "--account", str(account), "--json").stdout)
+    ours = [o for o in listed["orphans"] if o["kind"] == "aws cluster"]
+    assert [o["name"] for o in ours] == [f"lost in us-east-1 (no Terraform state): vpc {vpcs['lost']}"], listed
+    assert {v["VpcId"] for v in ec2.describe_vpcs(VpcIds=list(vpcs.values()))["Vpcs"]} == set(vpcs.values())
+
+    cli("gc", "--account", str(account), "--yes")
+    left = {v["VpcId"] for v in ec2.describe_vpcs()["Vpcs"]}
+    assert vpcs["lost"] not in left and {vpcs["kept"], vpcs["making"]} <= left
+    again = json.loads(cli("gc", "--account", str(account), "--json").stdout)
+    assert [o for o in again["orphans"] if o["kind"] == "aws cluster"] == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -16,7 +17,7 @@ from rich.text import Text
 from infractl import cluster, providers, runs, runstore
 from infractl import gc as garbage
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
-from infractl.config import RunSpec, default_cluster
+from infractl.config import RunSpec, default_cluster, load_cluster
 from infractl.errors import InfractlError, StateError, StoreError
 from infractl.handover import runbooks
 from infractl.launcher import node_log
@@ -109,6 +110,13 @@ def teardown(
 
 def gc(
     yes: bool = typer.Option(False, "--yes", "-y", help="Remove what was found (without it, gc only lists)."),
+    account: str | None = typer.Option(
+        None,
+        "--account",
+        metavar="CLUSTER.yaml",
+        help="Also look in the cloud account and region this cluster.yaml names (aws: tagged resources of "
+        "clusters with no Terraform state in its aws.state_bucket).",
+    ),
     json_mode: JsonOpt = False,
 ) -> None:
     """Find what infractl made on this machine that no cluster owns any more (an interrupted `up`,
@@ -116,10 +124,11 @@ def gc(
 
     Lists: clusters whose `up` never finished (torn down as `teardown` would), processes carrying the
     marker of a cluster that is gone, netns namespaces, interfaces, container run roots and sshd processes,
-    and the access roles' groups. Exit 1 when something could not be removed.
+    and the access roles' groups; with --account, what the cloud account holds of clusters whose state is
+    gone. Exit 1 when something could not be removed.
     """
     out = output(json_mode)
-    found = garbage.find()
+    found = garbage.find(load_cluster(Path(account)) if account is not None else None)
     lines = [f"cluster {s.name!r} at {s.dir}: its `up` never finished" for s in found.interrupted]
     lines += [f"{o.kind} {o.name}" for o in found.orphans]
     if not yes:

@@ -50,7 +50,7 @@ from infractl.providers.base import (
     register,
 )
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
-from infractl.state import ClusterState, write_private
+from infractl.state import ClusterState, Orphan, write_private
 
 __all__ = [
     "Aws",
@@ -658,6 +658,51 @@ def _iam_leaks(iam: Any, cluster: str) -> list[str]:
     return found
 
 
+def _tagged_clusters(settings: AwsSpec) -> set[str]:
+    """The clusters the account holds anything of in the region: the values of ``CLUSTER_TAG`` on
+    its resources, and the cluster names in the IAM paths (``/infractl/<cluster>/``) of its roles."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    tagging = boto3.client("resourcegroupstaggingapi", region_name=settings.region, endpoint_url=settings.endpoint_url)
+    iam = boto3.client("iam", region_name=settings.region, endpoint_url=settings.endpoint_url)
+    try:
+        names = {
+            tag["Value"]
+            for page in tagging.get_paginator("get_resources").paginate(TagFilters=[{"Key": CLUSTER_TAG}])
+            for mapping in page["ResourceTagMappingList"]
+            for tag in mapping["Tags"]
+            if tag["Key"] == CLUSTER_TAG
+        }
+        for page in iam.get_paginator("list_roles").paginate(PathPrefix="/infractl/"):
+            names |= {role["Path"].split("/")[2] for role in page["Roles"] if role["Path"].count("/") == 3}
+    except (BotoCoreError, ClientError) as exc:
+        raise InfraError(f"could not list the clusters tagged {CLUSTER_TAG} in {settings.region}: {exc}") from None
+    return names
+
+
+def _reap_orphan(cluster: str, settings: AwsSpec) -> None:
+    reap(cluster, settings.region, endpoint_url=settings.endpoint_url)
+
+
+def _has_state(settings: AwsSpec, cluster: str) -> bool:
+    """Whether ``aws.state_bucket`` holds the cluster's Terraform state or its lock."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s3 = boto3.client("s3", region_name=settings.region, endpoint_url=settings.endpoint_url)
+    for key in (_state_key(cluster), f"{_state_key(cluster)}.tflock"):
+        try:
+            s3.head_object(Bucket=settings.state_bucket, Key=key)
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                raise InfraError(f"could not read {key} in the state bucket {settings.state_bucket}: {exc}") from None
+        except BotoCoreError as exc:
+            raise InfraError(f"could not read the state bucket {settings.state_bucket}: {exc}") from None
+    return False
+
+
 def _state_key(cluster: str) -> str:
     """Where the cluster's Terraform state lives in ``aws.state_bucket`` (its lock file: ``<key>.tflock``)."""
     return f"infractl/{cluster}/terraform.tfstate"
@@ -1215,6 +1260,29 @@ class Aws(Provider):
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""
         settings = record["spec"][self.name]
         return sweep(record["name"], settings["region"], endpoint_url=settings.get("endpoint_url"))
+
+    def account_orphans(self, spec: ClusterSpec) -> list[Orphan]:
+        """In the account and region of ``spec``'s aws section: every cluster that holds tagged
+        resources (or IAM roles under its path) with neither a Terraform state nor its lock in
+        ``aws.state_bucket``. Its state is what says a cluster exists, for every controller that
+        manages one (this machine's ledger knows this machine's clusters only), and an ``up``
+        holds the lock from the start of its apply: a cluster being made now is never taken."""
+        settings = spec.settings(AwsSpec)
+        assert settings is not None
+        found = []
+        for name in sorted(_tagged_clusters(settings)):
+            if _has_state(settings, name):
+                continue
+            held = sweep(name, settings.region, endpoint_url=settings.endpoint_url)
+            if held:  # only terminated instances left: nothing costs money or blocks anything
+                found.append(
+                    Orphan(
+                        "aws cluster",
+                        f"{name} in {settings.region} (no Terraform state): {', '.join(held)}",
+                        functools.partial(_reap_orphan, name, settings),
+                    )
+                )
+        return found
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         provisioned = _Provisioned.load(state)

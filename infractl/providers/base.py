@@ -151,6 +151,12 @@ class Provider(ABC):
         directory's. Nothing where it makes nothing outside the state directory."""
         return []
 
+    def account_orphans(self, spec: ClusterSpec) -> list[Orphan]:
+        """What the provider's account holds, where ``spec`` points (its account and region), of
+        clusters whose state is gone from everywhere, not just from this machine. Nothing for a
+        provider whose clusters live on this machine alone."""
+        return []
+
 
 _PROVIDERS: dict[str, Provider] = {}
 
