@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch.distributed as dist
 import yaml
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, settings
 
 from infractl import proc, providers, runstore
 from infractl.cli import main
-from infractl.state import ClusterState
+from infractl.state import ClusterState, started_clusters
 from infractl.store import Store
 
 from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
@@ -43,17 +44,47 @@ settings.register_profile("long", max_examples=3000, **_PROPERTY_SETTINGS)
 settings.load_profile("ci")
 
 
+#: In each test session's base temporary directory (``pytest-N``): the pid of the process that runs
+#: the session (xdist's controller), so the next session can tell whether it is still going.
+_SESSION_PID = "session.pid"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the base temporary directory's factory
 def pytest_configure(config: pytest.Config) -> None:
-    """Before any test (once, in the process that starts the workers): ``infractl gc --yes``, so
+    """Before any test (once, in the process that starts the workers): clusters an earlier session
+    left up are torn down (it was killed before its fixtures could), then ``infractl gc --yes``, so
     what an interrupted earlier run left on this machine (clusters whose state directory is gone,
-    an `up` that never finished) cannot break this one. What it could not remove is printed."""
+    an `up` that never finished) cannot break this one. What could not be removed is printed."""
     if hasattr(config, "workerinput"):
         return
+    # pytest's factory of the base temporary directory: the only handle on it before any test.
+    base = config._tmp_path_factory.getbasetemp()
+    _reap_earlier_sessions(base.parent)
+    (base / _SESSION_PID).write_text(str(os.getpid()))
     done = subprocess.run(
         [sys.executable, "-m", "infractl", "gc", "--yes"], capture_output=True, text=True, timeout=600, check=False
     )
     if done.returncode != 0:
         sys.stderr.write(f"infractl gc --yes before the tests failed:\n{done.stderr}")
+
+
+def _reap_earlier_sessions(sessions: Path) -> None:
+    """Tear down every started cluster under ``sessions`` (``pytest-of-<user>``) whose session's
+    process is gone: a session killed midway leaves its module clusters up (namespaces, sshds, a
+    run still training), and their state directories still exist, so gc sees them as owned."""
+    for state in started_clusters():
+        if not state.dir.is_relative_to(sessions):
+            continue
+        pid_file = sessions / state.dir.relative_to(sessions).parts[0] / _SESSION_PID
+        if not pid_file.is_file() or psutil.pid_exists(int(pid_file.read_text() or 0)):
+            continue  # a session of an older checkout (no pid), or one still running
+        done = subprocess.run(
+            [sys.executable, "-m", "infractl", "teardown", "-c", state.name, "--purge", "--yes"],
+            env=os.environ | {"INFRACTL_HOME": str(state.dir.parent)},
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            sys.stderr.write(f"the cluster {state.dir} an earlier test session left up:\n{done.stderr}")
 
 
 @dataclass
