@@ -7,6 +7,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
-from infractl.errors import ConfigError, InfractlError, Interrupted, UsageError
+from infractl.errors import ConfigError, InfractlError, InfraError, Interrupted, UsageError
 from infractl.image import registry
 from infractl.output import Output
 from infractl.providers.base import NodeControl, ServerHost
@@ -39,6 +40,8 @@ RENDEZVOUS_NODE = "rendezvous"
 _REGISTRY = "docker-registry"
 # In the state directory once `terraform destroy` succeeded: a teardown run again only looks for leftovers.
 _DESTROYED = "destroyed"
+#: Seconds before each new try of a failed ``terraform destroy`` (then the failure stands).
+DESTROY_RETRY_S = (5.0, 20.0)
 # `up` names the changed tasks when there are this few (a re-run that should change nothing did).
 _NAMED_CHANGES = 4
 
@@ -366,7 +369,16 @@ def _destroy(
     for line in provider.before_destroy(state, record, purge=purge):
         out.info(line)
     out.info("terraform: destroying nodes…")
-    infra.destroy(state.terraform_dir)
+    for wait in (*DESTROY_RETRY_S, None):
+        try:
+            infra.destroy(state.terraform_dir)
+            return
+        except InfraError as exc:
+            if wait is None:
+                raise
+            # A destroy is idempotent: an API that throttled, a device still busy a moment, go again.
+            out.warn(f"terraform: destroy failed ({exc.message}); trying again in {wait:g}s")
+            time.sleep(wait)
 
 
 def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult:

@@ -7,11 +7,13 @@ run again and finishes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -119,5 +121,44 @@ def test_an_up_killed_at_any_phase_is_torn_down_and_an_interrupted_one_resumed(p
         lambda log: "terraform: destroying" in (log.read_text() if log.is_file() else ""), signal.SIGKILL,
     )  # fmt: skip
     assert destroying.returncode == -signal.SIGKILL, destroying.stderr
-    cli("teardown", "-c", "halted", "--purge", "--yes")
+    # Another process holds the Terraform state's lock (as a second terraform would) until the destroy
+    # failed on it: teardown tries again, and finishes.
+    log = cli.cwd / "teardown-locked.log"
+    locked = _state_locked(state.terraform_dir / "terraform.tfstate", until=log, says="terraform: destroy failed")
+    with locked, log.open("w") as stderr:
+        again = subprocess.run(
+            [*cli.program, "teardown", "-c", "halted", "--purge", "--yes"], cwd=cli.cwd, env=cli.env(),
+            stdout=subprocess.DEVNULL, stderr=stderr, timeout=_PHASE_TIMEOUT_S,
+        )  # fmt: skip
+    said = log.read_text()
+    assert again.returncode == 0 and "trying again in 5s" in said, said
     _nothing_left(state, provider)
+
+
+@contextlib.contextmanager
+def _state_locked(path: Path, *, until: Path, says: str) -> Iterator[None]:
+    """A child process holds ``path``'s lock (the fcntl lock Terraform's local state takes) until
+    the file ``until`` says ``says`` (within the phase timeout); waits for the child at the end."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(path), str(until), says, str(_PHASE_TIMEOUT_S)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    try:
+        yield
+    finally:
+        assert holder.wait(timeout=_PHASE_TIMEOUT_S) == 0, f"nothing said {says!r}"
+
+
+_HOLD_LOCK = """
+import fcntl, pathlib, sys, time
+state, until, says, timeout = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+deadline = time.monotonic() + timeout
+with open(state, "r+") as held:
+    fcntl.lockf(held, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    while says not in (until.read_text() if until.is_file() else ""):
+        if time.monotonic() > deadline:
+            sys.exit(1)
+        time.sleep(0.1)
+"""
