@@ -7,6 +7,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +48,8 @@ settings.load_profile("ci")
 #: In each test session's base temporary directory (``pytest-N``): the pid of the process that runs
 #: the session (xdist's controller), so the next session can tell whether it is still going.
 _SESSION_PID = "session.pid"
+#: The environment variable that names a process's session (its base temporary directory).
+_SESSION_ENV = "INFRACTL_TEST_SESSION"
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which makes the base temporary directory's factory
@@ -61,6 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
     base = config._tmp_path_factory.getbasetemp()
     _reap_earlier_sessions(base.parent)
     (base / _SESSION_PID).write_text(str(os.getpid()))
+    # Every process the session starts inherits it (workers, moto servers, torchrun agents, CLIs).
+    os.environ[_SESSION_ENV] = str(base)
     done = subprocess.run(
         [sys.executable, "-m", "infractl", "gc", "--yes"], capture_output=True, text=True, timeout=600, check=False
     )
@@ -68,23 +73,42 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.stderr.write(f"infractl gc --yes before the tests failed:\n{done.stderr}")
 
 
+def _ended(session: Path) -> bool:
+    """Whether the test session of base temporary directory ``session`` recorded its pid and is
+    gone (a session of an older checkout recorded none: it is left alone)."""
+    pid_file = session / _SESSION_PID
+    return pid_file.is_file() and not psutil.pid_exists(int(pid_file.read_text() or 0))
+
+
 def _reap_earlier_sessions(sessions: Path) -> None:
-    """Tear down every started cluster under ``sessions`` (``pytest-of-<user>``) whose session's
-    process is gone: a session killed midway leaves its module clusters up (namespaces, sshds, a
-    run still training), and their state directories still exist, so gc sees them as owned."""
+    """What a session killed midway left under ``sessions`` (``pytest-of-<user>``): its module
+    clusters still up (namespaces, sshds, a run still training: their state directories still
+    exist, so gc sees them as owned) are torn down, then its other processes (moto servers,
+    torchrun agents it started itself) are killed."""
     for state in started_clusters():
         if not state.dir.is_relative_to(sessions):
             continue
-        pid_file = sessions / state.dir.relative_to(sessions).parts[0] / _SESSION_PID
-        if not pid_file.is_file() or psutil.pid_exists(int(pid_file.read_text() or 0)):
-            continue  # a session of an older checkout (no pid), or one still running
+        if not _ended(sessions / state.dir.relative_to(sessions).parts[0]):
+            continue
         done = subprocess.run(
-            [sys.executable, "-m", "infractl", "teardown", "-c", state.name, "--purge", "--yes"],
+            [sys.executable, "-m", "infractl", "teardown", "-c", state.name, "--yes"],
             env=os.environ | {"INFRACTL_HOME": str(state.dir.parent)},
             capture_output=True, text=True, timeout=900, check=False,
         )  # fmt: skip
         if done.returncode != 0:
+            # Its cloud was an emulation that died with the session (tests/awsemu.py), or its store a
+            # moto server: nothing outside this machine to leak. Its state goes, so gc forgets it.
             sys.stderr.write(f"the cluster {state.dir} an earlier test session left up:\n{done.stderr}")
+            shutil.rmtree(state.dir, ignore_errors=True)
+    left = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            session = process.environ().get(_SESSION_ENV)
+            if session and Path(session).is_relative_to(sessions) and _ended(Path(session)):
+                left.append(process)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()  # by PID
 
 
 @dataclass
