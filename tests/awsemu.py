@@ -307,7 +307,8 @@ def _private_folders(folder: Path) -> dict[str, Path]:
     disk, store, etc = folder / "mnt", folder / "containers", folder / "etc"
     disk.mkdir(exist_ok=True)
     store.mkdir(exist_ok=True)
-    shutil.copytree("/etc", etc, symlinks=True, dirs_exist_ok=True)
+    if not etc.is_dir():  # a host made again in its folder (a retried start) keeps its /etc, as its disk would
+        shutil.copytree("/etc", etc, symlinks=True)
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
     nproc = _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC)
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
