@@ -121,7 +121,10 @@ def drill_whole_again(
         progress=progress,
         options=options,
     )
-    if record.outcome == "recovered" and rejoin and kind.node_leaves and not kind.rejoins:
+    # A node that left the world (a kill, a preemption, or a hang whose watchdog took its agent
+    # down too) rejoins; a kind that brings its node back itself does so.
+    shrunk = _shrunk(record)
+    if record.outcome == "recovered" and rejoin and record.node is not None and shrunk and not kind.rejoins:
         store = store_for(state)
         _rejoin(state, store, record, timeout=timeout, progress=progress)
         runstore.write_drill_record(store, record)
@@ -130,17 +133,23 @@ def drill_whole_again(
 
 def whole_again(record: DrillRecord) -> bool:
     """Whether the run recovered from the drill with every node it had at the fault."""
-    kind = kind_named(record.drill)
-    return record.outcome == "recovered" and (not kind.node_leaves or record.rejoin_s is not None)
+    return record.outcome == "recovered" and (not _shrunk(record) or record.rejoin_s is not None)
+
+
+def _shrunk(record: DrillRecord) -> bool:
+    """Whether the run resumed on fewer ranks than it had at the fault (a fault of the store: no)."""
+    after, before = record.world_size_after, record.world_size_at_fault
+    return after is not None and before is not None and after < before
 
 
 def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: float, progress: Progress) -> None:
     """Bring the drill's node back and wait until a step runs on the whole world again."""
     assert record.node is not None
     nodes = providers.control(state)
-    nodes.wait_gone(node=record.node, run=record.run_id, timeout=recovery.GONE_TIMEOUT_S)
+    alive = nodes.wait_gone(node=record.node, run=record.run_id, timeout=recovery.GONE_TIMEOUT_S)
     started = time.time()
-    launcher.rejoin(state, record.node, run=record.run_id)
+    if not alive:  # else its agent lives on and joins the next rendezvous by itself
+        launcher.rejoin(state, record.node, run=record.run_id)
     deadline = time.monotonic() + timeout
     with nodes.watch(record.run_id) as watch:
         while time.monotonic() < deadline:
