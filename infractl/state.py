@@ -105,12 +105,19 @@ class ClusterState:
         return self.is_up() or self.intent_path.is_file()
 
     def start(self, intent: dict[str, Any]) -> None:
-        """Before ``up`` makes anything: what it is about to make (``read_intent``), and the state
-        directory in this machine's ``ledger``."""
-        write_private(self.intent_path, json.dumps(intent))
+        """Before ``up`` makes anything: the state directory in this machine's ``ledger`` (refused
+        when the ledger cannot be written: gc could not find what the ``up`` makes), then what it
+        is about to make (``read_intent``)."""
         entry = ledger() / f"{self.short_id}.json"
         if not entry.is_file():
-            write_private(entry, json.dumps({"name": self.name, "dir": str(self.dir.resolve())}))
+            try:
+                write_private(entry, json.dumps({"name": self.name, "dir": str(self.dir.resolve())}))
+            except OSError as exc:
+                raise StateError(
+                    f"cannot list the cluster in {ledger()} ({exc.strerror or exc}), where gc finds what "
+                    "every `up` made: make it writable; nothing was made"
+                ) from None
+        write_private(self.intent_path, json.dumps(intent))
 
     def unlist(self) -> None:
         """After ``teardown``: nothing of the cluster is left for the ledger to own."""

@@ -21,6 +21,7 @@ mypy
 # 3 workers on CI's 2 cores: an end-to-end test spends much of its time waiting (on a fault's
 # timeout, a rendezvous, a poll), and 2 workers left a third of the CPU idle (36 minutes of tests;
 # 3 workers: 29). 4 overload it: recoveries slow down past the drills' fault windows (a 12 s
-# partition ended before the survivors restarted). The slowest tests are listed at the end, to
-# keep the suite inside CI's 35 minutes.
+# partition ended before the survivors restarted). Every worker stays busy to the end, so the suite
+# takes its whole work over 3: the slowest tests are listed at the end, to keep it inside CI's 45
+# minutes.
 exec python -m pytest -n 3 --dist loadgroup --durations=15 "$@"

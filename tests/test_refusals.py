@@ -79,6 +79,22 @@ def test_refusal_inside_the_lock_removes_the_cluster_directory_the_lock_made(
     assert [p.name for p in state.dir.iterdir()] == ["lock"] and (state.dir / "lock").read_bytes() == b""
 
 
+def test_an_up_that_cannot_list_its_cluster_in_the_ledger_is_refused_before_it_makes_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from infractl import state as state_module
+    from infractl.errors import StateError
+    from infractl.state import ClusterState
+
+    blocker = write(tmp_path / "a-file", "not a directory\n")
+    monkeypatch.setattr(state_module, "ledger", lambda: blocker / "clusters")
+    state = ClusterState("c5", tmp_path / ".infractl" / "c5")
+    with pytest.raises(StateError) as refused, state.lock("up"):
+        state.start({"name": "c5"})
+    assert f"cannot list the cluster in {blocker / 'clusters'} (Not a directory)" in str(refused.value)
+    assert not (tmp_path / ".infractl").exists()
+
+
 # --- more of the same class -------------------------------------------------------------------
 
 
