@@ -50,7 +50,16 @@ import yaml
 
 from s3server import AWS_TEST_ENV, moto_server
 
-__all__ = ["STATE_BUCKET", "VPC_CIDR", "EmulatedAws", "cluster_config", "emulated_aws", "terraform_mirror"]
+__all__ = [
+    "NETWORK_RECORD",
+    "STATE_BUCKET",
+    "VPC_CIDR",
+    "EmulatedAws",
+    "cluster_config",
+    "emulated_aws",
+    "remove_network",
+    "terraform_mirror",
+]
 
 #: The emulation's default VPC, and the bucket it makes for the clusters' Terraform state.
 VPC_CIDR = "10.77.0.0/16"
@@ -63,6 +72,9 @@ _IMDS_TOKEN = "emulated-imds-token"
 _IMDS_ROLE = "infractl-node"
 # The file in a host's folder that holds its planted spot interruption notice.
 _SPOT_NOTICE = "spot-instance-action.json"
+#: In an emulation's folder while its network exists: the bridge's name, so that what a killed
+#: emulation left can be removed later (``remove_network``; tests/conftest.py, for ended sessions).
+NETWORK_RECORD = "network.json"
 # The most processes a container may have that runc accepted on this machine (as infractl's netns provider).
 _MAX_NPROC = 32768
 #: Where the machine image keeps the Terraform provider mirror (REFERENCES.md), unless set.
@@ -109,12 +121,22 @@ class EmulatedAws:
     # -- the VPC's link ------------------------------------------------------------------------
 
     def open_network(self) -> None:
+        """The VPC's bridge. Refused while another link routes into the VPC: this machine's replies
+        to the hosts would leave on that link, and no host would reach the endpoint."""
+        routed = _links_routing(self.network)
+        if routed:
+            raise RuntimeError(
+                f"{self.network} is already routed on this machine (via {', '.join(routed)}): another emulation "
+                "is up, or a killed one left its bridge (remove_network removes it, given that one's folder)"
+            )
+        (self.folder / NETWORK_RECORD).write_text(json.dumps({"bridge": self.bridge}))
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.router}/{self.network.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
 
     def close_network(self) -> None:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        (self.folder / NETWORK_RECORD).unlink(missing_ok=True)
 
     def client(self, service: str) -> Any:
         return boto3.client(service, endpoint_url=self.endpoint, region_name=AWS_TEST_ENV["AWS_DEFAULT_REGION"])
@@ -262,15 +284,9 @@ class EmulatedAws:
         return int(pid_file.read_text().strip())
 
     def _remove(self, host: _Host) -> None:
-        listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True, check=False)
-        for pid in {int(p) for p in listed.stdout.split()} | ({host.sshd_pid} if host.sshd_pid else set()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
         if host.public_ip:
             subprocess.run(["ip", "route", "del", f"{host.public_ip}/32"], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True, check=False)
+        _remove_namespace(host.namespace, {host.sshd_pid} if host.sshd_pid else set())
 
     def watch(self, interval: float = 0.5) -> threading.Thread:
         """Sync in a thread until ``stop``."""
@@ -293,10 +309,7 @@ class EmulatedAws:
             for host in self.hosts.values():
                 self._remove(host)
             self.hosts.clear()
-            listed = subprocess.run(["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False)
-            for entry in json.loads(listed.stdout or "[]"):
-                if entry["name"].startswith(f"ixe{self.id}-"):
-                    self._remove(_Host("", entry["name"], "", "", None, self.folder, None))
+            _remove_namespaces(f"{self.bridge}-")
 
 
 def _private_folders(folder: Path) -> dict[str, Path]:
@@ -428,6 +441,50 @@ def _cloud_config(user_data: str) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def remove_network(folder: Path) -> None:
+    """What an emulation whose process was killed left in ``folder``'s name (its ``NETWORK_RECORD``):
+    its hosts' namespaces, their processes killed by PID, and its bridge with the routes through it."""
+    record = folder / NETWORK_RECORD
+    if not record.is_file():
+        return
+    bridge = json.loads(record.read_text())["bridge"]
+    _remove_namespaces(f"{bridge}-")
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+    record.unlink()
+
+
+def _remove_namespaces(prefix: str) -> None:
+    listed = subprocess.run(["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False)
+    for entry in json.loads(listed.stdout or "[]"):
+        if entry["name"].startswith(prefix):
+            _remove_namespace(entry["name"], set())
+
+
+def _remove_namespace(namespace: str, pids: set[int]) -> None:
+    """Kill what runs in ``namespace`` (and ``pids``), then remove it. Its link goes first: a process
+    that escaped the kill would keep the namespace, and its address on the VPC's link, alive."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    for pid in {int(p) for p in listed.stdout.split()} | pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    subprocess.run(["ip", "-n", namespace, "link", "del", "eth0"], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
+def _links_routing(network: ipaddress.IPv4Network) -> list[str]:
+    """The links of this machine's routes into ``network`` (the default route aside)."""
+    listed = subprocess.run(["ip", "-json", "route", "show"], capture_output=True, text=True, check=True)
+    return sorted(
+        {
+            route.get("dev", "?")
+            for route in json.loads(listed.stdout or "[]")
+            if route["dst"] != "default" and ipaddress.IPv4Network(route["dst"], strict=False).overlaps(network)
+        }
+    )
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -439,6 +496,7 @@ def emulated_aws(folder: Path, vpc_cidr: str) -> Iterator[EmulatedAws]:
     """An emulated AWS whose VPC is ``vpc_cidr`` (the cluster's ``aws.vpc_cidr``), its files in
     ``folder``; everything it made is gone when the block ends."""
     folder.mkdir(parents=True, exist_ok=True)
+    remove_network(folder)  # what an emulation killed in this folder left
     emulation = EmulatedAws(folder, vpc_cidr)
     emulation.open_network()
     watcher = None

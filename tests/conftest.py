@@ -29,6 +29,7 @@ from infractl.cli import main
 from infractl.state import ClusterState, started_clusters
 from infractl.store import Store
 
+from awsemu import NETWORK_RECORD, remove_network
 from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,7 +85,8 @@ def _reap_earlier_sessions(sessions: Path) -> None:
     """What a session killed midway left under ``sessions`` (``pytest-of-<user>``): its module
     clusters still up (namespaces, sshds, a run still training: their state directories still
     exist, so gc sees them as owned) are torn down, then its other processes (moto servers,
-    torchrun agents it started itself) are killed."""
+    torchrun agents it started itself) are killed, and its emulated AWS networks removed (a second
+    bridge routing the emulation's VPC would take this session's replies to its hosts)."""
     for state in started_clusters():
         if not state.dir.is_relative_to(sessions):
             continue
@@ -109,6 +111,10 @@ def _reap_earlier_sessions(sessions: Path) -> None:
     for process in left:
         with contextlib.suppress(psutil.Error):
             process.kill()  # by PID
+    for session in sessions.iterdir():
+        if session.is_dir() and _ended(session):
+            for record in [*session.glob(f"*/{NETWORK_RECORD}"), *session.glob(f"*/*/{NETWORK_RECORD}")]:
+                remove_network(record.parent)
 
 
 @dataclass

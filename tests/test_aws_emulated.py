@@ -28,7 +28,7 @@ from infractl.providers import aws
 from infractl.state import ClusterState
 from infractl.store import open_store
 
-from awsemu import STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws
+from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
 from conftest import REPO, BuiltImage, Cli, wait_for_commit, write
 
 # One emulated VPC at a time on this machine: the module's tests share one worker.
@@ -337,7 +337,8 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
 
         # A partition the instance makes itself (iptables; its SSH port spared, so the drill can
         # undo it): main-0 goes on alone, and main-1 comes back into the run once its link is.
-        cut = DRILLED_RUN.replace("name: drilled", "name: cut").replace("steps: 400", "steps: 100000")
+        paced = "steps: 100000\nmin_step_s: 0.2"  # stopped below: paced, it spares the CPU meanwhile
+        cut = DRILLED_RUN.replace("name: drilled", "name: cut").replace("steps: 400", paced)
         cli("train", str(write(cli.cwd / "cut.yaml", cut)), "-c", name, "--detach")
         wait_for_commit(store, "cut", at_least=10, timeout=300)
         refused = cli("drill", "partition", "-c", name, "--node", "main-1", "--kind", "down", expect=2).stderr
@@ -468,3 +469,31 @@ def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(
     done = cli("teardown", "-c", name, "--yes", "--purge")
     assert "its `up` never finished" in done.stderr and "released the state lock" in done.stderr, done.stderr
     _nothing_left(emulation, cli, name)
+
+
+def test_a_second_network_for_a_routed_vpc_is_refused_until_the_left_one_is_removed(tmp_path: Path) -> None:
+    """A killed emulation's bridge keeps routing its VPC, and this machine's replies to a new
+    emulation's hosts would leave through it (every host's connection to the endpoint timed out):
+    a new emulation of that VPC is refused, naming the bridge, until ``remove_network`` (what the
+    test session runs for ended sessions) removes it, its hosts' namespaces and all."""
+    cidr = "10.78.0.0/24"
+    left = EmulatedAws(tmp_path / "killed", cidr)
+    left.folder.mkdir()
+    left.open_network()
+    host = f"{left.bridge}-0"
+    subprocess.run(["ip", "netns", "add", host], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{left.bridge}h0", "type", "veth", "peer", "name", "eth0", "netns", host], check=True
+    )
+    subprocess.run(["ip", "link", "set", f"{left.bridge}h0", "master", left.bridge], check=True)
+    new = EmulatedAws(tmp_path / "new", cidr)
+    new.folder.mkdir()
+    with pytest.raises(RuntimeError, match=f"{cidr} is already routed on this machine \\(via {left.bridge}\\)"):
+        new.open_network()
+    remove_network(left.folder)
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert left.bridge not in links and host not in namespaces and not (left.folder / NETWORK_RECORD).exists()
+    new.open_network()
+    new.close_network()
+    assert new.bridge not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True, check=True).stdout

@@ -26,6 +26,7 @@ model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
 data: {{max_bytes: 200000}}
 batch_size: 8
 steps: {steps}
+min_step_s: {pace}
 checkpoint: {{every: 10, keep: 2}}
 parallel: {{dp: auto, tp: 1}}
 nodes: {{min: 1, max: 2}}
@@ -50,11 +51,18 @@ def cluster(shared: Cli) -> Iterator[Cli]:
 
 
 def start(
-    cli: Cli, name: str, *, steps: int = 300, env: dict[str, str] | None = None, committed: bool = True
+    cli: Cli,
+    name: str,
+    *,
+    steps: int = 300,
+    pace: float = 0.0,
+    env: dict[str, str] | None = None,
+    committed: bool = True,
 ) -> FileStore:
-    """Start run ``name`` detached on the module's cluster; return its store once step 10 committed
-    (at once, without ``committed``)."""
-    run = write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps))
+    """Start run ``name`` detached on the module's cluster (``pace``: its ``min_step_s``, for a run
+    the test stops: it spares the CPU); return its store once step 10 committed (at once, without
+    ``committed``)."""
+    run = write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps, pace=pace))
     cli("train", str(run), "--detach", env=env)
     store = FileStore(cli.home / "local" / "store")
     if committed:
@@ -83,7 +91,7 @@ def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     refused = cluster("drill", "kill-node", expect=2)
     assert "no run is running on cluster 'local'" in refused.stderr
     # Still going when node-0 rejoins; the fixture stops it (the other drills wait for their runs' end).
-    store = start(cluster, "kill0", steps=100_000)
+    store = start(cluster, "kill0", steps=100_000, pace=0.2)
     refused = cluster("drill", "kill-node", "--node", "node-7", expect=2)
     assert "--node: no node 'node-7' in cluster 'local'" in refused.stderr
     refused = cluster("drill", "store-outage", "--node", "node-0", expect=2)
@@ -126,7 +134,7 @@ def test_kill_node_1_twice_with_a_rejoin_between(cluster: Cli) -> None:
 
 @pytest.mark.xdist_group("drill")
 def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cli) -> None:
-    store = start(cluster, "budget", steps=100_000)
+    store = start(cluster, "budget", steps=100_000, pace=0.2)
     assert "NODE: node 'node-1' is already running run 'budget'" in cluster("rejoin", "node-1", expect=2).stderr
     assert "NODE: no node 'node-9' in cluster 'local'" in cluster("rejoin", "node-9", expect=2).stderr
     # The budget lives in the run record in the store, not in any process: a node that already
@@ -192,7 +200,7 @@ def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> No
 
 def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cli, s3_store_uri: str) -> None:
     cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
-    run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=200))
+    run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=200, pace=0))
     store = open_store(s3_store_uri)
     cli("up", "-c", str(cluster))
     cli("train", str(run), "-c", "s3c", "--detach")

@@ -211,6 +211,7 @@ class Trainer:
         spec = self.spec
         first = True
         while self.progress.step < spec.steps:
+            began = time.monotonic()
             step = self.progress.step + 1
             final = step == spec.steps
             preempted = 0
@@ -237,6 +238,9 @@ class Trainer:
             if first:
                 self._warmed_up()
                 first = False
+            elif spec.min_step_s and not final:
+                # Outside the watchdog's step: the wait is the run's pace, not a step that hangs.
+                time.sleep(max(0.0, began + spec.min_step_s - time.monotonic()))
             if final:
                 self.profiler.finish()  # the trace ends before the final checkpoint's wait for its commit
                 self.saves.final(step, record)
@@ -254,7 +258,7 @@ class Trainer:
         if self._bound_checked or len(records) < 2:
             return
         self._bound_checked = True
-        step_s = sorted(r["step_time_s"] for r in records)[len(records) // 2]
+        step_s = max(sorted(r["step_time_s"] for r in records)[len(records) // 2], self.spec.min_step_s)
         bound_s = self.spec.log_every * step_s
         if bound_s > self.spec.preemption.grace_s / 2 and self.env.rank == 0:
             log.warning(

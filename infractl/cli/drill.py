@@ -175,8 +175,8 @@ def chaos_command(
         typer.Option(
             "--reference",
             callback=name_option,
-            help="A finished uninterrupted run of the same spec to compare with. Default: <run>-reference, trained "
-            "after the series unless the store has it.",
+            help="A finished uninterrupted run of the same spec (its pace, min_step_s, aside) to compare with. "
+            "Default: <run>-reference, trained after the series without the pace unless the store has it.",
         ),
     ] = None,
     plan_only: Annotated[bool, typer.Option("--plan", help="Print the drawn series and strike nothing.")] = False,

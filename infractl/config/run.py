@@ -333,6 +333,16 @@ class RunSpec(Spec):
             "notice is acted on at the next such step, so N x step time must stay well inside preemption.grace_s."
         ),
     )
+    min_step_s: float = Field(
+        0,
+        ge=0,
+        le=10,
+        description=(
+            "The least time a step takes: each rank waits out the rest after the step (0: never waits). For "
+            "rehearsals: a drill or chaos series on a small run keeps it training through the series at little "
+            "CPU. The metrics still record each step's own time."
+        ),
+    )
     parallel: ParallelSpec = Field(
         default_factory=ParallelSpec,
         description=(

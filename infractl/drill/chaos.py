@@ -12,9 +12,9 @@ same series: ``--plan`` prints it without striking, and the record keeps it.
 ``drills/``); a node the fault removed rejoins, and the next fault waits until the run is whole
 again and ``delay_s`` has passed. The series stops at the first fault the run does not recover
 from. Then it waits for the run to finish, trains the reference (``<run>-reference``: the same
-spec, uninterrupted, on the same cluster; reused when the store has it finished) unless one is
-given, and compares the two (``compare``). The series is recorded in ``chaos/<series-id>.json``
-from the start, updated after every fault.
+spec without its pace, ``min_step_s``, uninterrupted, on the same cluster; reused when the store
+has it finished) unless one is given, and compares the two (``compare``). The series is
+recorded in ``chaos/<series-id>.json`` from the start, updated after every fault.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ _LINKS = ("down", "drop")
 #: The kind that strikes the store, not a node: it costs the run no restart.
 _NO_RESTART = "store-outage"
 _REFERENCE_SUFFIX = "-reference"
+# What a reference run may differ in from the run it stands for: it trains the same weights.
+_UNTRAINED = {"name", "min_step_s"}
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ def _reference(state: ClusterState, store: Store, spec: RunSpec, progress: Progr
     """The uninterrupted reference run of ``spec``: ``<run>-reference``, reused when the store has
     it finished, else trained now on the cluster."""
     source = Path(store.location(f"{runstore.run_prefix(spec.name)}/run.json"))
-    reference = derive_run(spec, source, suffix=_REFERENCE_SUFFIX)
+    reference = derive_run(spec, source, suffix=_REFERENCE_SUFFIX, min_step_s=0)  # the pace trains nothing
     try:
         _check_reference(store, reference.name, spec)
         progress(f"chaos: reference run {reference.name!r} is in the store")
@@ -278,11 +280,12 @@ def _reference(state: ClusterState, store: Store, spec: RunSpec, progress: Progr
 
 
 def _check_reference(store: Store, reference: str, spec: RunSpec) -> None:
-    """``StateError`` unless ``reference`` is a finished, uninterrupted run of ``spec`` but its name."""
+    """``StateError`` unless ``reference`` is a finished, uninterrupted run of ``spec`` but its name
+    and pace."""
     record = runstore.read_run_record(store, reference)
     if record is None or record.spec is None:
         raise StateError(f"no run {reference!r} in the store {store.uri}", field="--reference")
-    if _spec(record.spec, reference).model_dump(exclude={"name"}) != spec.model_dump(exclude={"name"}):
+    if _spec(record.spec, reference).model_dump(exclude=_UNTRAINED) != spec.model_dump(exclude=_UNTRAINED):
         raise StateError(f"run {reference!r} has another spec than run {spec.name!r}", field="--reference")
     last = runstore.latest_committed_step(store, reference) or 0
     restarted = any(r["restart_count"] for r in runstore.read_metrics(store, reference))
