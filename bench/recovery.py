@@ -9,8 +9,9 @@ kill-during-checkpoint, hang-node, preempt and store-outage (and on netns: parti
 down, and partition:drop, its packets dropped, each for 20 s), with ``infractl rejoin node-1``
 after each that removed the node; then ``infractl teardown``. Reports how many kill-node drills
 recovered from the last committed step, the median and worst restart_s (fault -> first step
-completed after resume) and rejoin_s (rejoin -> first step on 2 nodes again), and one line per
-other kind.
+completed after resume), the median of each of its phases (detect, stop, rendezvous, startup,
+load, first_step: infractl/drill/recovery.py), rejoin_s (rejoin -> first step on 2 nodes again),
+and one line per other kind.
 
 With ``--chaos N``: a seeded series instead, ``infractl drill chaos --count N --seed S`` against
 one deterministic 2-node run (random kinds, nodes (node-0 included) and moments, each fault
@@ -185,6 +186,7 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
         "succeeded": int(recovered),
         "median_restart_s": out["restart_s"],
         "worst_restart_s": out["restart_s"],
+        "median_phases": out["phases"],
         "results": [out],
     }
 
@@ -212,6 +214,7 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
         "median_restart_s": series["median_restart_s"],
         "worst_restart_s": series["worst_restart_s"],
         "median_detect_s": round(statistics.median(detects), 3) if detects else None,
+        "median_phases": series["median_phases"],
         "median_rejoin_s": round(statistics.median(rejoins), 3) if rejoins else None,
         "median_lost_work_steps": statistics.median(
             [r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None] or [0]
@@ -227,6 +230,7 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
                     "resumed_correctly",
                     "detect_s",
                     "restart_s",
+                    "phases",
                     "resumed_from_step",
                     "lost_work_steps",
                     "world_size_after",
@@ -274,6 +278,11 @@ def measure_chaos(provider: str, count: int, seed: int, steps: int) -> dict[str,
         },
         **series,
     }  # fmt: skip
+
+
+def _phase_line(phases: dict[str, float | None]) -> str:
+    """``detect 0.26 | stop 0.01 | ...``: a restart's phases in order (infractl/drill/recovery.py)."""
+    return " | ".join(f"{name} {seconds}" for name, seconds in phases.items()) or "none measured"
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -349,6 +358,7 @@ def main() -> None:
     )
     print(f"restart_s median / worst:     {report['median_restart_s']} / {report['worst_restart_s']}")
     print(f"detect_s median:              {report['median_detect_s']}")
+    print("restart_s phases, median (s):  " + _phase_line(report["median_phases"]))
     print(f"rejoin_s median:              {report['median_rejoin_s']}")
     print(f"lost work, median steps:      {report['median_lost_work_steps']}")
     print(f"series wall time (s):         {report['series_s']}")
@@ -370,6 +380,8 @@ def main() -> None:
             f"resumed from step {r['resumed_from_step']} (correct: {r['resumed_correctly']}), "
             f"lost {r['lost_work_steps']} step(s), world size after {r['world_size_after']}{extra}"
         )
+        if r["phases"]:
+            print(f"{'':<24} phases (s): {_phase_line(r['phases'])}")
     if report["other_kinds_error"]:
         print(f"other kinds stopped: {report['other_kinds_error']}")
     if args.json:

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from infractl import proc, runstore
+from infractl.drill import recovery
 from infractl.store import FileStore, open_store
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
@@ -86,6 +87,21 @@ def assert_recovered(result: dict[str, Any], store: FileStore, *, world_after: i
     assert json.loads(store.get_bytes(runstore.drill_key(run, result["drill_id"]))) == result
 
 
+def test_a_restart_splits_into_phases_that_run_from_the_last_point_seen() -> None:
+    record = runstore.DrillRecord(
+        drill_id="d", drill="kill-node", run_id="r", cluster="c", node="node-1", survivors=["node-0"],
+        fault_time=100.0, fault={}, step_at_fault=50, last_committed_step=40, world_size_at_fault=2,
+        detect_s=0.3, stopped_s=0.5, restart_s=6.0,
+    )  # fmt: skip
+    timeline = {"started": 102.0, "joined": 104.5, "loaded": 105.2}
+    phases = recovery.split_restart(record, timeline)
+    assert phases == {"detect": 0.3, "stop": 0.2, "rendezvous": 1.5, "startup": 2.5, "load": 0.7, "first_step": 0.8}
+    assert list(phases) == list(recovery.PHASES) and sum(phases.values()) == pytest.approx(6.0)  # type: ignore[arg-type]
+    record.stopped_s = None
+    phases = recovery.split_restart(record, {"joined": 104.5})
+    assert phases == {"detect": 0.3, "stop": None, "rendezvous": None, "startup": 4.2, "load": None, "first_step": 1.5}
+
+
 @pytest.mark.xdist_group("drill")
 def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     refused = cluster("drill", "kill-node", expect=2)
@@ -105,7 +121,11 @@ def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     assert result["resumed_correctly"] and result["resumed_from_step"] >= 10, result
     assert result["world_size_at_fault"] == 2 and result["world_size_after"] == 1
     assert result["lost_work_steps"] == result["step_at_fault"] - result["resumed_from_step"] >= 0
-    assert 0 < result["detect_s"] <= result["restart_s"]
+    assert 0 < result["detect_s"] <= result["stopped_s"] <= result["restart_s"]
+    # The restart phase by phase, every point seen: they add up to restart_s.
+    phases = result["phases"]
+    assert list(phases) == list(recovery.PHASES) and None not in phases.values(), phases
+    assert sum(phases.values()) == pytest.approx(result["restart_s"], abs=0.01), phases
     assert json.loads(store.get_bytes(runstore.drill_key("kill0", result["drill_id"]))) == result
     assert proc.find(cluster.home / "local", node="node-0", run="kill0") == []
 

@@ -7,6 +7,7 @@ root, no namespaces) change nothing."""
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
 import shlex
 import subprocess
@@ -203,12 +204,21 @@ def test_a_seeded_chaos_series_of_10_faults_recovers_each_and_trains_what_an_uni
     assert comparison["steps"] == 1500 and comparison["first_other_world_step"] is not None, comparison
     assert comparison["bitwise_steps"] == comparison["first_other_world_step"] - 1, comparison
     assert done["passed"] and done["median_restart_s"] <= done["worst_restart_s"]
+    # The run kept its pace (min_step_s), the reference ran free: the same steps, in less time.
+    assert _median_step_gap(store, "storm") >= 0.25 > _median_step_gap(store, "storm-reference")
     # Recorded in the store, and shown in the handover's baseline.
     [recorded] = runstore.read_chaos_records(store, "storm")
     assert recorded.to_dict() | {"results": results} == done
     cluster("bundle", "-c", "multi", "--out", str(tmp_path / "bundle"))
     assert json.loads((tmp_path / "bundle" / "baseline" / "storm.json").read_text())["chaos"] == [recorded.to_dict()]
     assert "<h3>Chaos series</h3>" in (tmp_path / "bundle" / "index.html").read_text()
+
+
+def _median_step_gap(store: FileStore, run: str) -> float:
+    """The median time between a step's record and the next one's (rank 0's clock)."""
+    records = sorted(runstore.read_metrics(store, run), key=lambda r: r["step"])
+    gaps = sorted(b["time"] - a["time"] for a, b in itertools.pairwise(records) if b["step"] == a["step"] + 1)
+    return gaps[len(gaps) // 2]
 
 
 def test_kill_node_empties_the_namespace_but_its_sshd_and_the_node_rejoins_over_ssh(cluster: Cli) -> None:

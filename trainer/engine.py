@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -103,6 +104,8 @@ class Trainer:
         env: DistEnv,
         device: torch.device,
     ) -> None:
+        # A restart's timeline (runstore's StepRecord): built right after the group formed.
+        self.timeline = {"started": psutil.Process().create_time(), "joined": time.time()}
         self.spec = spec
         self.env = env
         self.device = device
@@ -206,6 +209,7 @@ class Trainer:
         new to save, and the agent (restarting its workers, say) need not wait its grace.
         """
         self.resume()
+        self.timeline["loaded"] = time.time()
         self.preemption.install()  # from the main thread: torchrun's worker runs us there
         self.profiler.start(first_step=self.progress.step + 1)
         spec = self.spec
@@ -333,6 +337,7 @@ class Trainer:
             comm=self.comm.window() if self.comm is not None else None,
             time=time.time(),
             environment=dict(self.fingerprint) if first else None,
+            timeline=dict(self.timeline) if first else None,
         )
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

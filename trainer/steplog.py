@@ -38,6 +38,7 @@ class PendingStep:
     time: float  # host clock when the step was queued
     val_loss: float | None = None
     environment: dict[str, Any] | None = None  # in the first step of the process
+    timeline: dict[str, float] | None = None  # likewise: when the process started, joined, loaded
 
 
 class StepLog:
@@ -114,5 +115,7 @@ class StepLog:
                 record["val_loss"] = pending.val_loss
             if pending.environment is not None:
                 record["environment"] = pending.environment
+            if pending.timeline is not None:
+                record["timeline"] = pending.timeline
             records.append(record)
         return records, raised

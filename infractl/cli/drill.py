@@ -80,6 +80,7 @@ def _drill(kind: str, out: Output, json_mode: bool, cluster_opt: str | None, rep
             (out.success if ok else out.warn)(
                 f"{summary['succeeded']}/{repeat} {kind} drills recovered; restart_s median "
                 f"{_s(summary['median_restart_s'])}, worst {_s(summary['worst_restart_s'])}"
+                + (f"; median phases: {_phases(summary['median_phases'])}" if summary["median_phases"] else "")
             )
     if not ok:
         raise typer.Exit(1)
@@ -97,7 +98,12 @@ def _line(r: DrillRecord) -> str:
         f"(committed {r.last_committed_step}); detect {_s(r.detect_s)}, restart {_s(r.restart_s)}, "
         f"{drills.kind_named(r.drill).describe(r)}{extra}; final step {r.final_step}/{r.steps} "
         f"{'committed' if r.final_committed else 'not committed'}: {r.outcome}"
+        + (f"\n  restart phases: {_phases(r.phases)}" if r.phases else "")
     )
+
+
+def _phases(phases: dict[str, float | None]) -> str:
+    return ", ".join(f"{name} {_s(seconds)}" for name, seconds in phases.items())
 
 
 def _s(value: float | None) -> str:

@@ -10,10 +10,24 @@ seconds; ``fault_time`` is taken just before the fault.
     itself) is gone: the first sign that the job noticed. Each node's monitor sees an exit within
     50 ms and the drill reads its reports every ``PROC_POLL_S`` s, so an upper bound by that much
     (and by the report's way from the node). None when no process needs to die (store-outage).
+``stopped_s``
+    fault -> every worker that was running at the fault (and that the drill did not kill
+    itself) is gone: the survivors' old worker group stopped. None when there is none, or when
+    a node whose workers these were stopped reporting (cut off).
 ``restart_s``
     fault -> the ``time`` of the first step completed by a restarted worker group (the first
     metrics record after the fault that starts a process, ``runstore.starts_a_process``).
     store-outage: fault -> the first checkpoint committed after the store came back.
+``phases``
+    ``restart_s`` split at the points above and at the restarted rank 0's ``timeline`` (in its
+    first metrics record): ``detect`` (fault -> detect_s), ``stop`` (-> stopped_s),
+    ``rendezvous`` (-> the new worker process started: the agents' rendezvous round, which
+    torchrun follows at once with the workers), ``startup`` (-> the worker process group
+    formed: Python, importing torch, the store check, the group's own rendezvous), ``load``
+    (-> the model built and the committed checkpoint loaded) and ``first_step`` (-> the first
+    step completed). Each phase runs from the last point seen before it; None when its own end
+    was not seen. Points come from the nodes' clocks and the drill's, so a phase under 10 ms
+    may read 0.
 ``resumed_from_step``
     that record's step - 1: the committed step the workers loaded. ``expected_resume_step`` is
     the newest step committed before that record (from the manifests), and the drill checks
@@ -44,11 +58,13 @@ if TYPE_CHECKING:
 __all__ = [
     "Commits",
     "GONE_TIMEOUT_S",
+    "PHASES",
     "PROC_POLL_S",
     "STORE_POLL_S",
     "agents",
     "observe",
     "resumed",
+    "split_restart",
     "uploading_step",
     "workers",
 ]
@@ -57,6 +73,8 @@ PROC_POLL_S = 0.05  # the watch: reading it costs nothing
 _COMMIT_POLL_S = 0.2  # committed steps and their manifests
 STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
 GONE_TIMEOUT_S = 30.0
+#: A restart's phases, in order (``phases`` in the module doc).
+PHASES = ("detect", "stop", "rendezvous", "startup", "load", "first_step")
 
 
 class Commits:
@@ -124,11 +142,34 @@ def resumed(commits: Commits, record: DrillRecord) -> bool:
     record.resumed_from_step = first["step"] - 1
     record.expected_resume_step = commits.newest_before(first["time"]) or 0
     record.world_size_after = first["world_size"]
+    record.phases = split_restart(record, first.get("timeline", {}))
     if record.step_at_fault is not None:
         # step_at_fault may trail the ranks (see the module doc): a resume from a step saved
         # after the fault (preemption) lost nothing, not a negative amount.
         record.lost_work_steps = max(0, record.step_at_fault - record.resumed_from_step)
     return True
+
+
+def split_restart(record: DrillRecord, timeline: dict[str, float]) -> dict[str, float | None]:
+    """``restart_s`` split into ``PHASES`` (the module doc), given the restarted rank 0's timeline."""
+
+    def after_fault(point: str) -> float | None:
+        return timeline[point] - record.fault_time if point in timeline else None
+
+    ends = [
+        record.detect_s,
+        record.stopped_s,
+        after_fault("started"),
+        after_fault("joined"),
+        after_fault("loaded"),
+        record.restart_s,
+    ]
+    phases: dict[str, float | None] = {}
+    previous = 0.0
+    for name, end in zip(PHASES, ends, strict=True):
+        phases[name] = None if end is None else round(max(0.0, end - previous), 3)
+        previous = previous if end is None else max(previous, end)
+    return phases
 
 
 def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[NodeProcess], wait_finish: bool) -> None:
@@ -140,6 +181,8 @@ def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[Node
         holding = kind.holds_store(drill, record)
         if record.detect_s is None and watched and not drill.watch.all_alive(watched):
             record.detect_s = round(time.time() - record.fault_time, 3)
+        if record.stopped_s is None and watched and drill.watch.none_alive(watched):
+            record.stopped_s = round(time.time() - record.fault_time, 3)
         if time.monotonic() < next_commits or holding:
             time.sleep(PROC_POLL_S)
             continue

@@ -40,8 +40,21 @@ class Series:
             "succeeded": self.succeeded,
             "median_restart_s": round(statistics.median(times), 3) if times else None,
             "worst_restart_s": max(times) if times else None,
+            "median_phases": self.median_phases(),
             "drill_ids": [r.drill_id for r in self.results],
         }
+
+    def median_phases(self) -> dict[str, float | None]:
+        """Each phase of the restarts (``DrillRecord.phases``): its median over the drills that
+        measured it; empty when no drill restarted the run."""
+        measured = [r.phases for r in self.results if r.phases]
+        if not measured:
+            return {}
+        medians: dict[str, float | None] = {}
+        for name in recovery.PHASES:
+            values = [seconds for p in measured if (seconds := p.get(name)) is not None]
+            medians[name] = round(statistics.median(values), 3) if values else None
+        return medians
 
 
 def run_series(

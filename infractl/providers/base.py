@@ -566,6 +566,16 @@ class Watch(AbstractContextManager["Watch"], ABC):
                     return False
         return True
 
+    def none_alive(self, procs: Iterable[NodeProcess]) -> bool:
+        """Whether every one of ``procs`` is gone, as their nodes reported (a node that has not
+        reported since keeps its processes alive here)."""
+        with self._lock:
+            for p in procs:
+                reported = self._reported.get(p.node)
+                if reported is None or p.key in {q.key for q in reported}:
+                    return False
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Stop the monitors."""

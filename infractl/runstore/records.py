@@ -65,6 +65,10 @@ class StepRecord(TypedDict):
     # The environment fingerprint, in the first record of every trainer process: the first
     # step after a (re)start. ``starts_a_process`` is how readers ask.
     environment: NotRequired[dict[str, Any]]
+    # Beside it, when rank 0's process reached each point of its start (unix seconds): ``started``
+    # (the process was created: its agent's rendezvous round had completed), ``joined`` (the
+    # worker process group formed), ``loaded`` (the committed checkpoint loaded, or none found).
+    timeline: NotRequired[dict[str, float]]
 
 
 def starts_a_process(record: StepRecord) -> bool:
@@ -158,7 +162,11 @@ class DrillRecord:
     last_committed_step: int
     world_size_at_fault: int | None
     detect_s: float | None = None
+    stopped_s: float | None = None
     restart_s: float | None = None
+    # restart_s split into its phases, in seconds, in order (infractl/drill/recovery.py's PHASES);
+    # None for a phase whose end was not seen. Empty until the run restarted.
+    phases: dict[str, float | None] = field(default_factory=dict)
     resumed_from_step: int | None = None
     expected_resume_step: int | None = None
     lost_work_steps: int | None = None
