@@ -474,13 +474,14 @@ def _remove_namespace(namespace: str, pids: set[int]) -> None:
 
 
 def _links_routing(network: ipaddress.IPv4Network) -> list[str]:
-    """The links of this machine's routes into ``network`` (the default route aside)."""
+    """The links of this machine's routes to ``network`` or a part of it: those the VPC's own
+    route would not win against (a wider one, a VPN's 10.0.0.0/8 say, loses to it)."""
     listed = subprocess.run(["ip", "-json", "route", "show"], capture_output=True, text=True, check=True)
     return sorted(
         {
             route.get("dev", "?")
             for route in json.loads(listed.stdout or "[]")
-            if route["dst"] != "default" and ipaddress.IPv4Network(route["dst"], strict=False).overlaps(network)
+            if route["dst"] != "default" and ipaddress.IPv4Network(route["dst"], strict=False).subnet_of(network)
         }
     )
 

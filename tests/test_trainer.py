@@ -348,9 +348,12 @@ def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: P
     assert groups == {"model", "optimizer", "progress", "rng-rank-0", "rng-rank-1"}
     records = read_metrics(store, spec.name)
     assert [r["step"] for r in records] == list(range(1, 13))
-    # The first record of each process also carries its environment fingerprint.
-    assert all(set(r) - {"environment"} == RECORD_FIELDS for r in records), records[0].keys()
-    assert "environment" in records[0]
+    # The first record of each process also carries its environment fingerprint, and when the
+    # process started, joined the group and loaded its state (a drill splits a restart with them).
+    assert all(set(r) - {"environment", "timeline"} == RECORD_FIELDS for r in records), records[0].keys()
+    assert "environment" in records[0] and all("timeline" not in r for r in records[1:])
+    timeline = records[0]["timeline"]
+    assert timeline["started"] <= timeline["joined"] <= timeline["loaded"] <= records[0]["time"], timeline
     assert {(r["world_size"], r["attempt"], r["restart_count"]) for r in records} == {(2, 1, 0)}
     assert records[-1]["loss"] < records[0]["loss"]
 
