@@ -52,7 +52,7 @@ RepeatOpt = Annotated[
     typer.Option(
         "--repeat",
         help="Run N drills in a row on the same run (a node the fault removed rejoins in between); "
-        "prints the success count and the median and worst restart_s.",
+        "prints the success count, the median and worst restart_s and the median of each of its phases.",
         min=1,
         max=100,
     ),
