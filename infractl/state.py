@@ -114,7 +114,7 @@ class ClusterState:
                 write_private(entry, json.dumps({"name": self.name, "dir": str(self.dir.resolve())}))
             except OSError as exc:
                 raise StateError(
-                    f"cannot list the cluster in {ledger()} ({exc.strerror or exc}), where gc finds what "
+                    f"cannot list the cluster in {entry.parent} ({exc.strerror or exc}), where gc finds what "
                     "every `up` made: make it writable; nothing was made"
                 ) from None
         write_private(self.intent_path, json.dumps(intent))
