@@ -264,16 +264,20 @@ class EmulatedAws:
             [
                 "mount -t tmpfs -o mode=0755 emulated-run /run",
                 "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
-                *(f"mount --bind {folder} {point}" for point, folder in mounts.items()),
+                # A machine that never ran podman has no /var/lib/containers to mount over.
+                *(f"mkdir -p {point} && mount --bind {folder} {point}" for point, folder in mounts.items()),
                 f"exec {_SSHD} -f {config} -E {host.folder / 'sshd.log'}",
             ]
         )
-        subprocess.run(
+        started = subprocess.run(
             ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--mount", "--propagation", "private"]
             + ["sh", "-c", script],
-            check=True,
             capture_output=True,
+            text=True,
+            check=False,
         )
+        if started.returncode != 0:
+            raise RuntimeError(f"sshd of {host.instance_id} did not start: {started.stderr.strip()}")
         # sshd's daemon writes its pid file a moment after the command that started it returns.
         pid_file = host.folder / "sshd.pid"
         deadline = time.monotonic() + 10

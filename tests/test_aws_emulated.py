@@ -22,10 +22,10 @@ import yaml
 
 from infractl import infra, proc, providers, runstore
 from infractl.config import ClusterSpec, load_cluster
-from infractl.errors import InfraError
+from infractl.errors import InfractlError, InfraError
 from infractl.infra import Node
 from infractl.providers import aws
-from infractl.state import ClusterState
+from infractl.state import ClusterState, started_clusters
 from infractl.store import open_store
 
 from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
@@ -62,6 +62,44 @@ def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
     with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC_CIDR) as emulated:
         emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
         yield emulated
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_for_the_next(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """What a test of the emulation leaves (a failed one) is removed after it and named as an error, so
+    that one failure stays one: a cluster left in the VPC would give the next cluster's hosts its
+    addresses, and gc on this worker (tests/test_gc.py) would try to tear down an `up` of it after
+    its AWS has gone with the emulation."""
+    yield
+    if "emulation" not in request.fixturenames or "applied" in request.fixturenames:
+        return  # the class's cluster is destroyed with its fixture
+    emulation: EmulatedAws = request.getfixturevalue("emulation")
+    left = []
+    for state in started_clusters():
+        if not state.dir.is_relative_to(tmp_path_factory.getbasetemp()):
+            continue
+        try:
+            spec = state.read_intent().get("spec") or {}
+        except (InfractlError, OSError, ValueError):
+            spec = {}
+        if (spec.get("aws") or {}).get("endpoint_url") != emulation.endpoint:
+            continue
+        left.append(f"cluster {state.dir}")
+        done = Cli(state.dir.parent.parent)("teardown", "-c", state.name, "--purge", "--yes", expect=None, timeout=900)
+        if done.returncode != 0:
+            shutil.rmtree(state.dir, ignore_errors=True)
+            state.unlist()
+    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": aws.CLUSTER_TAG}])
+    tagged = {
+        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == aws.CLUSTER_TAG
+    }
+    for name in sorted(tagged):
+        if removed := aws.reap(name, "us-east-1", endpoint_url=emulation.endpoint):
+            left.append(f"cluster {name}'s {', '.join(removed)}")
+    emulation.sync()
+    assert not left, f"the test left these behind (now removed): {left}"
 
 
 @pytest.fixture(scope="class")
