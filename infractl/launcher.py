@@ -38,12 +38,9 @@ __all__ = [
     "node_log",
 ]
 
-# Rendezvous timing (seconds): how long survivors wait for more nodes once nodes.min joined, and
-# the keep-alive interval by which a dead node is noticed. Agents of one launch start within a
-# second of each other, so a short last call still gathers every node at the start; every second
-# of it is a second of every restart after a node is lost.
-_LAST_CALL_S = 3
-_KEEP_ALIVE_S = 2
+# How often each agent looks at its workers (seconds; torchrun's default is 0.1): a failed worker
+# is noticed within it, and each look also asks the rendezvous whether a node waits to join.
+_MONITOR_S = 0.25
 
 
 @dataclass
@@ -169,16 +166,18 @@ def torchrun_argv(
         f"--rdzv-endpoint={rendezvous}",
         f"--rdzv-id={rdzv_id}",
         # The endpoint is the cluster's own rendezvous server, never a training node. After a node
-        # dies, survivors re-rendezvous and wait last_call_timeout for more nodes (default 30 s)
-        # once nodes.min is reached; a node that stops sending keep-alives is dropped after
-        # interval x attempts (default 15 s). Both defaults dominate recovery time.
-        f"--rdzv-conf=is_host=false,last_call_timeout={_LAST_CALL_S},"
-        f"keep_alive_interval={_KEEP_ALIVE_S},keep_alive_max_attempt=3",
+        # dies, the survivors wait until its keep-alives have been missing for interval x attempts
+        # (torchrun's default: 15 s), then wait last_call_timeout for more nodes once nodes.min
+        # joined (default: 30 s): both dominate the restart (run.yaml's restart section).
+        f"--rdzv-conf=is_host=false,last_call_timeout={spec.restart.last_call_s},"
+        f"keep_alive_interval={spec.restart.keep_alive_s},keep_alive_max_attempt={spec.restart.keep_alive_misses}",
         # The address this node's peers reach it at: the rank-0 node's becomes the workers'
         # MASTER_ADDR (by default its host name, which a netns node shares with the host).
         f"--local-addr={local_addr}",
         f"--max-restarts={spec.max_restarts}",
-        "--monitor-interval=1",
+        f"--monitor-interval={_MONITOR_S}",
+        # forkserver: trainer.agent forks the workers from a process that imported the trainer (warm).
+        f"--start-method={'forkserver' if spec.restart.warm else 'spawn'}",
         # SIGTERM to the agent (a preemption notice) reaches the workers, which save an emergency
         # checkpoint; they are SIGKILLed only after the grace period.
         f"--shutdown-timeout={spec.preemption.grace_s}",

@@ -171,9 +171,16 @@ class NodeProcess:
     never signalled in its place."""
     run: str | None
     agent: bool
-    """The node's torchrun agent (``trainer.agent``); else a worker, or a process a worker started."""
+    """The node's torchrun agent (``trainer.agent``)."""
     cpu_s: float = 0.0
     """User and system CPU seconds it had used when it was listed."""
+    helper: bool = False
+    """A process the agent started for itself (``_agent_helper``): neither the agent nor a worker."""
+
+    @property
+    def worker(self) -> bool:
+        """A training worker, or a process a worker started: it lives one attempt of the run."""
+        return not (self.agent or self.helper)
 
     @property
     def key(self) -> tuple[str, int, float]:
@@ -196,9 +203,22 @@ def _describe(process: psutil.Process) -> NodeProcess | None:
             run=env.get(RUN_ENV),
             agent=AGENT_MODULE in process.cmdline(),
             cpu_s=times.user + times.system,
+            helper=_agent_helper(process),
         )
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+
+
+def _agent_helper(process: psutil.Process) -> bool:
+    """Whether ``process`` is a multiprocessing helper a node's agent started for itself: the fork
+    server its warm workers are forked from, and the resource tracker. A worker is the agent's
+    child (a new Python) or the fork server's (warm)."""
+    parent = process.parent()
+    return (
+        parent is not None
+        and AGENT_MODULE in parent.cmdline()
+        and any("multiprocessing." in part for part in process.cmdline())
+    )
 
 
 def listing(cluster_dir: Path, *, node: str | None = None, run: str | None = None) -> list[NodeProcess]:

@@ -12,8 +12,14 @@ SIGTERM and its grace period.
 
     python -m trainer.agent [torchrun options] -m trainer.train [trainer options]
 
-Nothing else of torchrun changes: preemption (SIGTERM to the agent) still forwards SIGTERM and
-waits ``--shutdown-timeout``.
+Its rendezvous restarts sooner than torch's (``trainer.rendezvous``). Nothing else of torchrun
+changes: preemption (SIGTERM to the agent) still forwards SIGTERM and waits ``--shutdown-timeout``.
+
+With ``--start-method=forkserver`` (run.yaml ``restart.warm``, the default), the workers of ``-m
+trainer.train`` are warm: the agent starts a fork server that imports the trainer (torch, DCP:
+about 2 s on a CPU node) while the first rendezvous runs, and torchrun forks every worker of every
+restart from it (``trainer.train.warm_main``, same arguments and exit codes). torchrun applies
+its start method only to workers it runs as functions; a module runs as a new Python each time.
 
 On a node that may be reclaimed (a spot instance: its provider sets ``INFRACTL_SPOT_NOTICE_URL`` to
 the instance metadata service), the agent also polls the spot interruption notice, which EC2 posts
@@ -24,12 +30,16 @@ the workers save an emergency checkpoint, this node leaves, and the others go on
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 from torch.distributed import run as torchrun
@@ -39,6 +49,7 @@ from torch.distributed.launcher import api as launcher_api
 
 from infractl.log import get_logger
 from infractl.proc import SPOT_NOTICE_ENV
+from trainer import rendezvous
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -50,7 +61,17 @@ _METADATA_TIMEOUT_S = 2.0
 
 
 class StopStoppedWorkersAgent(LocalElasticAgent):
-    """LocalElasticAgent whose restart SIGKILLs stopped workers before the usual shutdown."""
+    """LocalElasticAgent whose restart SIGKILLs stopped workers before the usual shutdown, and
+    whose shutdown lets warm workers that returned exit."""
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # A warm worker that returned (it saved and stopped on the SIGTERM that comes next) waits
+        # for this event, set once torchrun read every worker's result, before it exits; a
+        # shutdown reads none, and would wait out its timeout, then SIGKILL the worker.
+        finished = getattr(self._pcontext, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()
+        super()._shutdown(death_sig, timeout)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         pids = self._pcontext.pids().values() if self._pcontext is not None else ()
@@ -94,9 +115,29 @@ def _watch_spot_notice(metadata_url: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+#: The module whose workers may be warm, and the function they then run.
+_WORKER_MODULE = "trainer.train"
+_torchrun_config = torchrun.config_from_args
+
+
+def _warm_config(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
+    """torchrun's launch config, with ``-m trainer.train`` run as warm workers when the start
+    method is forkserver (see the module docstring)."""
+    config, entrypoint, entry_args = _torchrun_config(args)
+    if config.start_method != "forkserver" or not args.module or args.training_script != _WORKER_MODULE:
+        return config, entrypoint, entry_args
+    from trainer.train import warm_main
+
+    multiprocessing.set_forkserver_preload([_WORKER_MODULE])
+    multiprocessing.forkserver.ensure_running()  # it imports the trainer while the rendezvous runs
+    return config, warm_main, list(args.training_script_args)
+
+
 def main() -> None:
     # torchrun builds its agent from this module attribute (torch.distributed.launcher.api.launch_agent).
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
+    torchrun.config_from_args = _warm_config
+    rendezvous.install()
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)
     if metadata_url:
         threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()

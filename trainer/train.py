@@ -29,6 +29,7 @@ to rank 0, so the other nodes' logs stay short.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import logging
 import os
@@ -53,12 +54,14 @@ from trainer.engine import Preempted, Trainer
 from trainer.errors import RunRefused
 from trainer.preemption import PEER_PREEMPTED_EXIT
 
-__all__ = ["main"]
+__all__ = ["main", "warm_main"]
 
 log = get_logger("trainer")
 
 #: A bad spec, bad arguments or a run that cannot go on as specified: nothing was written.
 REFUSED_EXIT = 2
+# prctl(2): the signal this process gets when its parent dies (0: none).
+_PR_SET_PDEATHSIG = 1
 
 
 def _run_id(value: str) -> str:
@@ -183,15 +186,38 @@ def _train(
     return measure_steps
 
 
+def warm_main(*argv: str) -> None:
+    """A warm worker: what torchrun runs in a process forked from the node's fork server, which
+    imported this module already (``trainer.agent``; run.yaml ``restart.warm``). As ``python -m
+    trainer.train ARGV``, exit codes included; a return is exit code 0 (torchrun waits for the
+    return value of a worker it forked)."""
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # as python -u
+    # torch asks the kernel to SIGINT a worker it forked when the worker's parent dies: that is the
+    # fork server, which a SIGTERM to every process of the node (a machine shutting down) ends
+    # before this rank could save its emergency checkpoint. The agent stops its workers itself.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0)
+    try:
+        code = main(argv)
+    except Exception:
+        _crash()
+    if code:
+        _exit(code)
+
+
 def _crash() -> NoReturn:
-    """Report the exception being handled and end the process now, without the interpreter's
-    exit: that joins DCP's save thread, which may be blocked in a collective with a hung or
-    dead peer for the checkpoint group's timeout (30 minutes). The agent restarts this rank
-    only once it has exited."""
+    """Report the exception being handled and end the process now."""
     traceback.print_exc()
+    _exit(1)
+
+
+def _exit(code: int) -> NoReturn:
+    """End the process now, without the interpreter's exit: that joins DCP's save thread, which
+    may be blocked in a collective with a hung or dead peer for the checkpoint group's timeout
+    (30 minutes). The agent restarts this rank only once it has exited."""
+    sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
-    os._exit(1)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ def _node_rows(
         }
         for n in record["nodes"]
     ]
-    return rows, live, {p.run for p in processes if p.run is not None and not p.agent}
+    return rows, live, {p.run for p in processes if p.run is not None and p.worker}
 
 
 def _nodes_table(nodes: list[dict[str, Any]]) -> Table:

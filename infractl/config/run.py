@@ -22,6 +22,7 @@ __all__ = [
     "ParallelSpec",
     "PreemptionSpec",
     "ProfileSpec",
+    "RestartSpec",
     "RunSpec",
     "WatchdogSpec",
     "derive_run",
@@ -254,6 +255,43 @@ class PreemptionSpec(Spec):
     )
 
 
+class RestartSpec(Spec):
+    """How soon the workers train again after a failure: torchrun's rendezvous and their start."""
+
+    warm: bool = Field(
+        True,
+        description=(
+            "Workers are forked from a process on each node that has already imported torch and the trainer "
+            "(torchrun's forkserver start method) instead of starting a new Python each time: about 2 s less per "
+            "restart on a CPU node."
+        ),
+    )
+    keep_alive_s: int = Field(
+        1, ge=1, le=60, description="Seconds between two keep-alives from each node's agent to the rendezvous."
+    )
+    keep_alive_misses: int = Field(
+        3,
+        ge=2,
+        le=10,
+        description=(
+            "Keep-alives a node may miss before the rendezvous drops it: a dead node holds the survivors' restart "
+            "for up to keep_alive_s x keep_alive_misses. A live node whose keep-alives come that late (its "
+            "machine stalled) is dropped too, and restarts its workers to join again: raise both on a large or "
+            "overloaded cluster."
+        ),
+    )
+    last_call_s: int = Field(
+        1,
+        ge=1,
+        le=300,
+        description=(
+            "Once nodes.min nodes joined a launch's first rendezvous, seconds it waits for the others before the "
+            "run starts without them (one that comes later restarts the run to join it). A restart's rendezvous "
+            "closes as soon as every live node joined, and waits this long only for one that does not."
+        ),
+    )
+
+
 #: Most steps one profile window may hold: a trace of every op with its input shapes grows by
 #: megabytes per step on every rank, and a few steps show a steady state as well as many.
 MAX_PROFILE_STEPS = 50
@@ -380,6 +418,9 @@ class RunSpec(Spec):
     )
     watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec, description="Hang detection.")
     preemption: PreemptionSpec = Field(default_factory=PreemptionSpec, description="Grace period after SIGTERM.")
+    restart: RestartSpec = Field(
+        default_factory=RestartSpec, description="How soon workers train again after a failure."
+    )
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler traces of chosen steps.")
 
     @model_validator(mode="after")

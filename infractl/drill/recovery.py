@@ -118,7 +118,7 @@ def uploading_step(store: Store, run_id: str, after: int) -> int | None:
 
 def workers(procs: list[NodeProcess]) -> list[NodeProcess]:
     """The training workers among a node's processes (not its torchrun agent)."""
-    return [p for p in procs if not p.agent]
+    return [p for p in procs if p.worker]
 
 
 def agents(procs: list[NodeProcess]) -> list[NodeProcess]:

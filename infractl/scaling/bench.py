@@ -232,7 +232,7 @@ class RankSampler:
     def __call__(self, launch: Launch) -> None:
         now = time.time()
         for p in launch.control.processes(run=launch.run_id):
-            if not p.agent:
+            if p.worker:
                 self._seen[p.key] = p.cpu_s
         self.cpu.append((now, sum(self._seen.values())))
         if self._nvml is not None:

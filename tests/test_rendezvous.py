@@ -1,0 +1,104 @@
+"""trainer.rendezvous: each change to torch's dynamic rendezvous, on its own shared state (the
+restarts they shorten are measured by bench/recovery.py and exercised by tests/test_drill.py)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_rendezvous
+
+from trainer import rendezvous
+
+A, B, C = (torch_rendezvous._NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in (1, 2, 3))
+SETTINGS = torch_rendezvous.RendezvousSettings(
+    "run", 1, 3, torch_rendezvous.RendezvousTimeout(), timedelta(seconds=1), 3
+)
+Action = torch_rendezvous._Action
+
+
+def state(*, round: int, complete: bool, participants: list[Any], alive: list[Any]) -> Any:
+    shared = torch_rendezvous._RendezvousState()
+    shared.round, shared.complete = round, complete
+    shared.participants = dict.fromkeys(participants, 0)
+    shared.last_heartbeats = dict.fromkeys(alive, datetime.now(UTC))
+    shared.deadline = datetime.now(UTC) + timedelta(seconds=30)  # the last call, far off
+    return shared
+
+
+def join(node: Any, shared: Any) -> Any:
+    return rendezvous._JoinOp()(torch_rendezvous._RendezvousContext(node, shared, SETTINGS), float("inf"))
+
+
+def test_a_keep_alive_is_due_half_an_interval_after_the_last() -> None:
+    """A timer tick that comes a little early still sends one (torch's rule would skip it, and a
+    live node's keep-alives would come two intervals apart)."""
+    shared = state(round=0, complete=True, participants=[A], alive=[A])
+    context = torch_rendezvous._RendezvousContext(A, shared, SETTINGS)
+    shared.last_heartbeats[A] = datetime.now(UTC) - timedelta(seconds=0.9)
+    assert rendezvous._keep_alive_due(context) and not torch_rendezvous._should_keep_alive(context)
+    shared.last_heartbeats[A] = datetime.now(UTC) - timedelta(seconds=0.2)
+    assert not rendezvous._keep_alive_due(context)
+    del shared.last_heartbeats[A]  # dropped: nothing to keep alive
+    assert not rendezvous._keep_alive_due(context)
+
+
+def test_a_wait_polls_at_most_every_quarter_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[object] = []
+    monkeypatch.setattr(rendezvous, "_torch_delay", slept.append)
+    rendezvous._delay(1)
+    rendezvous._delay(0.1)
+    rendezvous._delay((0, 0.3))  # torch's random start-up skew is left alone
+    assert slept == [rendezvous.POLL_S, 0.1, (0, 0.3)]
+
+
+def test_a_restart_round_closes_once_every_live_node_joined() -> None:
+    # The dead node was dropped; both survivors are in: no last call to wait out.
+    assert join(B, state(round=1, complete=False, participants=[A, B], alive=[A, B])) == Action.MARK_RENDEZVOUS_COMPLETE
+    # C is alive (it has keep-alives) and not in yet: the round waits for it.
+    waiting = state(round=1, complete=False, participants=[A, B], alive=[A, B, C])
+    assert join(B, waiting) in (Action.SYNC, Action.KEEP_ALIVE)
+
+
+def test_a_launch_first_round_keeps_its_last_call() -> None:
+    """At a launch the other nodes may not have sent a keep-alive yet: the first to join must
+    not start the run alone."""
+    assert join(A, state(round=0, complete=False, participants=[A], alive=[A])) in (Action.SYNC, Action.KEEP_ALIVE)
+
+
+def test_a_finished_round_and_a_node_outside_it_are_torch_s() -> None:
+    assert join(A, state(round=1, complete=True, participants=[A, B], alive=[A, B])) == Action.FINISH
+    assert join(C, state(round=1, complete=True, participants=[A, B], alive=[A, B])) == Action.ADD_TO_WAIT_LIST
+
+
+def test_a_node_the_rendezvous_dropped_counts_as_a_waiting_node() -> None:
+    """A live node dropped for late keep-alives restarts its workers and joins again, instead of
+    training on alone beside the round the others form without it."""
+
+    def handler(node: Any, shared: Any) -> Any:
+        holder = SimpleNamespace(state=shared, sync=lambda: None)
+        return SimpleNamespace(_this_node=node, _state_holder=holder, _heartbeat_lock=threading.Lock())
+
+    running = state(round=1, complete=True, participants=[A, B], alive=[A, B])
+    assert rendezvous._num_nodes_waiting(handler(A, running)) == 0
+    running.wait_list = {C}
+    assert rendezvous._num_nodes_waiting(handler(A, running)) == 1
+    dropped = state(round=2, complete=False, participants=[], alive=[])
+    assert rendezvous._num_nodes_waiting(handler(A, dropped)) == 1
+
+
+def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each name install() replaces is one torch 2.13 looks up when it runs (a torch that renamed
+    one would leave its restart unchanged): restored after the test."""
+    handler = torch_rendezvous.DynamicRendezvousHandler
+    for name in ("_should_keep_alive", "_delay", "_RendezvousJoinOp"):
+        monkeypatch.setattr(torch_rendezvous, name, getattr(torch_rendezvous, name))
+    monkeypatch.setattr(handler, "num_nodes_waiting", handler.num_nodes_waiting)
+    rendezvous.install()
+    assert torch_rendezvous._should_keep_alive is rendezvous._keep_alive_due
+    assert torch_rendezvous._delay is rendezvous._delay  # type: ignore[attr-defined]
+    assert torch_rendezvous._RendezvousJoinOp is rendezvous._JoinOp
+    assert handler.num_nodes_waiting is rendezvous._num_nodes_waiting

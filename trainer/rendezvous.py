@@ -1,0 +1,92 @@
+"""torch 2.13's dynamic rendezvous (torchrun's ``c10d`` backend), changed where it sets how long a
+restart takes. ``install()`` patches it in the agent's process (``trainer.agent``), before torchrun
+makes its handler; torch is pinned (constraints.txt) and tests/test_rendezvous.py checks each
+change against the pinned version.
+
+After a node dies, the survivors' agents leave the finished round and wait for the next; it opens
+once the dead node, still a participant, is dropped for missing its keep-alives, and it closes
+``last_call_timeout`` after ``nodes.min`` nodes joined. Four changes:
+
+- **Keep-alives every interval.** torch sends one only when the last is at least one interval
+  old, from a timer of that same interval: a tick a little early skips its keep-alive, and a live
+  node's keep-alives come two intervals apart. A dead node must then miss more intervals before it
+  can be dropped safely. Here a tick sends one when the last is half an interval old.
+- **Polls every 0.25 s, not every second,** while a node waits for a round to open or close.
+- **A round after the first closes once every live node joined it,** without waiting out the
+  last call: live nodes are those with keep-alives in the shared state (a dead node's expired and
+  were dropped; a node still in the finished round has them), so nobody is left out. The first
+  round of a launch keeps the last call: its nodes have not all sent a keep-alive yet.
+- **A node the rendezvous dropped while it was alive restarts its workers** (a membership change,
+  as when a node waits to join): its keep-alives came too late (the machine stalled), and it would
+  otherwise train on alone beside the round the others form without it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_rendezvous
+from torch.distributed.elastic.rendezvous import utils as torch_rendezvous_utils
+
+from infractl.log import get_logger
+
+__all__ = ["POLL_S", "install"]
+
+log = get_logger(__name__)
+
+#: Seconds between two looks at the shared state while a node waits for a round (torch: 1).
+POLL_S = 0.25
+
+_Action = torch_rendezvous._Action
+_torch_delay = torch_rendezvous_utils._delay
+_TorchJoinOp = torch_rendezvous._RendezvousJoinOp
+_torch_num_nodes_waiting = torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting
+
+
+def _keep_alive_due(ctx: Any) -> bool:
+    """Whether the node's last keep-alive is half an interval old (torch: a whole one)."""
+    last = ctx.state.last_heartbeats.get(ctx.node)
+    return last is not None and bool(last <= datetime.now(UTC) - ctx.settings.keep_alive_interval / 2)
+
+
+def _delay(seconds: float | tuple[float, float]) -> None:
+    """torch's delay, a poll of the shared state at most ``POLL_S`` long."""
+    _torch_delay(seconds if isinstance(seconds, tuple) else min(seconds, POLL_S))
+
+
+class _JoinOp(_TorchJoinOp):
+    """torch's join, which closes a round after the first once every live node is in it."""
+
+    def __call__(self, ctx: Any, deadline: float) -> Any:
+        action = _TorchJoinOp.__call__(self, ctx, deadline)
+        state = ctx.state
+        if (
+            action in (_Action.SYNC, _Action.KEEP_ALIVE)
+            and state.round > 0
+            and not state.complete
+            and ctx.node in state.participants
+            and len(state.participants) >= ctx.settings.min_nodes
+            and set(state.last_heartbeats) <= set(state.participants)
+        ):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        return action
+
+
+def _num_nodes_waiting(handler: Any) -> int:
+    """torch's count of nodes waiting to join, at least 1 once the rendezvous dropped this node."""
+    waiting = int(_torch_num_nodes_waiting(handler))
+    if handler._this_node not in handler._state_holder.state.participants:
+        log.warning(
+            "the rendezvous dropped this node (its keep-alives came late): restarting its workers to join again"
+        )
+        return max(waiting, 1)
+    return waiting
+
+
+def install() -> None:
+    """Patch torch's dynamic rendezvous in this process (see the module docstring)."""
+    torch_rendezvous._should_keep_alive = _keep_alive_due
+    torch_rendezvous._delay = _delay  # type: ignore[attr-defined]
+    torch_rendezvous._RendezvousJoinOp = _JoinOp  # type: ignore[misc]
+    torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting = _num_nodes_waiting  # type: ignore[method-assign,assignment]
