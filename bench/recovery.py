@@ -11,7 +11,9 @@ after each that removed the node; then ``infractl teardown``. Reports how many k
 recovered from the last committed step, the median and worst restart_s (fault -> first step
 completed after resume), the median of each of its phases (detect, stop, rendezvous, startup,
 load, first_step: infractl/drill/recovery.py), rejoin_s (rejoin -> first step on 2 nodes again),
-and one line per other kind.
+and one line per other kind. Then the same kill-node series on a fresh cluster whose run.yaml
+restarts cold (``COLD_RESTART``: a new Python per worker and the rendezvous timing before
+trainer/rendezvous.py's defaults), side by side, and the ratio of the two median restart_s.
 
 With ``--chaos N``: a seeded series instead, ``infractl drill chaos --count N --seed S`` against
 one deterministic 2-node run (random kinds, nodes (node-0 included) and moments, each fault
@@ -56,6 +58,9 @@ nodes: {{min: 1, max: 2}}
 max_restarts: {budget}
 watchdog: {{step_timeout_s: 20}}
 """
+# The side-by-side series: the restart before trainer/rendezvous.py's defaults (a new Python per
+# worker, a keep-alive every 2 s with 3 misses, a 3 s last call).
+COLD_RESTART = "restart: {warm: false, keep_alive_s: 2, keep_alive_misses: 3, last_call_s: 3}\n"
 
 CLUSTER = """\
 name: recovery
@@ -191,23 +196,11 @@ def _kill_node_series(home: Path, drills: int) -> dict[str, Any]:
     }
 
 
-def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
-    # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
-    with _training(provider, RUN.format(budget=drills + len(kinds) + 1)) as home:
-        started = time.monotonic()
-        series = _kill_node_series(home, drills)
-        elapsed = time.monotonic() - started
-        others: list[dict[str, Any]] = []
-        others_error = None
-        try:
-            _other_kinds(home, kinds, others)
-        except SystemExit as exc:  # keep the figures so far if a later drill cannot run
-            others_error = str(exc)
+def _summary(series: dict[str, Any], elapsed: float) -> dict[str, Any]:
     results = series["results"]
     rejoins = [r["rejoin_s"] for r in results if r.get("rejoin_s") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
     return {
-        "provider": provider,
         "drills": series["drills"],
         "succeeded": series["succeeded"],
         "resumed_from_last_committed": sum(1 for r in results if r["resumed_correctly"]),
@@ -221,6 +214,35 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
         ),
         "series_s": round(elapsed, 1),
         "restart_s": [r["restart_s"] for r in results],
+    }
+
+
+def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
+    """The kill-node series and one drill of each other kind with the default restart, then the
+    same series with ``COLD_RESTART`` on a fresh cluster."""
+    # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
+    budget = drills + len(kinds) + 1
+    with _training(provider, RUN.format(budget=budget)) as home:
+        started = time.monotonic()
+        series = _kill_node_series(home, drills)
+        elapsed = time.monotonic() - started
+        others: list[dict[str, Any]] = []
+        others_error = None
+        try:
+            _other_kinds(home, kinds, others)
+        except SystemExit as exc:  # keep the figures so far if a later drill cannot run
+            others_error = str(exc)
+    with _training(provider, RUN.format(budget=budget) + COLD_RESTART) as home:
+        started = time.monotonic()
+        cold = _summary(_kill_node_series(home, drills), time.monotonic() - started)
+    fast = _summary(series, elapsed)
+    return {
+        "provider": provider,
+        **fast,
+        "cold": cold,
+        "restart_ratio": round(cold["median_restart_s"] / fast["median_restart_s"], 2)
+        if cold["median_restart_s"] and fast["median_restart_s"]
+        else None,
         "other_kinds": [
             {
                 k: r.get(k)
@@ -352,16 +374,19 @@ def main() -> None:
         parser.error(f"--kinds: unknown on {args.provider} {', '.join(unknown)} (known: {', '.join(known)}, or none)")
     report = measure(args.provider, args.drills, kinds)
     print(f"provider:                     {report['provider']}")
-    print(
-        f"kill-node drills recovered:   {report['succeeded']}/{report['drills']} "
-        f"(resumed from the last committed step: {report['resumed_from_last_committed']})"
-    )
-    print(f"restart_s median / worst:     {report['median_restart_s']} / {report['worst_restart_s']}")
-    print(f"detect_s median:              {report['median_detect_s']}")
-    print("restart_s phases, median (s):  " + _phase_line(report["median_phases"]))
-    print(f"rejoin_s median:              {report['median_rejoin_s']}")
-    print(f"lost work, median steps:      {report['median_lost_work_steps']}")
-    print(f"series wall time (s):         {report['series_s']}")
+    for label, series in (("default restart", report), ("cold restart", report["cold"])):
+        print(f"-- {label} --")
+        print(
+            f"kill-node drills recovered:   {series['succeeded']}/{series['drills']} "
+            f"(resumed from the last committed step: {series['resumed_from_last_committed']})"
+        )
+        print(f"restart_s median / worst:     {series['median_restart_s']} / {series['worst_restart_s']}")
+        print(f"detect_s median:              {series['median_detect_s']}")
+        print("restart_s phases, median (s):  " + _phase_line(series["median_phases"]))
+        print(f"rejoin_s median:              {series['median_rejoin_s']}")
+        print(f"lost work, median steps:      {series['median_lost_work_steps']}")
+        print(f"series wall time (s):         {series['series_s']}")
+    print(f"median restart_s, cold / default: {report['restart_ratio']}")
     for r in report["other_kinds"]:
         if r["drill"] == "store-outage":
             print(

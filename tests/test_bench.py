@@ -49,6 +49,8 @@ def test_recovery_benchmark_a_kill_node_series(tmp_path: Path) -> None:
     assert results["drills"] == 1 and results["succeeded"] == 1, results
     assert results["median_restart_s"] > 0 and results["median_detect_s"] is not None
     assert results["other_kinds"] == [] and results["other_kinds_error"] is None, results
+    cold = results["cold"]  # the same series restarting cold, side by side
+    assert cold["drills"] == 1 and cold["succeeded"] == 1 and results["restart_ratio"] > 0, results
 
 
 def test_recovery_benchmark_a_chaos_series(tmp_path: Path) -> None:

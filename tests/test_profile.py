@@ -212,12 +212,15 @@ batch_size: 4
 steps: 1000000
 checkpoint: {every: 100000, keep: 2}
 nodes: {min: 1, max: 2}
+min_step_s: 0.02
 """
 
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cli, FileStore]]:
-    """A 2-node cluster running a long run, once it recorded its first steps."""
+    """A 2-node cluster running a long run, once it recorded its first steps. Paced: at full speed
+    on a loaded machine it once ran more steps between two `profile` commands than the lead the
+    first refusal named, three times in a row."""
     with module_cluster(tmp_path_factory, "profile") as cli:
         cli("train", str(write(cli.cwd / "run.yaml", RUN)), "--detach")
         store = FileStore(cli.home / "local" / "store")
