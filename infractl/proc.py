@@ -196,29 +196,29 @@ def _describe(process: psutil.Process) -> NodeProcess | None:
         if node is None:
             return None
         times = process.cpu_times()
+        cmdline = process.cmdline()
         return NodeProcess(
             node=node,
             pid=process.pid,
             started=process.create_time(),
             run=env.get(RUN_ENV),
-            agent=AGENT_MODULE in process.cmdline(),
+            agent=AGENT_MODULE in cmdline,
             cpu_s=times.user + times.system,
-            helper=_agent_helper(process),
+            helper=_agent_helper(process, cmdline),
         )
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
 
 
-def _agent_helper(process: psutil.Process) -> bool:
-    """Whether ``process`` is a multiprocessing helper a node's agent started for itself: the fork
-    server its warm workers are forked from, and the resource tracker. A worker is the agent's
-    child (a new Python) or the fork server's (warm)."""
+def _agent_helper(process: psutil.Process, cmdline: list[str]) -> bool:
+    """Whether ``process`` (command line ``cmdline``) is a multiprocessing helper a node's agent
+    started for itself: the fork server its warm workers are forked from, and the resource tracker.
+    A worker is the agent's child (a new Python) or the fork server's (warm). Only a process whose
+    command line names multiprocessing costs a look at its parent."""
+    if not any("multiprocessing." in part for part in cmdline):
+        return False
     parent = process.parent()
-    return (
-        parent is not None
-        and AGENT_MODULE in parent.cmdline()
-        and any("multiprocessing." in part for part in process.cmdline())
-    )
+    return parent is not None and AGENT_MODULE in parent.cmdline()
 
 
 def listing(cluster_dir: Path, *, node: str | None = None, run: str | None = None) -> list[NodeProcess]:
