@@ -13,7 +13,10 @@ completed after resume), the median of each of its phases (detect, stop, rendezv
 load, first_step: infractl/drill/recovery.py), rejoin_s (rejoin -> first step on 2 nodes again),
 and one line per other kind. Then the same kill-node series on a fresh cluster whose run.yaml
 restarts cold (``COLD_RESTART``: a new Python per worker and the rendezvous timing before
-trainer/rendezvous.py's defaults), side by side, and the ratio of the two median restart_s.
+trainer/rendezvous.py's defaults) and no in-memory replicas (``replicate_every: 0``: a resume
+from the store's commit), side by side, and the ratio of the two median restart_s. The default
+series replicates every step; both runs are paced at ``PACE_S`` a step, as a real step is longer
+than a replica's copy (this tiny model's is not).
 
 With ``--chaos N``: a seeded series instead, ``infractl drill chaos --count N --seed S`` against
 one deterministic 2-node run (random kinds, nodes (node-0 included) and moments, each fault
@@ -53,13 +56,15 @@ model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
 data: {{max_bytes: 200000}}
 batch_size: 8
 steps: 10000000
-checkpoint: {{every: 10, keep: 2}}
+min_step_s: {pace}
+checkpoint: {{every: 10, keep: 2, replicate_every: {replicate_every}}}
 nodes: {{min: 1, max: 2}}
 max_restarts: {budget}
 watchdog: {{step_timeout_s: 20}}
 """
+PACE_S = 0.1
 # The side-by-side series: the restart before trainer/rendezvous.py's defaults (a new Python per
-# worker, a keep-alive every 2 s with 3 misses, a 3 s last call).
+# worker, a keep-alive every 2 s with 3 misses, a 3 s last call), and no replicas.
 COLD_RESTART = "restart: {warm: false, keep_alive_s: 2, keep_alive_misses: 3, last_call_s: 3}\n"
 
 CLUSTER = """\
@@ -200,18 +205,19 @@ def _summary(series: dict[str, Any], elapsed: float) -> dict[str, Any]:
     results = series["results"]
     rejoins = [r["rejoin_s"] for r in results if r.get("rejoin_s") is not None]
     detects = [r["detect_s"] for r in results if r.get("detect_s") is not None]
+    lost = [r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None] or [0]
     return {
         "drills": series["drills"],
         "succeeded": series["succeeded"],
         "resumed_from_last_committed": sum(1 for r in results if r["resumed_correctly"]),
+        "resumed_from_replica": sum(1 for r in results if r.get("resumed_from") == "replica"),
         "median_restart_s": series["median_restart_s"],
         "worst_restart_s": series["worst_restart_s"],
         "median_detect_s": round(statistics.median(detects), 3) if detects else None,
         "median_phases": series["median_phases"],
         "median_rejoin_s": round(statistics.median(rejoins), 3) if rejoins else None,
-        "median_lost_work_steps": statistics.median(
-            [r["lost_work_steps"] for r in results if r["lost_work_steps"] is not None] or [0]
-        ),
+        "median_lost_work_steps": statistics.median(lost),
+        "worst_lost_work_steps": max(lost),
         "series_s": round(elapsed, 1),
         "restart_s": [r["restart_s"] for r in results],
     }
@@ -222,7 +228,7 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
     same series with ``COLD_RESTART`` on a fresh cluster."""
     # Every drill costs the surviving agent one restart; node-1 starts afresh at each rejoin.
     budget = drills + len(kinds) + 1
-    with _training(provider, RUN.format(budget=budget)) as home:
+    with _training(provider, RUN.format(budget=budget, pace=PACE_S, replicate_every=1)) as home:
         started = time.monotonic()
         series = _kill_node_series(home, drills)
         elapsed = time.monotonic() - started
@@ -232,7 +238,7 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
             _other_kinds(home, kinds, others)
         except SystemExit as exc:  # keep the figures so far if a later drill cannot run
             others_error = str(exc)
-    with _training(provider, RUN.format(budget=budget) + COLD_RESTART) as home:
+    with _training(provider, RUN.format(budget=budget, pace=PACE_S, replicate_every=0) + COLD_RESTART) as home:
         started = time.monotonic()
         cold = _summary(_kill_node_series(home, drills), time.monotonic() - started)
     fast = _summary(series, elapsed)
@@ -254,6 +260,7 @@ def measure(provider: str, drills: int, kinds: list[str]) -> dict[str, Any]:
                     "restart_s",
                     "phases",
                     "resumed_from_step",
+                    "resumed_from",
                     "lost_work_steps",
                     "world_size_after",
                     "emergency_checkpoint_step",
@@ -378,13 +385,15 @@ def main() -> None:
         print(f"-- {label} --")
         print(
             f"kill-node drills recovered:   {series['succeeded']}/{series['drills']} "
-            f"(resumed from the last committed step: {series['resumed_from_last_committed']})"
+            f"(resumed from the last committed step or a newer replica: {series['resumed_from_last_committed']}; "
+            f"from a replica: {series['resumed_from_replica']})"
         )
         print(f"restart_s median / worst:     {series['median_restart_s']} / {series['worst_restart_s']}")
         print(f"detect_s median:              {series['median_detect_s']}")
         print("restart_s phases, median (s):  " + _phase_line(series["median_phases"]))
         print(f"rejoin_s median:              {series['median_rejoin_s']}")
-        print(f"lost work, median steps:      {series['median_lost_work_steps']}")
+        lost = f"{series['median_lost_work_steps']} / {series['worst_lost_work_steps']}"
+        print(f"lost work, median / worst:    {lost} step(s)")
         print(f"series wall time (s):         {series['series_s']}")
     print(f"median restart_s, cold / default: {report['restart_ratio']}")
     for r in report["other_kinds"]:

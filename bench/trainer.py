@@ -1,6 +1,7 @@
 """Trainer benchmark: ours against a plain baseline, side by side in one run, reported as ratios.
 
-(a) step time: the infractl trainer, at its default log_every and at log_every 1 (a read back
+(a) step time: the infractl trainer, at its defaults (in-memory replicas every
+    checkpoint.replicate_every steps included), without replicas, and at log_every 1 (a read back
     every step), vs a plain torchrun DDP loop doing the same math (bench/plain_ddp.py), over the
     same steps after warm-up; each measured --repeats times, interleaved, medians compared. On
     CUDA it also prints MFU. The trainer's tensor-parallel (``parallel: {tp: 2}``) and pipeline
@@ -47,13 +48,14 @@ from infractl.store import open_store  # noqa: E402
 from s3server import AWS_TEST_ENV, moto_server  # noqa: E402
 
 
-def torchrun(args: list[str], *, cwd: Path, world: int) -> str:
+def torchrun(args: list[str], *, cwd: Path, world: int, agent: str = "torch.distributed.run") -> str:
     """Run one standalone torchrun of WORLD ranks from CWD; its stdout. Exits the benchmark when it
-    fails or hangs (bench/planner_vs_peers.py runs its probes through it too)."""
+    fails or hangs (bench/planner_vs_peers.py runs its probes through it too). ``agent``: the
+    trainer's own (``trainer.agent``, which holds the in-memory replicas) or torch's."""
     # Workers run as modules (-m bench.x) from a scratch cwd: run as scripts, bench/ would come
     # first on sys.path and this file would shadow the trainer package.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
+    cmd = [sys.executable, "-m", agent, "--standalone", f"--nproc-per-node={world}", *args]
     agent = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = agent.communicate(timeout=_RUN_TIMEOUT_S)
@@ -84,6 +86,7 @@ def _ours(tmp: Path, spec: RunSpec, window: tuple[int, int], *, world: int, tag:
          "--workdir", str(run_dir / "work")],
         cwd=run_dir,
         world=world,
+        agent="trainer.agent",
     )  # fmt: skip
     ended = {r["step"]: r["time"] for r in runstore.read_metrics(open_store(store_uri), "bench")}
     first, last = window
@@ -128,6 +131,7 @@ def step_time(
         nodes={"min": 1, "max": 1},
     )
     every_step = spec.model_copy(update={"log_every": 1})
+    no_replicas = RunSpec.model_validate(spec.model_dump() | {"checkpoint": {"every": steps, "replicate_every": 0}})
     # Degree 2 (data parallel over the other ranks): a world of odd size has no such layout.
     layouts = {
         name: RunSpec.model_validate(spec.model_dump() | {"parallel": {name: 2}})
@@ -136,15 +140,16 @@ def step_time(
     }
     # From the first log step after warm-up to the last log step before the final one.
     window = (spec.log_every, steps - spec.log_every)
-    ours, ours_every_step, plain = [], [], []
+    ours, ours_every_step, ours_no_replicas, plain = [], [], [], []
     split: dict[str, list[float]] = {name: [] for name in layouts}
     for i in range(repeats):
         plain.append(_plain(tmp, spec, window, world=world))
         ours.append(_ours(tmp, spec, window, world=world, tag=f"ours-{i}"))
         ours_every_step.append(_ours(tmp, every_step, window, world=world, tag=f"ours-every-step-{i}"))
+        ours_no_replicas.append(_ours(tmp, no_replicas, window, world=world, tag=f"ours-no-replicas-{i}"))
         for name, layout in layouts.items():
             split[name].append(_ours(tmp, layout, window, world=world, tag=f"ours-{name}-{i}"))
-    ours_s, every_s, plain_s = (statistics.median(x) for x in (ours, ours_every_step, plain))
+    ours_s, every_s, bare_s, plain_s = (statistics.median(x) for x in (ours, ours_every_step, ours_no_replicas, plain))
     split_s = {name: statistics.median(runs) for name, runs in split.items()}
     tokens = batch_size * model.seq_len
     return {
@@ -153,9 +158,13 @@ def step_time(
         "plain_step_s": plain_s,
         "ratio": ours_s / plain_s,
         "ratio_every_step": every_s / plain_s,
+        "ours_no_replicas_step_s": bare_s,
+        "ratio_no_replicas": bare_s / plain_s,
+        "replicate_every": spec.checkpoint.replicate_every,
         **{f"{name}_step_s": seconds for name, seconds in split_s.items()},
         **{f"ratio_{name}": seconds / ours_s for name, seconds in split_s.items()},
-        "runs": {"ours": ours, "ours_every_step": ours_every_step, "plain": plain} | split,
+        "runs": {"ours": ours, "ours_every_step": ours_every_step, "ours_no_replicas": ours_no_replicas, "plain": plain}
+        | split,
         "log_every": spec.log_every,
         "tokens_per_s": tokens / ours_s,
         "model": model.model_dump(),
@@ -313,6 +322,10 @@ def report(results: dict[str, Any]) -> None:
         f"{st['ours_every_step_s'] * 1e3:.1f} ms (log_every 1) vs plain DDP {st['plain_step_s'] * 1e3:.1f} ms "
         f"-> ratio {st['ratio']:.3f} (log_every 1: {st['ratio_every_step']:.3f}; 1.00 = no overhead); "
         f"{st['tokens_per_s']:,.0f} tokens/s"
+    )
+    print(
+        f"    in-memory replicas every {st['replicate_every']} steps included; without them "
+        f"{st['ours_no_replicas_step_s'] * 1e3:.1f} ms -> ratio {st['ratio_no_replicas']:.3f}"
     )
     if "tp_step_s" in st:
         print(

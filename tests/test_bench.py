@@ -31,9 +31,11 @@ def _bench(script: str, *args: str, out: Path, timeout: float) -> dict[str, Any]
 def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     results = _bench("trainer.py", "--quick", out=tmp_path / "trainer.json", timeout=900)
     step = results["step_time"]
-    for field in ("ours_step_s", "ours_every_step_s", "plain_step_s", "ratio", "ratio_every_step", "tokens_per_s"):
+    for field in ("ours_step_s", "ours_every_step_s", "ours_no_replicas_step_s", "plain_step_s", "tokens_per_s"):
         assert step[field] > 0, step
-    assert step["log_every"] == 10 and step["steps_measured"] > 0
+    for field in ("ratio", "ratio_every_step", "ratio_no_replicas"):
+        assert step[field] > 0, step
+    assert step["log_every"] == 10 and step["steps_measured"] > 0 and step["replicate_every"] > 0
     for layout in ("tp", "pp"):  # the model split over the 2 ranks, against the trainer's ddp
         seconds = step[f"{layout}_step_s"]
         assert seconds > 0 and step[f"ratio_{layout}"] == seconds / step["ours_step_s"]

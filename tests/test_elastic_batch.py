@@ -1,22 +1,30 @@
-"""Elastic world sizes keep the global batch: a run on a 4-node local cluster (real Terraform,
-Ansible, torchrun on gloo) with `nodes: {min: 1, max: 4}` and `batch_size: 16`, a batch no
-world size of 3 divides, loses a node and goes on with 3 ranks: shares of 6, 5 and 5 samples in
-two passes each, and the losses of an uninterrupted run."""
+"""Runs on a 4-node local cluster (real Terraform, Ansible, torchrun on gloo).
+
+Elastic world sizes keep the global batch: a run with `nodes: {min: 1, max: 4}` and
+`batch_size: 16`, a batch no world size of 3 divides, loses a node and goes on with 3 ranks:
+shares of 6, 5 and 5 samples in two passes each, and the losses of an uninterrupted run.
+
+In-memory replicas never load a partial step: a run on three of the nodes loses two at once, one
+of them holding the other's only copy, and resumes from the store's commit."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from test_trainer import ok, store_of, torchrun
 
-from infractl import runstore
+from infractl import proc, runstore
 from infractl.config import load_run
 from infractl.store import FileStore
+from trainer import replicas
+from trainer.replicas import REPLICA_ADDR_ENV
 
-from conftest import Cli, module_cluster, wait_for_commit, write
+from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 
 pytestmark = pytest.mark.e2e
 
@@ -78,3 +86,59 @@ def test_losing_one_of_four_nodes_keeps_the_global_batch_and_the_losses(four_nod
     for record in records:
         step, loss = record["step"], record["loss"]
         assert loss == pytest.approx(reference[step], rel=REL_TOL), (record["world_size"], step, loss)
+
+
+RING = """\
+name: ring
+model: {layers: 2, hidden: 32, heads: 2, seq_len: 32}
+data: {max_bytes: 100000}
+batch_size: 12
+steps: 100000
+min_step_s: 0.1
+checkpoint: {every: 20, keep: 2, replicate_every: 2}
+nodes: {min: 1, max: 3}
+max_restarts: 3
+watchdog: {step_timeout_s: 10}
+"""
+
+
+@pytest.mark.xdist_group("four")
+def test_two_of_three_nodes_lost_with_a_ranks_both_copies_resume_from_the_store(four_nodes: Cli) -> None:
+    # Copies go to the node itself and the next in a ring of three: of any two nodes, one holds
+    # the other's second copy, so killing both leaves some rank's files nowhere.
+    four_nodes("train", str(write(four_nodes.cwd / "ring.yaml", RING)), "--detach", "-c", "four")
+    cluster_dir = four_nodes.home / "four"
+    store = FileStore(cluster_dir / "store")
+    try:
+        wait_for_commit(store, "ring", at_least=20, timeout=180)
+        newer_replica(cluster_dir, "node-0", "ring", store)
+        killed = time.time()
+        proc.kill(proc.find(cluster_dir, node="node-1", run="ring") + proc.find(cluster_dir, node="node-2", run="ring"))
+        wait_for_world(store, "ring", size=1, since=killed, timeout=180)
+        first = min(
+            (r for r in runstore.read_metrics(store, "ring") if r["time"] > killed and runstore.starts_a_process(r)),
+            key=lambda r: r["time"],
+        )
+        assert first["resumed_from"] == "store", first
+        committed = [s for s in runstore.committed_steps(store, "ring") if s < first["step"]]
+        assert first["step"] - 1 == max(committed)
+        log = (cluster_dir / "nodes" / "node-0" / "logs" / "ring.log").read_text()
+        assert "replica_incomplete" in log
+    finally:
+        stop_runs(cluster_dir)
+
+
+def newer_replica(cluster_dir: Path, node: str, run: str, store: FileStore) -> int:
+    """Wait until ``node``'s agent holds a replica manifest newer than the run's newest commit
+    (asked over its replica server, as the ranks do); return its step."""
+    # The agent set it for its workers after it started: a worker's environment has it.
+    worker = next(p for p in proc.listing(cluster_dir, node=node, run=run) if p.worker)
+    address = psutil.Process(worker.pid).environ()[REPLICA_ADDR_ENV]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        index = json.loads(replicas._request(address, "GET", "/index"))
+        steps = [int(step) for step, held in index.items() if held["manifest"] is not None]
+        if steps and max(steps) > (runstore.latest_committed_step(store, run) or 0):
+            return max(steps)
+        time.sleep(0.05)
+    raise AssertionError(f"{node}'s agent held no replica newer than the commit within 60 s")

@@ -21,6 +21,10 @@ about 2 s on a CPU node) while the first rendezvous runs, and torchrun forks eve
 restart from it (``trainer.train.warm_main``, same arguments and exit codes). torchrun applies
 its start method only to workers it runs as functions; a module runs as a new Python each time.
 
+The agent also holds its node's in-memory checkpoint replicas (``trainer.replicas``): a server on
+the node's ``--local-addr`` that outlives the workers' restarts; its workers find it in
+``$INFRACTL_REPLICA_ADDR``.
+
 On a node that may be reclaimed (a spot instance: its provider sets ``INFRACTL_SPOT_NOTICE_URL`` to
 the instance metadata service), the agent also polls the spot interruption notice, which EC2 posts
 two minutes before it takes the instance back, and answers one with that same SIGTERM to itself:
@@ -34,6 +38,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -49,7 +54,7 @@ from torch.distributed.launcher import api as launcher_api
 
 from infractl.log import get_logger
 from infractl.proc import SPOT_NOTICE_ENV
-from trainer import rendezvous
+from trainer import rendezvous, replicas
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -133,11 +138,19 @@ def _warm_config(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
     return config, warm_main, list(args.training_script_args)
 
 
+def _local_addr(argv: list[str]) -> str:
+    """torchrun's ``--local-addr`` (the address this node's peers reach it at), else loopback."""
+    parsed, _ = torchrun.get_args_parser().parse_known_args(argv)
+    return str(parsed.local_addr or "127.0.0.1")
+
+
 def main() -> None:
     # torchrun builds its agent from this module attribute (torch.distributed.launcher.api.launch_agent).
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
     torchrun.config_from_args = _warm_config
     rendezvous.install()
+    # Before the workers (and the fork server they are forked from) copy this environment.
+    os.environ[replicas.REPLICA_ADDR_ENV] = replicas.serve(_local_addr(sys.argv[1:])).address
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)
     if metadata_url:
         threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()

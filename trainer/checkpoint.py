@@ -75,6 +75,8 @@ from infractl.runstore import (
     verify_checkpoint,
 )
 from infractl.store import Store, StoreError
+from trainer.replicas import Replicas
+from trainer.replicas import fetch as fetch_replica
 
 __all__ = ["Checkpointer", "SaveFailed", "UPLOAD_DELAY_ENV"]
 
@@ -233,8 +235,9 @@ class Checkpointer:
         finally:
             _remove_empty(self.workdir / "staging")
 
-    def load(self, build_state: StateBuilder) -> Manifest | None:
-        """Load the newest committed step that verifies into ``build_state(manifest)``.
+    def load(self, build_state: StateBuilder, replicas: Replicas | None = None) -> Manifest | None:
+        """Load the newest committed step that verifies into ``build_state(manifest)``, or a
+        newer whole replica from the agents' memory (``replicas``, see trainer/replicas.py).
 
         Returns that step's manifest, or None when the run has no committed step. A step that
         fails verification (missing file, wrong size or sha256) is skipped for the one before
@@ -244,6 +247,10 @@ class Checkpointer:
         self.wait()
         shutil.rmtree(self._staging_dir(None), ignore_errors=True)
         steps = self._on_rank0(self._clean_and_list)
+        if replicas is not None:
+            manifest = self._load_replica(replicas, build_state, not_before=steps[0] if steps else None)
+            if manifest is not None:
+                return manifest
         for step in steps:
             manifest, error = self._on_rank0(functools.partial(self._verify, step))
             if manifest is not None:
@@ -260,6 +267,26 @@ class Checkpointer:
             shutil.rmtree(self._restore_dir(step), ignore_errors=True)
         if steps:
             raise CheckpointError(f"run {self.run_id!r}: no committed checkpoint verifies (tried steps {steps})")
+        return None
+
+    def _load_replica(
+        self, replicas: Replicas, build_state: StateBuilder, *, not_before: int | None
+    ) -> Manifest | None:
+        """The newest whole replica not older than ``not_before`` whose every file every rank
+        fetched and verified, loaded; None when there is none (then the store's commit is loaded)."""
+        for candidate in self._on_rank0(lambda: replicas.candidates(not_before)):
+            manifest = candidate.manifest
+            restore = self._restore_dir(manifest.step)
+            errors: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(errors, fetch_replica(candidate, restore, tag=f"rank-{self.rank}"))
+            error = next((e for e in errors if e), None)
+            if error is None:
+                self._load(manifest, build_state(manifest))
+                return manifest
+            if self.rank == 0:
+                log.warning("replica_invalid", step=manifest.step, error=error)
+            dist.barrier()  # every rank is done with the files before they go
+            shutil.rmtree(restore, ignore_errors=True)
         return None
 
     # -- protocol, off the training thread ----------------------------------------------

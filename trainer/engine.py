@@ -47,6 +47,7 @@ from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import Parallel, compute_dtype, parallelize
 from trainer.preemption import PreemptionNotice
 from trainer.profiling import StepProfiler
+from trainer.replicas import Replicas
 from trainer.saves import Saves
 from trainer.state import (
     ModelState,
@@ -128,18 +129,13 @@ class Trainer:
             world_size=env.world_size,
             keep=spec.checkpoint.keep,
         )
-        metrics = (
+        self.metrics = (
             MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id) if env.rank == 0 else None
         )
-        self.saves = Saves(
-            self.checkpointer,
-            metrics,
-            every=spec.checkpoint.every,
-            step_timeout_s=spec.watchdog.step_timeout_s,
-            rank=env.rank,
-            state=lambda: self._state(None),
-            extra=self._extra,
-        )
+        self.replicas = self._join_replicas(workdir)
+        self.saves = self._saves()
+        #: What this process resumed from: "store", "replica", or None (step 0).
+        self.resumed_from: str | None = None
         self.profiler = StepProfiler(
             store, run_id, rank=env.rank, device=device, workdir=workdir, window=spec.profile.window
         )
@@ -154,6 +150,28 @@ class Trainer:
             self.comm = CommTimer(self.clock)
             self.comm.attach(self.model)
 
+    def _saves(self) -> Saves:
+        spec = self.spec
+        return Saves(
+            self.checkpointer,
+            self.metrics,
+            every=spec.checkpoint.every,
+            step_timeout_s=spec.watchdog.step_timeout_s,
+            rank=self.env.rank,
+            state=lambda: self._state(None),
+            extra=self._extra,
+            replicas=self.replicas,
+            replicate_every=spec.checkpoint.replicate_every,
+        )
+
+    def _join_replicas(self, workdir: Path) -> Replicas | None:
+        """This job's in-memory replicas (collective), unless the run asks for none."""
+        if not self.spec.checkpoint.replicate_every:
+            return None
+        metrics = self.metrics
+        records = metrics.unwritten if metrics is not None else list
+        return Replicas.join(rank=self.env.rank, world_size=self.env.world_size, workdir=workdir, records=records)
+
     def _state(self, loading: Manifest | None) -> dict[str, Any]:
         state: dict[str, Any] = {
             "model": ModelState(self.model),
@@ -167,20 +185,27 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the newest committed checkpoint, if any; return the last step already done."""
-        manifest = self.checkpointer.load(self._state)
+        manifest = self.checkpointer.load(self._state, self.replicas)
         # Every rank says where it starts from; what holds for the whole job, rank 0 says.
         if manifest is None:
             log.info("starting", step=0, world_size=self.env.world_size, attempt=self.env.attempt)
             return 0
+        self.resumed_from = "replica" if manifest.reason is SaveReason.REPLICA else "store"
         log.info(
             "resumed",
             step=self.progress.step,
+            source=self.resumed_from,
             world_size=self.env.world_size,
             saved_world_size=manifest.world_size,
             saved_reason=manifest.extra.get("reason"),
             attempt=self.env.attempt,
             restart_count=self.env.restart_count,
         )
+        if self.metrics is not None:
+            # The records the replica's rank 0 had not written yet: the store gets them now.
+            for record in manifest.extra.get("records", []):
+                if record["step"] <= manifest.step:
+                    self.metrics.add(record)
         if manifest.world_size != self.env.world_size and self.env.rank == 0:
             log.info(
                 "rng_not_restored",
@@ -231,14 +256,7 @@ class Trainer:
                 if self.validation is not None and (step % spec.eval.every == 0 or final):
                     self.steplog.last.val_loss = self._evaluate(self.validation)
                 if self._log_step(step, final):
-                    busy = 0.0 if final else float(self.saves.busy(step))
-                    records, (preempted, saving) = self.steplog.flush([float(self.preemption.signalled), busy])
-                    for earlier in records[:-1]:
-                        self.saves.record(earlier)
-                    record = records[-1]
-                    self._check_preemption_bound(records)
-                    if not final:
-                        self.saves.after_step(step, record, preempted=preempted > 0, ranks_saving=saving)
+                    record, preempted = self._flush(step, final)
             if first:
                 self._warmed_up()
                 first = False
@@ -255,6 +273,23 @@ class Trainer:
         if self.env.rank == 0:  # every rank's own last line is trainer/train.py's ``stopped``
             log.info("finished", step=self.progress.step, tokens_seen=self.progress.tokens_seen)
         return self.progress.step
+
+    def _flush(self, step: int, final: bool) -> tuple[StepRecord, int]:
+        """A log step: read the pending steps back with the flags the ranks agree on, record
+        them, and save or replicate ``step`` when due (not the last: ``Saves.final``); return
+        its record and how many ranks got a preemption notice."""
+        busy = 0.0 if final else float(self.saves.busy(step))
+        copying = 0.0 if final else float(self.saves.replicating(step))
+        flags = [float(self.preemption.signalled), busy, copying]
+        records, (preempted, saving, replicating) = self.steplog.flush(flags)
+        for earlier in records[:-1]:
+            self.saves.record(earlier)
+        self._check_preemption_bound(records)
+        if not final:
+            self.saves.after_step(
+                step, records[-1], preempted=preempted > 0, ranks_saving=saving, ranks_replicating=replicating
+            )
+        return records[-1], preempted
 
     def _check_preemption_bound(self, records: list[StepRecord]) -> None:
         """Once, after the first steps: warn if ``log_every`` steps take long enough that a
@@ -276,9 +311,10 @@ class Trainer:
 
     def _log_step(self, step: int, final: bool) -> bool:
         """Whether ``step`` reads the pending steps back (see trainer/steplog.py): every
-        log_every steps, on checkpoint steps, at the last step."""
+        log_every steps, on checkpoint and replica steps, at the last step. (A replica carries
+        the metrics records of the steps before it: they must exist.)"""
         spec = self.spec
-        return final or step % spec.log_every == 0 or step % spec.checkpoint.every == 0
+        return final or step % spec.log_every == 0 or step % spec.checkpoint.every == 0 or self.saves.replica_due(step)
 
     def _warmed_up(self) -> None:
         """After the first step of this process (loading and the first step may be slow): from
@@ -338,6 +374,7 @@ class Trainer:
             time=time.time(),
             environment=dict(self.fingerprint) if first else None,
             timeline=dict(self.timeline) if first else None,
+            resumed_from=self.resumed_from if first else None,
         )
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

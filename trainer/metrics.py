@@ -229,6 +229,12 @@ class MetricsWriter:
             self._tensorboard.flush()
         self._hand_over(upload=self._tensorboard is not None)
 
+    def unwritten(self) -> list[StepRecord]:
+        """The records added and not yet known to be in the store (a replica carries them: a
+        run resumed from it writes them again)."""
+        with self._cond:
+            return [*self._queue, *self._pending]
+
     def close(self) -> None:
         """Write everything (retrying while the store is down), then close TensorBoard's
         writer; once the event files are in the store the local copies go (the workdir is

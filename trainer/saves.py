@@ -1,5 +1,7 @@
 """When and why the trainer saves: scheduled saves (skipped while a rank's previous save still
-runs), the final save (retried until it commits), and the emergency save on a preemption notice.
+runs), the final save (retried until it commits), the emergency save on a preemption notice, and
+the in-memory replicas between them (trainer/replicas.py; skipped while a rank's previous one is
+still being copied).
 
 Each save writes the step's metrics record first: once the step is committed a crash resumes
 after it, and records still buffered would never be written. The record's
@@ -18,6 +20,7 @@ from infractl.runstore import SaveReason, StepRecord
 from trainer.backoff import retry_delays
 from trainer.checkpoint import Checkpointer, SaveFailed
 from trainer.metrics import MetricsWriter
+from trainer.replicas import Replicas
 
 __all__ = ["SAVE_WAIT_S", "Saves"]
 
@@ -42,10 +45,14 @@ class Saves:
         rank: int,
         state: Callable[[], dict[str, Any]],
         extra: Callable[[SaveReason], dict[str, Any]],
+        replicas: Replicas | None = None,
+        replicate_every: int = 0,
     ) -> None:
         self.checkpointer = checkpointer
         self.metrics = metrics
         self.every = every
+        self.replicas = replicas
+        self.replicate_every = replicate_every if replicas is not None else 0
         self.wait_s = min(SAVE_WAIT_S, step_timeout_s / 4)
         self.rank = rank
         self._state = state
@@ -56,15 +63,37 @@ class Saves:
         still running (the ranks agree on it in the step's log collective, see after_step)."""
         return step % self.every == 0 and self.checkpointer.settle(self.wait_s)
 
+    def replica_due(self, step: int) -> bool:
+        return bool(self.replicate_every) and step % self.replicate_every == 0
+
+    def replicating(self, step: int) -> bool:
+        """On a step due for a replica: True if this rank's previous one is still being copied
+        (the ranks agree on it in the step's log collective, see after_step)."""
+        return self.replicas is not None and self.replica_due(step) and self.replicas.busy()
+
     def record(self, record: StepRecord) -> None:
         """A step's record with no save of its own."""
         if self.metrics is not None:
             self.metrics.add(record)
 
-    def after_step(self, step: int, record: StepRecord, *, preempted: bool, ranks_saving: int) -> None:
+    def after_step(
+        self, step: int, record: StepRecord, *, preempted: bool, ranks_saving: int, ranks_replicating: int = 0
+    ) -> None:
         """A log step but the last: save it if it is due and no rank's previous save is still
         running (``ranks_saving``, summed over the ranks from ``busy``), else record it, unless
-        a preemption save of it follows (``preempted``) and records it."""
+        a preemption save of it follows (``preempted``) and records it. Then replicate it if it
+        is due, no preemption save follows and no rank's previous replica is still being copied
+        (``ranks_replicating``, from ``replicating``)."""
+        self._scheduled(step, record, preempted=preempted, ranks_saving=ranks_saving)
+        if self.replicas is None or preempted or not self.replica_due(step):
+            return
+        if ranks_replicating:
+            if self.rank == 0:
+                log.info("replica_skipped", step=step, reason="the previous replica is still being copied")
+            return
+        self.replicas.save(step, self._state(), extra=self._extra(SaveReason.REPLICA))
+
+    def _scheduled(self, step: int, record: StepRecord, *, preempted: bool, ranks_saving: int) -> None:
         due = step % self.every == 0
         if due and not ranks_saving:
             self._save(step, record, SaveReason.SCHEDULED)
@@ -107,6 +136,8 @@ class Saves:
 
     def close(self) -> None:
         """Saves are async: the last one must commit before the process exits 0."""
+        if self.replicas is not None:
+            self.replicas.close()
         self.checkpointer.close()
         if self.metrics is not None:
             self.metrics.close()

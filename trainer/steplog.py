@@ -39,6 +39,7 @@ class PendingStep:
     val_loss: float | None = None
     environment: dict[str, Any] | None = None  # in the first step of the process
     timeline: dict[str, float] | None = None  # likewise: when the process started, joined, loaded
+    resumed_from: str | None = None  # likewise: "store" or "replica", None at step 0
 
 
 class StepLog:
@@ -117,5 +118,7 @@ class StepLog:
                 record["environment"] = pending.environment
             if pending.timeline is not None:
                 record["timeline"] = pending.timeline
+            if pending.resumed_from is not None:
+                record["resumed_from"] = pending.resumed_from
             records.append(record)
         return records, raised

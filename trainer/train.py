@@ -13,16 +13,19 @@ node's log, so each rank tells its own story there, and only what the whole job 
 to rank 0, so the other nodes' logs stay short.
 
 - Every rank, at info, its lifecycle: ``rank_joined`` (rank, local rank, world size, attempt,
-  restart count, node); ``resumed`` (step, the saved world size and the reason that step was
-  saved) or ``starting`` (step 0); per save ``checkpoint_staged`` (training goes on) and
-  ``checkpoint_committed`` (step); last ``stopped`` with ``reason=`` ``finished`` (step),
-  ``preempted`` or ``peer_preempted`` (the committed step), ``refused`` or ``crashed`` (``error=``
-  the exception, at error level). Also per rank: ``preempted``, ``watchdog_stopped``, profiling's
-  ``profile_*``. A rank killed outright (the watchdog's SIGKILL, a dead node) writes no
-  ``stopped`` line: its log ends there, and the agent's lines follow.
+  restart count, node); ``resumed`` (step, ``source`` ``store`` or ``replica``, the saved world
+  size and the reason that step was saved) or ``starting`` (step 0); per save
+  ``checkpoint_staged`` (training goes on) and ``checkpoint_committed`` (step); last ``stopped``
+  with ``reason=`` ``finished`` (step), ``preempted`` or ``peer_preempted`` (the committed step),
+  ``refused`` or ``crashed`` (``error=`` the exception, at error level). Also per rank:
+  ``preempted``, ``watchdog_stopped``, profiling's ``profile_*``. A rank killed outright (the
+  watchdog's SIGKILL, a dead node) writes no ``stopped`` line: its log ends there, and the
+  agent's lines follow.
 - Rank 0 only, the job-wide events and anything per step: ``environment``, ``config_changed``,
   ``rng_not_restored``, ``watchdog_started``, ``checkpoint_started``, ``checkpoint_skipped``,
-  ``checkpoint_failed``, ``checkpoint_invalid``, ``checkpoints_cleaned``, ``preemption_bound``,
+  ``checkpoint_failed``, ``checkpoint_invalid``, ``checkpoints_cleaned``, the replicas'
+  ``replica_skipped``, ``replica_failed``, ``replica_incomplete``, ``replica_index_failed``,
+  ``replica_invalid`` and ``replicas_off``, ``preemption_bound``,
   the metrics writer's lines and ``finished``. No rank logs every step.
 """
 

@@ -72,9 +72,24 @@ class DataSpec(Spec):
         return self
 
 
+#: checkpoint.replicate_every's default: the step-time cost measured by bench/trainer.py stays
+#: within 2% there (README, Performance).
+REPLICATE_EVERY = 10
+
+
 class CheckpointSpec(Spec):
     every: int = Field(10, ge=1, le=10**9, description="Save a checkpoint every N steps (and at the last step).")
     keep: int = Field(2, ge=2, le=1000, description="Committed checkpoints to keep (at least 2).")
+    replicate_every: int = Field(
+        REPLICATE_EVERY,
+        ge=0,
+        le=10**9,
+        description=(
+            "Every N steps, each rank's checkpoint shard is also held in host memory on its own node and the "
+            "next one (0 = never): a restart then resumes from the newest replica every rank can still reach, "
+            "not the store's older commit. Replicas are never committed to the store."
+        ),
+    )
 
 
 class EvalSpec(Spec):

@@ -139,12 +139,13 @@ class Kind:
     def describe(self, record: DrillRecord) -> str:
         """How the run came back, for the drill's line."""
         return (
-            f"resumed from step {record.resumed_from_step} (last committed {record.expected_resume_step}) "
+            f"resumed from step {record.resumed_from_step}{' (a replica)' if record.resumed_from == 'replica' else ''} "
+            f"(last committed {record.expected_resume_step}) "
             f"on world size {record.world_size_after}, lost {record.lost_work_steps} step(s)"
         )
 
     def succeeded(self, record: DrillRecord) -> bool:
-        """Recovered, and from the newest committed step."""
+        """Recovered, and from the newest committed step or a newer replica."""
         return record.outcome == "recovered" and record.resumed_correctly
 
 

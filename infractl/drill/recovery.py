@@ -29,9 +29,11 @@ seconds; ``fault_time`` is taken just before the fault.
     was not seen. Points come from the nodes' clocks and the drill's, so a phase under 10 ms
     may read 0.
 ``resumed_from_step``
-    that record's step - 1: the committed step the workers loaded. ``expected_resume_step`` is
-    the newest step committed before that record (from the manifests), and the drill checks
-    the two are equal: a run never resumes from anything but its last committed step.
+    that record's step - 1: the step the workers loaded, from the store or (``resumed_from``
+    ``replica``) from the agents' memory. ``expected_resume_step`` is the newest step committed
+    before that record (from the manifests), and the drill checks that a resume from the store
+    loaded exactly that step and one from a replica no older step: a run never resumes from
+    anything older than its last committed step.
 ``lost_work_steps``
     ``step_at_fault - resumed_from_step`` (at least 0): steps trained but not kept.
     ``step_at_fault`` is the newest step in the store at the fault; metrics are flushed every
@@ -140,6 +142,7 @@ def resumed(commits: Commits, record: DrillRecord) -> bool:
     first = min(restarts, key=lambda r: r["time"])
     record.restart_s = round(first["time"] - record.fault_time, 3)
     record.resumed_from_step = first["step"] - 1
+    record.resumed_from = first.get("resumed_from")
     record.expected_resume_step = commits.newest_before(first["time"]) or 0
     record.world_size_after = first["world_size"]
     record.phases = split_restart(record, first.get("timeline", {}))

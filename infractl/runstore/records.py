@@ -32,6 +32,7 @@ class SaveReason(enum.StrEnum):
     SCHEDULED = "scheduled"  # every checkpoint.every steps
     FINAL = "final"  # the last step
     PREEMPTION = "preemption"  # the emergency save on a preemption notice
+    REPLICA = "replica"  # held in the agents' memory (checkpoint.replicate_every), never in the store
 
 
 class StepRecord(TypedDict):
@@ -69,6 +70,9 @@ class StepRecord(TypedDict):
     # (the process was created: its agent's rendezvous round had completed), ``joined`` (the
     # worker process group formed), ``loaded`` (the committed checkpoint loaded, or none found).
     timeline: NotRequired[dict[str, float]]
+    # Beside them too: what rank 0's process resumed from, ``store`` (the newest commit) or
+    # ``replica`` (a newer step from the agents' memory); absent when it started at step 0.
+    resumed_from: NotRequired[str]
 
 
 def starts_a_process(record: StepRecord) -> bool:
@@ -168,6 +172,9 @@ class DrillRecord:
     # None for a phase whose end was not seen. Empty until the run restarted.
     phases: dict[str, float | None] = field(default_factory=dict)
     resumed_from_step: int | None = None
+    # Where the restarted workers loaded it from: "store" (its newest commit) or "replica" (the
+    # agents' memory, a step at least as new); None for a writer that did not say.
+    resumed_from: str | None = None
     expected_resume_step: int | None = None
     lost_work_steps: int | None = None
     world_size_after: int | None = None
@@ -183,8 +190,13 @@ class DrillRecord:
 
     @property
     def resumed_correctly(self) -> bool:
-        """Resumed from the newest committed step (never step 0 when something was committed)."""
-        return self.resumed_from_step is not None and self.resumed_from_step == self.expected_resume_step
+        """Resumed from the newest committed step (never step 0 when something was committed),
+        or from a replica of a step at least as new."""
+        if self.resumed_from_step is None or self.expected_resume_step is None:
+            return False
+        if self.resumed_from == "replica":
+            return self.resumed_from_step >= self.expected_resume_step
+        return self.resumed_from_step == self.expected_resume_step
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"resumed_correctly": self.resumed_correctly}
