@@ -323,8 +323,8 @@ class Replicas:
         try:
             written.result()
             for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-                entry = ManifestEntry(key=path.name, size=path.stat().st_size, sha256=file_sha256(path))
-                body = path.read_bytes()
+                body = path.read_bytes()  # read once: hashed here, sent to both agents
+                entry = ManifestEntry(key=path.name, size=len(body), sha256=hashlib.sha256(body).hexdigest())
                 for address, copy in ((self.own, "own"), (self.peer, "peer")):
                     if address is not None:
                         _request(
