@@ -53,6 +53,7 @@ class Saves:
         self.every = every
         self.replicas = replicas
         self.replicate_every = replicate_every if replicas is not None else 0
+        self._skipping = False  # the replicas due since the last one taken were all skipped
         self.wait_s = min(SAVE_WAIT_S, step_timeout_s / 4)
         self.rank = rank
         self._state = state
@@ -88,9 +89,11 @@ class Saves:
         if self.replicas is None or preempted or not self.replica_due(step):
             return
         if ranks_replicating:
-            if self.rank == 0:
+            if self.rank == 0 and not self._skipping:  # once per streak: it may come every other step
                 log.info("replica_skipped", step=step, reason="the previous replica is still being copied")
+            self._skipping = True
             return
+        self._skipping = False
         self.replicas.save(step, self._state(), extra=self._extra(SaveReason.REPLICA))
 
     def _scheduled(self, step: int, record: StepRecord, *, preempted: bool, ranks_saving: int) -> None:
