@@ -168,8 +168,10 @@ def torchrun_argv(
         # The endpoint is the cluster's own rendezvous server, never a training node. After a node
         # dies, the survivors wait until its keep-alives have been missing for interval x attempts
         # (torchrun's default: 15 s), then wait last_call_timeout for more nodes once nodes.min
-        # joined (default: 30 s): both dominate the restart (run.yaml's restart section).
+        # joined (default: 30 s): both dominate the restart (run.yaml's restart section). A launch's
+        # first round waits launch_last_call instead (trainer/rendezvous.py).
         f"--rdzv-conf=is_host=false,last_call_timeout={spec.restart.last_call_s},"
+        f"{proc.LAUNCH_LAST_CALL_KEY}={spec.restart.launch_wait_s},"
         f"keep_alive_interval={spec.restart.keep_alive_s},keep_alive_max_attempt={spec.restart.keep_alive_misses}",
         # The address this node's peers reach it at: the rank-0 node's becomes the workers'
         # MASTER_ADDR (by default its host name, which a netns node shares with the host).

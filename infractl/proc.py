@@ -31,6 +31,7 @@ import psutil
 __all__ = [
     "AGENT_MODULE",
     "CLUSTER_ENV",
+    "LAUNCH_LAST_CALL_KEY",
     "NODE_ENV",
     "RUN_ENV",
     "SPOT_NOTICE_ENV",
@@ -56,6 +57,9 @@ AGENT_MODULE = "trainer.agent"
 #: The instance metadata service (its ``/latest`` URL) whose spot interruption notice a node's agent
 #: polls, on a node that may be reclaimed (``trainer.agent``); unset elsewhere.
 SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
+#: The agent's ``--rdzv-conf`` key of the seconds a launch's first rendezvous round waits for its
+#: nodes (``trainer.rendezvous``; torch ignores the key).
+LAUNCH_LAST_CALL_KEY = "launch_last_call"
 
 
 def run(argv: list[str], *, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:

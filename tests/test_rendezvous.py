@@ -69,6 +69,21 @@ def test_a_launch_first_round_keeps_its_last_call() -> None:
     assert join(A, state(round=0, complete=False, participants=[A], alive=[A])) in (Action.SYNC, Action.KEEP_ALIVE)
 
 
+def test_a_launch_first_round_waits_the_launch_last_call_for_its_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A's last call ran out, but the launch's (longer) has not: B, whose agent started late, is
+    still waited for; once the launch's runs out too, the run starts without it."""
+    monkeypatch.setattr(rendezvous, "_launch_last_call", SETTINGS.timeout.last_call * 2)
+    ran_out = state(round=0, complete=False, participants=[A], alive=[A])
+    ran_out.deadline = datetime.now(UTC) - timedelta(seconds=1)  # nodes.min joined one last call and 1 s ago
+    assert join(A, ran_out) in (Action.SYNC, Action.KEEP_ALIVE)
+    ran_out.deadline = datetime.now(UTC) - SETTINGS.timeout.last_call - timedelta(seconds=1)
+    assert join(A, ran_out) == Action.MARK_RENDEZVOUS_COMPLETE
+    # A restart's round is not held by it.
+    restart = state(round=1, complete=False, participants=[A], alive=[A])
+    restart.deadline = datetime.now(UTC) - timedelta(seconds=1)
+    assert join(A, restart) == Action.MARK_RENDEZVOUS_COMPLETE
+
+
 def test_a_finished_round_and_a_node_outside_it_are_torch_s() -> None:
     assert join(A, state(round=1, complete=True, participants=[A, B], alive=[A, B])) == Action.FINISH
     assert join(C, state(round=1, complete=True, participants=[A, B], alive=[A, B])) == Action.ADD_TO_WAIT_LIST

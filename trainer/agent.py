@@ -50,10 +50,11 @@ import psutil
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher import api as launcher_api
 
 from infractl.log import get_logger
-from infractl.proc import SPOT_NOTICE_ENV
+from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
 from trainer import rendezvous, replicas
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
@@ -138,19 +139,22 @@ def _warm_config(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
     return config, warm_main, list(args.training_script_args)
 
 
-def _local_addr(argv: list[str]) -> str:
-    """torchrun's ``--local-addr`` (the address this node's peers reach it at), else loopback."""
+def _options(argv: list[str]) -> tuple[str, float | None]:
+    """From torchrun's arguments: ``--local-addr`` (the address this node's peers reach it at, else
+    loopback) and the launch's last call in ``--rdzv-conf`` (see ``trainer.rendezvous``)."""
     parsed, _ = torchrun.get_args_parser().parse_known_args(argv)
-    return str(parsed.local_addr or "127.0.0.1")
+    launch_last_call = _parse_rendezvous_config(parsed.rdzv_conf).get(LAUNCH_LAST_CALL_KEY)
+    return str(parsed.local_addr or "127.0.0.1"), None if launch_last_call is None else float(launch_last_call)
 
 
 def main() -> None:
     # torchrun builds its agent from this module attribute (torch.distributed.launcher.api.launch_agent).
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
     torchrun.config_from_args = _warm_config
-    rendezvous.install()
+    local_addr, launch_last_call = _options(sys.argv[1:])
+    rendezvous.install(launch_last_call)
     # Before the workers (and the fork server they are forked from) copy this environment.
-    os.environ[replicas.REPLICA_ADDR_ENV] = replicas.serve(_local_addr(sys.argv[1:])).address
+    os.environ[replicas.REPLICA_ADDR_ENV] = replicas.serve(local_addr).address
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)
     if metadata_url:
         threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()

@@ -5,7 +5,7 @@ change against the pinned version.
 
 After a node dies, the survivors' agents leave the finished round and wait for the next; it opens
 once the dead node, still a participant, is dropped for missing its keep-alives, and it closes
-``last_call_timeout`` after ``nodes.min`` nodes joined. Four changes:
+``last_call_timeout`` after ``nodes.min`` nodes joined. Five changes:
 
 - **Keep-alives every interval.** torch sends one only when the last is at least one interval
   old, from a timer of that same interval: a tick a little early skips its keep-alive, and a live
@@ -16,6 +16,10 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
   last call: live nodes are those with keep-alives in the shared state (a dead node's expired and
   were dropped; a node still in the finished round has them), so nobody is left out. The first
   round of a launch keeps the last call: its nodes have not all sent a keep-alive yet.
+- **A launch's first round waits longer for its nodes** (``launch_last_call`` in ``--rdzv-conf``,
+  run.yaml ``restart.launch_wait_s``) than a restart's round waits for a live node that does not
+  join (``last_call_timeout``, ``restart.last_call_s``): the agents of a launch start seconds
+  apart on a loaded machine, and a node left out of the first round restarts the run to join it.
 - **A node the rendezvous dropped while it was alive restarts its workers** (a membership change,
   as when a node waits to join): its keep-alives came too late (the machine stalled), and it would
   otherwise train on alone beside the round the others form without it.
@@ -23,7 +27,7 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_rendezvous
@@ -37,6 +41,9 @@ log = get_logger(__name__)
 
 #: Seconds between two looks at the shared state while a node waits for a round (torch: 1).
 POLL_S = 0.25
+#: How long a launch's first round waits for its nodes (``infractl.proc.LAUNCH_LAST_CALL_KEY``),
+#: set by install(); None keeps torch's last call for the first round too.
+_launch_last_call: timedelta | None = None
 
 _Action = torch_rendezvous._Action
 _torch_delay = torch_rendezvous_utils._delay
@@ -56,11 +63,22 @@ def _delay(seconds: float | tuple[float, float]) -> None:
 
 
 class _JoinOp(_TorchJoinOp):
-    """torch's join, which closes a round after the first once every live node is in it."""
+    """torch's join, which closes a round after the first once every live node is in it, and the
+    first round only once its nodes are in or the launch's last call ran out."""
 
     def __call__(self, ctx: Any, deadline: float) -> Any:
         action = _TorchJoinOp.__call__(self, ctx, deadline)
         state = ctx.state
+        if (
+            action == _Action.MARK_RENDEZVOUS_COMPLETE
+            and state.round == 0
+            and _launch_last_call is not None
+            and len(state.participants) < ctx.settings.max_nodes
+            and state.deadline is not None
+            # torch set the deadline a last call after nodes.min joined
+            and datetime.now(UTC) < state.deadline - ctx.settings.timeout.last_call + _launch_last_call
+        ):
+            return _Action.KEEP_ALIVE if _keep_alive_due(ctx) else _Action.SYNC
         if (
             action in (_Action.SYNC, _Action.KEEP_ALIVE)
             and state.round > 0
@@ -84,8 +102,11 @@ def _num_nodes_waiting(handler: Any) -> int:
     return waiting
 
 
-def install() -> None:
-    """Patch torch's dynamic rendezvous in this process (see the module docstring)."""
+def install(launch_last_call_s: float | None = None) -> None:
+    """Patch torch's dynamic rendezvous in this process (see the module docstring); a launch's
+    first round waits ``launch_last_call_s`` for its nodes (None: torch's last call)."""
+    global _launch_last_call
+    _launch_last_call = None if launch_last_call_s is None else timedelta(seconds=launch_last_call_s)
     torch_rendezvous._should_keep_alive = _keep_alive_due
     torch_rendezvous._delay = _delay  # type: ignore[attr-defined]
     torch_rendezvous._RendezvousJoinOp = _JoinOp  # type: ignore[misc]

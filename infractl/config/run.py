@@ -295,14 +295,23 @@ class RestartSpec(Spec):
             "overloaded cluster."
         ),
     )
+    launch_wait_s: int = Field(
+        30,
+        ge=1,
+        le=600,
+        description=(
+            "Once nodes.min nodes joined a launch's first rendezvous, seconds it waits for the other nodes the run "
+            "was launched on before it starts without them (one that comes later restarts the run to join it). "
+            "A launch whose nodes all join starts at once."
+        ),
+    )
     last_call_s: int = Field(
         1,
         ge=1,
         le=300,
         description=(
-            "Once nodes.min nodes joined a launch's first rendezvous, seconds it waits for the others before the "
-            "run starts without them (one that comes later restarts the run to join it). A restart's rendezvous "
-            "closes as soon as every live node joined, and waits this long only for one that does not."
+            "A restart's rendezvous closes as soon as every live node joined; seconds it waits, once nodes.min "
+            "nodes joined, for a live node that does not join (its workers hung)."
         ),
     )
 
