@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,26 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if done.returncode != 0:
         sys.stderr.write(f"infractl gc --yes before the tests failed:\n{done.stderr}")
+
+
+#: Lines of each node's run log a failed test's report shows (its cluster is torn down, and its
+#: logs with it, before anyone can read them: on CI the report is all there is).
+_LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used a cluster (a ``Cli`` among its fixtures) reports the tail of every
+    node's run log beside its output."""
+    report = yield
+    if report.failed and call.when == "call":
+        homes = {arg.home for arg in getattr(item, "funcargs", {}).values() if isinstance(arg, Cli)}
+        for log in sorted(path for home in homes for path in home.glob("*/nodes/*/logs/*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            report.sections.append((f"node log {log.relative_to(log.parents[4])}", "\n".join(tail)))
+    return report
 
 
 def _ended(session: Path) -> bool:

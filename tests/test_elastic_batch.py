@@ -88,17 +88,18 @@ def test_losing_one_of_four_nodes_keeps_the_global_batch_and_the_losses(four_nod
         assert loss == pytest.approx(reference[step], rel=REL_TOL), (record["world_size"], step, loss)
 
 
-RING = """\
+RING_EVERY = 20  # the ring run's checkpoint interval, in steps of at least 0.1 s
+RING = f"""\
 name: ring
-model: {layers: 2, hidden: 32, heads: 2, seq_len: 32}
-data: {max_bytes: 100000}
+model: {{layers: 2, hidden: 32, heads: 2, seq_len: 32}}
+data: {{max_bytes: 100000}}
 batch_size: 12
 steps: 100000
 min_step_s: 0.1
-checkpoint: {every: 20, keep: 2, replicate_every: 2}
-nodes: {min: 1, max: 3}
+checkpoint: {{every: {RING_EVERY}, keep: 2, replicate_every: 2}}
+nodes: {{min: 1, max: 3}}
 max_restarts: 3
-watchdog: {step_timeout_s: 10}
+watchdog: {{step_timeout_s: 10}}
 """
 
 
@@ -130,7 +131,8 @@ def test_two_of_three_nodes_lost_with_a_ranks_both_copies_resume_from_the_store(
 
 def newer_replica(cluster_dir: Path, node: str, run: str, store: FileStore) -> int:
     """Wait until ``node``'s agent holds a replica manifest newer than the run's newest commit
-    (asked over its replica server, as the ranks do); return its step."""
+    (asked over its replica server, as the ranks do), at least 10 steps before the next checkpoint
+    (a commit newer than it, landing before the kill, would leave it unconsidered); its step."""
     # The agent set it for its workers after it started: a worker's environment has it.
     worker = next(p for p in proc.listing(cluster_dir, node=node, run=run) if p.worker)
     address = psutil.Process(worker.pid).environ()[REPLICA_ADDR_ENV]
@@ -138,7 +140,8 @@ def newer_replica(cluster_dir: Path, node: str, run: str, store: FileStore) -> i
     while time.monotonic() < deadline:
         index = json.loads(replicas._request(address, "GET", "/index"))
         steps = [int(step) for step, held in index.items() if held["manifest"] is not None]
-        if steps and max(steps) > (runstore.latest_committed_step(store, run) or 0):
-            return max(steps)
+        newest = max(steps, default=0)
+        if newest > (runstore.latest_committed_step(store, run) or 0) and RING_EVERY - newest % RING_EVERY >= 10:
+            return newest
         time.sleep(0.05)
     raise AssertionError(f"{node}'s agent held no replica newer than the commit within 60 s")

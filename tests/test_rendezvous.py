@@ -105,6 +105,31 @@ def test_a_node_the_rendezvous_dropped_counts_as_a_waiting_node() -> None:
     assert rendezvous._num_nodes_waiting(handler(A, dropped)) == 1
 
 
+def test_a_node_drops_no_peer_until_it_synced_steadily_for_one_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a pause in this node's syncs (the rendezvous server stalled: every keep-alive aged
+    alike) its peers' old keep-alives drop nobody; after one expiry of steady syncs, a node whose
+    keep-alives stopped is dropped as torch drops it."""
+    clock = [100.0]
+    monkeypatch.setattr(rendezvous.time, "monotonic", lambda: clock[0])
+    shared = state(round=1, complete=True, participants=[A, B, C], alive=[A, B, C])
+    stale = datetime.now(UTC) - timedelta(seconds=5)  # past the expiry: 1 s x 3
+    shared.last_heartbeats[B] = shared.last_heartbeats[C] = stale
+    holder = SimpleNamespace(_state=shared, _settings=SETTINGS, _dead_nodes=[])
+
+    rendezvous._sanitize(holder)  # the first sync after the stall
+    assert set(shared.participants) == {A, B, C} and holder._dead_nodes == []
+    for _ in range(3):  # steady: a sync a second, B's keep-alives resumed and C's did not
+        clock[0] += 1
+        shared.last_heartbeats[A] = shared.last_heartbeats[B] = datetime.now(UTC)
+        rendezvous._sanitize(holder)
+    assert set(shared.participants) == {A, B} and holder._dead_nodes == [C]
+
+    clock[0] += 2.5  # a pause longer than two intervals: judged again only after one expiry
+    shared.last_heartbeats[B] = stale
+    rendezvous._sanitize(holder)
+    assert set(shared.participants) == {A, B}
+
+
 def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each name install() replaces is one torch 2.13 looks up when it runs (a torch that renamed
     one would leave its restart unchanged): restored after the test."""
@@ -112,8 +137,11 @@ def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyP
     for name in ("_should_keep_alive", "_delay", "_RendezvousJoinOp"):
         monkeypatch.setattr(torch_rendezvous, name, getattr(torch_rendezvous, name))
     monkeypatch.setattr(handler, "num_nodes_waiting", handler.num_nodes_waiting)
+    holder = torch_rendezvous._BackendRendezvousStateHolder
+    monkeypatch.setattr(holder, "_sanitize", holder._sanitize)
     rendezvous.install()
     assert torch_rendezvous._should_keep_alive is rendezvous._keep_alive_due
     assert torch_rendezvous._delay is rendezvous._delay  # type: ignore[attr-defined]
     assert torch_rendezvous._RendezvousJoinOp is rendezvous._JoinOp
     assert handler.num_nodes_waiting is rendezvous._num_nodes_waiting
+    assert holder._sanitize is rendezvous._sanitize  # type: ignore[comparison-overlap]

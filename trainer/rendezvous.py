@@ -5,7 +5,7 @@ change against the pinned version.
 
 After a node dies, the survivors' agents leave the finished round and wait for the next; it opens
 once the dead node, still a participant, is dropped for missing its keep-alives, and it closes
-``last_call_timeout`` after ``nodes.min`` nodes joined. Five changes:
+``last_call_timeout`` after ``nodes.min`` nodes joined. Six changes:
 
 - **Keep-alives every interval.** torch sends one only when the last is at least one interval
   old, from a timer of that same interval: a tick a little early skips its keep-alive, and a live
@@ -20,6 +20,12 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
   run.yaml ``restart.launch_wait_s``) than a restart's round waits for a live node that does not
   join (``last_call_timeout``, ``restart.last_call_s``): the agents of a launch start seconds
   apart on a loaded machine, and a node left out of the first round restarts the run to join it.
+- **A node drops no peer right after it could not reach the shared state.** torch drops a node
+  whose last keep-alive is older than ``keep_alive_interval x keep_alive_max_attempt`` by the
+  syncing node's clock: when the rendezvous server stalls (a loaded machine), every keep-alive
+  ages alike, and the first node to sync afterwards dropped all the others and trained alone.
+  Here a node whose syncs paused for more than two intervals waits one expiry of steady syncs
+  before it judges its peers' keep-alives again; they have resumed by then.
 - **A node the rendezvous dropped while it was alive restarts its workers** (a membership change,
   as when a node waits to join): its keep-alives came too late (the machine stalled), and it would
   otherwise train on alone beside the round the others form without it.
@@ -27,6 +33,7 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -49,6 +56,8 @@ _Action = torch_rendezvous._Action
 _torch_delay = torch_rendezvous_utils._delay
 _TorchJoinOp = torch_rendezvous._RendezvousJoinOp
 _torch_num_nodes_waiting = torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting
+_TorchStateHolder = torch_rendezvous._BackendRendezvousStateHolder
+_torch_sanitize = _TorchStateHolder._sanitize
 
 
 def _keep_alive_due(ctx: Any) -> bool:
@@ -91,6 +100,22 @@ class _JoinOp(_TorchJoinOp):
         return action
 
 
+def _sanitize(holder: Any) -> None:
+    """torch's removal of the nodes whose keep-alives expired, skipped until this node has synced
+    steadily (no pause longer than two keep-alive intervals) for one expiry."""
+    now = time.monotonic()
+    settings = holder._settings
+    expiry = (settings.keep_alive_interval * settings.keep_alive_max_attempt).total_seconds()
+    last = getattr(holder, "_infractl_last_sanitized", None)
+    if last is None or now - last > 2 * settings.keep_alive_interval.total_seconds():
+        holder._infractl_steady_since = now
+    holder._infractl_last_sanitized = now
+    if now - holder._infractl_steady_since < expiry:
+        holder._dead_nodes = []
+        return
+    _torch_sanitize(holder)
+
+
 def _num_nodes_waiting(handler: Any) -> int:
     """torch's count of nodes waiting to join, at least 1 once the rendezvous dropped this node."""
     waiting = int(_torch_num_nodes_waiting(handler))
@@ -110,4 +135,5 @@ def install(launch_last_call_s: float | None = None) -> None:
     torch_rendezvous._should_keep_alive = _keep_alive_due
     torch_rendezvous._delay = _delay  # type: ignore[attr-defined]
     torch_rendezvous._RendezvousJoinOp = _JoinOp  # type: ignore[misc]
+    _TorchStateHolder._sanitize = _sanitize  # type: ignore[method-assign,assignment]
     torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting = _num_nodes_waiting  # type: ignore[method-assign,assignment]
