@@ -33,7 +33,8 @@ def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     step = results["step_time"]
     for field in ("ours_step_s", "ours_every_step_s", "ours_no_replicas_step_s", "plain_step_s", "tokens_per_s"):
         assert step[field] > 0, step
-    for field in ("ratio", "ratio_every_step", "ratio_no_replicas"):
+    assert step["ours_replicated_step_s"] > 0 and step["replica_s"] >= 0 and step["replicated_every"] > 0
+    for field in ("ratio", "ratio_every_step", "ratio_no_replicas", "ratio_replicas_at_default"):
         assert step[field] > 0, step
     assert step["log_every"] == 10 and step["steps_measured"] > 0 and step["replicate_every"] > 0
     for layout in ("tp", "pp"):  # the model split over the 2 ranks, against the trainer's ddp
