@@ -31,6 +31,7 @@ from infractl.store import FileStore
 from trainer.backoff import retry_delays
 from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
 from trainer.metrics import MetricsWriter
+from trainer.watchdog import CollectiveTimeout
 
 from conftest import wait_for_commit
 
@@ -191,6 +192,32 @@ def test_settle_waits_a_bounded_time_for_the_save_in_flight(
 
 
 # -- torchrun on gloo (integration) -----------------------------------------------------------
+
+
+def test_the_collective_timeout_follows_the_slowest_step_within_its_bounds() -> None:
+    applied: list[float] = []
+    timeout = CollectiveTimeout(min_s=5, max_s=150, apply=applied.append, report=lambda seconds, slowest: None)
+    timeout.observe([9.0])  # before start: the first step's loading is not a pace
+    timeout.start()
+    timeout.observe([0.2] * 4)  # too few steps to judge
+    assert applied == [150]
+    timeout.observe([0.3])
+    assert applied == [150, 5] and timeout.current == 5  # 10 x 0.3 s is below the floor
+    timeout.observe([1.23])
+    assert applied[-1] == 12.5  # 10 x the slowest, in whole half seconds
+    timeout.observe([0.1])
+    assert applied[-1] == 12.5  # the slowest step only grows
+    with timeout.relaxed():  # the log step's collective: a rank may wait for its save first
+        assert applied[-1] == 150
+        with timeout.relaxed():
+            timeout.observe([1.4])  # 14 s, applied when the outer block ends
+        assert applied[-1] == 150
+    assert applied[-1] == 14
+    with timeout.relaxed(when=False):
+        assert applied[-1] == 14
+    timeout.observe([60.0])
+    assert applied[-1] == 150  # at most half the step timeout
+    assert CollectiveTimeout(min_s=5, max_s=4, apply=applied.append, report=print).min_s == 4
 
 
 def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_the_last_commit(

@@ -105,6 +105,26 @@ def test_a_node_the_rendezvous_dropped_counts_as_a_waiting_node() -> None:
     assert rendezvous._num_nodes_waiting(handler(A, dropped)) == 1
 
 
+def test_a_node_whose_round_lost_a_peer_restarts_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose keep-alives stopped (link down, power lost) is dropped from the round: the
+    survivors restart at once instead of waiting out the collective timeout, and their agent
+    learns which peer is gone (it then SIGKILLs the workers waiting on it)."""
+    shared = state(round=1, complete=True, participants=[A, B, C], alive=[A, B, C])
+    holder = SimpleNamespace(state=shared, sync=lambda: None)
+    handler = SimpleNamespace(_this_node=A, _state_holder=holder, _heartbeat_lock=threading.Lock())
+    monkeypatch.setattr(rendezvous, "_torch_next_rendezvous", lambda handler: "info")
+    assert rendezvous._next_rendezvous(handler) == "info"
+    assert rendezvous._num_nodes_waiting(handler) == 0 and not rendezvous.peer_lost(handler)
+    del shared.participants[C]  # C's keep-alives expired: torch's sanitize removed it
+    assert rendezvous._num_nodes_waiting(handler) == 1 and rendezvous.peer_lost(handler) == {C}
+    shared.round, shared.participants = 2, dict.fromkeys([A, B], 0)  # the next round
+    rendezvous._next_rendezvous(handler)
+    assert rendezvous._num_nodes_waiting(handler) == 0 and not rendezvous.peer_lost(handler)
+    shared.round = 3  # a round this node has not joined is torch's to judge
+    shared.participants = dict.fromkeys([A], 0)
+    assert rendezvous._num_nodes_waiting(handler) == 0
+
+
 def test_a_node_drops_no_peer_until_it_synced_steadily_for_one_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a pause in this node's syncs (the rendezvous server stalled: every keep-alive aged
     alike) its peers' old keep-alives drop nobody; after one expiry of steady syncs, a node whose
@@ -137,6 +157,7 @@ def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyP
     for name in ("_should_keep_alive", "_delay", "_RendezvousJoinOp"):
         monkeypatch.setattr(torch_rendezvous, name, getattr(torch_rendezvous, name))
     monkeypatch.setattr(handler, "num_nodes_waiting", handler.num_nodes_waiting)
+    monkeypatch.setattr(handler, "next_rendezvous", handler.next_rendezvous)
     holder = torch_rendezvous._BackendRendezvousStateHolder
     monkeypatch.setattr(holder, "_sanitize", holder._sanitize)
     rendezvous.install()
@@ -144,4 +165,5 @@ def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyP
     assert torch_rendezvous._delay is rendezvous._delay  # type: ignore[attr-defined]
     assert torch_rendezvous._RendezvousJoinOp is rendezvous._JoinOp
     assert handler.num_nodes_waiting is rendezvous._num_nodes_waiting
+    assert handler.next_rendezvous is rendezvous._next_rendezvous  # type: ignore[comparison-overlap]
     assert holder._sanitize is rendezvous._sanitize  # type: ignore[comparison-overlap]

@@ -360,6 +360,8 @@ def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: P
     assert [e["step"] for e in run.event("starting")] == [0]
     assert [e["step"] for e in run.event("checkpoint_committed")] == [5, 10, 12]
     assert [e["step"] for e in run.event("finished")] == [12]
+    # Tiny steps: once 5 steps were seen, collectives wait the floor, not half the step timeout.
+    assert [e["timeout_s"] for e in run.event("collective_timeout")] == [spec.watchdog.collective_timeout_min_s]
     assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # staging cleaned up
 
     # Rank 1's log tells its own story, in order; the job-wide lines are rank 0's alone.

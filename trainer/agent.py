@@ -4,11 +4,12 @@ not wait for a worker that cannot answer.
 When torch 2.13's agent restarts its workers (a peer failed, a node left or joined) it SIGTERMs
 them and SIGKILLs them only after 30 s, hard-coded in ``LocalElasticAgent._stop_workers``. A
 worker that answers SIGTERM uses that time to save an emergency checkpoint and exits (see
-``trainer.preemption``); one stuck in a collective exits when the collective times out (half the
-step timeout). A worker that is stopped (SIGSTOP, a frozen container, a debugger) can do neither:
-it only holds its node out of the next rendezvous for the full 30 s, which is most of the restart
-time after a hang. This agent SIGKILLs stopped workers at once, and every other worker keeps the
-SIGTERM and its grace period.
+``trainer.preemption``); one stuck in a collective exits when the collective times out (see
+``trainer.watchdog``). A worker that is stopped (SIGSTOP, a frozen container, a debugger) can do
+neither: it only holds its node out of the next rendezvous for the full 30 s, which is most of the
+restart time after a hang. This agent SIGKILLs stopped workers at once, and every worker once the
+rendezvous dropped a peer of their round (``trainer.rendezvous.peer_lost``: they wait on it in a
+collective); otherwise workers keep the SIGTERM and its grace period.
 
     python -m trainer.agent [torchrun options] -m trainer.train [trainer options]
 
@@ -67,8 +68,9 @@ _METADATA_TIMEOUT_S = 2.0
 
 
 class StopStoppedWorkersAgent(LocalElasticAgent):
-    """LocalElasticAgent whose restart SIGKILLs stopped workers before the usual shutdown, and
-    whose shutdown lets warm workers that returned exit."""
+    """LocalElasticAgent whose restart SIGKILLs stopped workers, and all of them once a peer of
+    their round was dropped, before the usual shutdown, and whose shutdown lets warm workers that
+    returned exit."""
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # A warm worker that returned (it saved and stopped on the SIGTERM that comes next) waits
@@ -81,9 +83,13 @@ class StopStoppedWorkersAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         pids = self._pcontext.pids().values() if self._pcontext is not None else ()
+        # Workers waiting on a peer the rendezvous dropped sit in a collective, deaf to SIGTERM
+        # until it times out, and cannot save without that peer (trainer.rendezvous.peer_lost).
+        waiting = bool(rendezvous.peer_lost(worker_group.spec.rdzv_handler))
         for pid in pids:
-            if _stopped(pid):
-                log.warning("worker %d is stopped and cannot answer SIGTERM: killing it", pid)
+            if waiting or _stopped(pid):
+                reason = "a peer of its round is gone" if waiting else "it is stopped and cannot answer SIGTERM"
+                log.warning("killing worker %d: %s", pid, reason)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         super()._stop_workers(worker_group)

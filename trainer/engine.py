@@ -17,7 +17,6 @@ compare per step outside the steps it traces; trainer/profiling.py does the rest
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import time
@@ -59,7 +58,7 @@ from trainer.state import (
     seed_everything,
 )
 from trainer.steplog import PendingStep, StepLog
-from trainer.watchdog import StepWatchdog
+from trainer.watchdog import CollectiveTimeout, StepWatchdog
 
 __all__ = ["GRAD_CLIP", "Preempted", "Trainer", "config_hash"]
 
@@ -112,6 +111,13 @@ class Trainer:
         self.device = device
         self.preemption = PreemptionNotice()
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
+        self.collective_timeout = CollectiveTimeout.for_default_group(
+            min_s=spec.watchdog.collective_timeout_min_s,
+            max_s=spec.watchdog.step_timeout_s / 2,
+            report=self._collective_timeout_set,
+        )
+        self._warm_from = spec.steps  # the step after which collectives time out: set once warmed up
+        self._staging_seen = False  # whether a save or replica of this start was staged and timed
         self.config_hash = config_hash(spec)
         self.fingerprint = environment_fingerprint(world_size=env.world_size)
         (log.info if env.rank == 0 else log.debug)("environment", **self.fingerprint)  # job-wide: train.py's doc
@@ -239,6 +245,7 @@ class Trainer:
         self.profiler.start(first_step=self.progress.step + 1)
         spec = self.spec
         first = True
+        after_save = False  # see CollectiveTimeout
         while self.progress.step < spec.steps:
             began = time.monotonic()
             step = self.progress.step + 1
@@ -249,7 +256,7 @@ class Trainer:
             # Under the watchdog (once started): the step and whatever else must not block,
             # but never a wait for a commit, which depends on the store (see Checkpointer).
             self.preemption.step = step
-            with self.watchdog.step():
+            with self.watchdog.step(), self.collective_timeout.relaxed(after_save):
                 self.steplog.add(self._train_step(step, first=first))
                 self.progress.step = step
                 self.progress.tokens_seen += spec.batch_size * spec.model.seq_len
@@ -257,6 +264,8 @@ class Trainer:
                     self.steplog.last.val_loss = self._evaluate(self.validation)
                 if self._log_step(step, final):
                     record, preempted = self._flush(step, final)
+            # The step after this start's first save or replica waits for its unknown staging.
+            after_save = self._save_due(step) and not self._staging_seen
             if first:
                 self._warmed_up()
                 first = False
@@ -281,15 +290,29 @@ class Trainer:
         busy = 0.0 if final else float(self.saves.busy(step))
         copying = 0.0 if final else float(self.saves.replicating(step))
         flags = [float(self.preemption.signalled), busy, copying]
-        records, (preempted, saving, replicating) = self.steplog.flush(flags)
+        with self.collective_timeout.relaxed():  # a rank may have waited for its previous save
+            records, (preempted, saving, replicating) = self.steplog.flush(flags)
         for earlier in records[:-1]:
             self.saves.record(earlier)
         self._check_preemption_bound(records)
+        staging_s = 0.0
         if not final:
+            started = time.perf_counter()
             self.saves.after_step(
                 step, records[-1], preempted=preempted > 0, ranks_saving=saving, ranks_replicating=replicating
             )
+            staging_s = time.perf_counter() - started
+            self._staging_seen |= self._save_due(step)
+        # A step's pace is its own time and what this rank staged after it (the next step's
+        # collectives wait for the slowest rank's staging); not the first step of this start.
+        paces = [r["step_time_s"] for r in records if r["step"] > self._warm_from]
+        if paces:  # the newest record, step's, is among them
+            paces[-1] += staging_s
+        self.collective_timeout.observe(paces)
         return records[-1], preempted
+
+    def _save_due(self, step: int) -> bool:
+        return step % self.spec.checkpoint.every == 0 or self.saves.replica_due(step)
 
     def _check_preemption_bound(self, records: list[StepRecord]) -> None:
         """Once, after the first steps: warn if ``log_every`` steps take long enough that a
@@ -319,9 +342,10 @@ class Trainer:
     def _warmed_up(self) -> None:
         """After the first step of this process (loading and the first step may be slow): from
         now on a step must finish within ``watchdog.step_timeout_s``, and every collective on
-        the default group within half of it.
+        the default group within half of it, then within what the steps seen allow
+        (``CollectiveTimeout``).
 
-        Half: a rank waiting in a collective for a hung peer is not hung itself. Its
+        At most half: a rank waiting in a collective for a hung peer is not hung itself. Its
         collective fails before its own deadline, it exits with an error and its agent
         restarts the workers (see trainer/watchdog.py). With equal timeouts the deadlines of
         the waiting ranks, armed before their collective began, would expire first, and every
@@ -329,10 +353,15 @@ class Trainer:
         the step timeout instead of the backend's default (30 minutes on gloo).
         """
         timeout_s = self.spec.watchdog.step_timeout_s
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s / 2))
+        self._warm_from = self.progress.step
+        self.collective_timeout.start()
         self.watchdog.start()
         if self.env.rank == 0:
             log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
+
+    def _collective_timeout_set(self, seconds: float, slowest_step_s: float) -> None:
+        if self.env.rank == 0:
+            log.info("collective_timeout", timeout_s=seconds, slowest_step_s=round(slowest_step_s, 3))
 
     def _stop_preempted(self, step: int, record: StepRecord, *, ranks_signalled: int) -> None:
         """A rank got a preemption notice: commit ``step`` and stop (``Preempted``)."""

@@ -5,7 +5,7 @@ change against the pinned version.
 
 After a node dies, the survivors' agents leave the finished round and wait for the next; it opens
 once the dead node, still a participant, is dropped for missing its keep-alives, and it closes
-``last_call_timeout`` after ``nodes.min`` nodes joined. Six changes:
+``last_call_timeout`` after ``nodes.min`` nodes joined. Seven changes:
 
 - **Keep-alives every interval.** torch sends one only when the last is at least one interval
   old, from a timer of that same interval: a tick a little early skips its keep-alive, and a live
@@ -29,6 +29,11 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
 - **A node the rendezvous dropped while it was alive restarts its workers** (a membership change,
   as when a node waits to join): its keep-alives came too late (the machine stalled), and it would
   otherwise train on alone beside the round the others form without it.
+- **A node whose round lost a peer restarts its workers at once** (``peer_lost``): a peer whose
+  keep-alives stopped (its link is down, its host lost power) sends no TCP reset, and the workers
+  waiting on it in a collective would otherwise wait out the collective timeout. Its agent
+  SIGKILLs them (``trainer.agent``): they cannot answer SIGTERM inside a collective, and they
+  cannot save without the peer. A membership change, as torch counts it: no restart is spent.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch.distributed.elastic.rendezvous import utils as torch_rendezvous_utils
 
 from infractl.log import get_logger
 
-__all__ = ["POLL_S", "install"]
+__all__ = ["POLL_S", "install", "peer_lost"]
 
 log = get_logger(__name__)
 
@@ -56,6 +61,7 @@ _Action = torch_rendezvous._Action
 _torch_delay = torch_rendezvous_utils._delay
 _TorchJoinOp = torch_rendezvous._RendezvousJoinOp
 _torch_num_nodes_waiting = torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting
+_torch_next_rendezvous = torch_rendezvous.DynamicRendezvousHandler.next_rendezvous
 _TorchStateHolder = torch_rendezvous._BackendRendezvousStateHolder
 _torch_sanitize = _TorchStateHolder._sanitize
 
@@ -116,14 +122,44 @@ def _sanitize(holder: Any) -> None:
     _torch_sanitize(holder)
 
 
+def _next_rendezvous(handler: Any) -> Any:
+    """torch's join of the next round, which remembers the round and its participants."""
+    info = _torch_next_rendezvous(handler)
+    state = handler._state_holder.state
+    handler._infractl_round = (state.round, frozenset(state.participants))
+    handler._infractl_peer_lost = frozenset()
+    return info
+
+
+def peer_lost(handler: Any) -> frozenset[Any]:
+    """The participants of this node's round that the rendezvous dropped while its workers ran
+    (their keep-alives stopped), as ``_num_nodes_waiting`` last found them; empty if none."""
+    return frozenset(getattr(handler, "_infractl_peer_lost", frozenset()))
+
+
 def _num_nodes_waiting(handler: Any) -> int:
-    """torch's count of nodes waiting to join, at least 1 once the rendezvous dropped this node."""
+    """torch's count of nodes waiting to join, at least 1 once the rendezvous dropped this node
+    or a peer of its round."""
     waiting = int(_torch_num_nodes_waiting(handler))
-    if handler._this_node not in handler._state_holder.state.participants:
+    state = handler._state_holder.state
+    if handler._this_node not in state.participants:
         log.warning(
             "the rendezvous dropped this node (its keep-alives came late): restarting its workers to join again"
         )
         return max(waiting, 1)
+    joined = getattr(handler, "_infractl_round", None)
+    if joined is not None and joined[0] == state.round:
+        lost = joined[1] - set(state.participants)
+        if lost:
+            if not peer_lost(handler):
+                log.warning(
+                    "peer_lost",
+                    nodes=sorted(f"{node.addr}:{node.pid}" for node in lost),
+                    reason="the rendezvous dropped them: their keep-alives stopped",
+                    action="restarting this node's workers",
+                )
+            handler._infractl_peer_lost = frozenset(lost)
+            return max(waiting, 1)
     return waiting
 
 
@@ -137,3 +173,4 @@ def install(launch_last_call_s: float | None = None) -> None:
     torch_rendezvous._RendezvousJoinOp = _JoinOp  # type: ignore[misc]
     _TorchStateHolder._sanitize = _sanitize  # type: ignore[method-assign,assignment]
     torch_rendezvous.DynamicRendezvousHandler.num_nodes_waiting = _num_nodes_waiting  # type: ignore[method-assign,assignment]
+    torch_rendezvous.DynamicRendezvousHandler.next_rendezvous = _next_rendezvous  # type: ignore[method-assign,assignment]

@@ -25,7 +25,7 @@ to rank 0, so the other nodes' logs stay short.
   ``rng_not_restored``, ``watchdog_started``, ``checkpoint_started``, ``checkpoint_skipped``,
   ``checkpoint_failed``, ``checkpoint_invalid``, ``checkpoints_cleaned``, the replicas'
   ``replica_skipped``, ``replica_failed``, ``replica_incomplete``, ``replica_index_failed``,
-  ``replica_invalid`` and ``replicas_off``, ``preemption_bound``,
+  ``replica_invalid`` and ``replicas_off``, ``preemption_bound``, ``collective_timeout``,
   the metrics writer's lines and ``finished``. No rank logs every step.
 """
 

@@ -8,8 +8,8 @@ deadline (hung in a collective, stopped, stuck in I/O) is SIGKILLed by the agent
 How a hang ends, on torch 2.13 (checked with gloo):
 
 - The ranks waiting for the hung one fail their collective first: after the first step the
-  default group's timeout is half the step timeout (``Trainer._warmed_up``), so they raise
-  before their own deadline, exit non-zero, and their agent restarts its workers. An agent
+  default group's timeout is at most half the step timeout (``CollectiveTimeout``), so they
+  raise before their own deadline, exit non-zero, and their agent restarts its workers. An agent
   that restarts stops its timer server and SIGTERMs its workers, then SIGKILLs them after 30 s
   (hard-coded in LocalElasticAgent._stop_workers); ours (``trainer.agent``) SIGKILLs a stopped
   worker at once, and a worker stuck in a collective exits when the collective times out.
@@ -28,15 +28,18 @@ Without the environment variable (plain torchrun, tests) there is no watchdog.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+import torch.distributed as dist
 from torch.distributed.elastic.timer.file_based_local_timer import FileTimerClient
 
 from infractl.log import get_logger
 
-__all__ = ["StepWatchdog", "TIMER_FILE_ENV"]
+__all__ = ["CollectiveTimeout", "StepWatchdog", "TIMER_FILE_ENV"]
 
 #: Set by torchrun's agent for its workers when it serves a file timer.
 TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
@@ -99,3 +102,85 @@ class StepWatchdog:
             log.warning("watchdog_stopped", reason=f"the agent's timer server is gone ({exc})")
             self._client = None
             return False
+
+
+class CollectiveTimeout:
+    """How long a collective of the training step waits for the slowest rank, once training started.
+
+    A rank waiting for a hung peer learns of the hang only when its collective times out, so that
+    timeout is most of a hang's recovery time. It must outlast what healthy ranks do apart:
+    ``FACTOR`` times the slowest step this rank has seen since it started (``observe``: the
+    steps' records, the device's time on CUDA, plus what the rank staged of a save or a replica
+    after it), at least ``min_s``, at most ``max_s`` (half the step timeout, where it starts:
+    before ``MIN_SAMPLES`` steps there is nothing to judge from). The slowest step only grows, so
+    the timeout only grows once it has been lowered.
+
+    Where ranks may lag each other by more than that, collectives wait ``max_s`` (``relaxed``):
+    the log step's collective (a rank may first wait up to ``trainer.saves.SAVE_WAIT_S`` for its
+    previous save) and the step after the first save or replica of a start (its staging, which
+    the next step's collectives wait for, has not been timed yet).
+    """
+
+    FACTOR = 10
+    MIN_SAMPLES = 5
+
+    def __init__(
+        self, *, min_s: float, max_s: float, apply: Callable[[float], None], report: Callable[[float, float], None]
+    ) -> None:
+        self.max_s = max_s
+        self.min_s = min(min_s, max_s)
+        self._apply = apply
+        self._report = report
+        self._slowest = 0.0
+        self._samples = 0
+        self._relaxed = 0  # nested relaxed() blocks open
+        self.current: float | None = None
+
+    @classmethod
+    def for_default_group(
+        cls, *, min_s: float, max_s: float, report: Callable[[float, float], None]
+    ) -> CollectiveTimeout:
+        def apply(seconds: float) -> None:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+        return cls(min_s=min_s, max_s=max_s, apply=apply, report=report)
+
+    def start(self) -> None:
+        """From now on collectives time out: at ``max_s`` until enough steps were seen."""
+        self._set(self.max_s)
+
+    def observe(self, step_times_s: Iterable[float]) -> None:
+        """Steps this rank trained: lower or raise the timeout to ``FACTOR`` x the slowest."""
+        if self.current is None:
+            return
+        for seconds in step_times_s:
+            self._slowest = max(self._slowest, seconds)
+            self._samples += 1
+        if self._samples < self.MIN_SAMPLES:
+            return
+        # Whole half seconds: the timeout changes a few times per start, not at every step.
+        target = min(self.max_s, max(self.min_s, math.ceil(self.FACTOR * self._slowest * 2) / 2))
+        if target != self.current:
+            self._report(target, self._slowest)
+            self._set(target)
+
+    @contextlib.contextmanager
+    def relaxed(self, when: bool = True) -> Iterator[None]:
+        """Collectives in the block wait up to ``max_s`` (if ``when``; see the class doc)."""
+        if not when or self.current is None:
+            yield
+            return
+        if not self._relaxed and self.current != self.max_s:
+            self._apply(self.max_s)
+        self._relaxed += 1
+        try:
+            yield
+        finally:
+            self._relaxed -= 1
+            if not self._relaxed and self.current != self.max_s:
+                self._apply(self.current)
+
+    def _set(self, seconds: float) -> None:
+        if not self._relaxed:
+            self._apply(seconds)
+        self.current = seconds

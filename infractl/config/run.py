@@ -250,8 +250,19 @@ class WatchdogSpec(Spec):
         le=86400,
         description=(
             "After the first step of each (re)start, a rank that completes no training step for this long is "
-            "killed by its node's torchrun agent and the run goes on as after a node failure. Also the "
-            "collective timeout after that first step, so survivors of a hung peer do not wait the 30-minute default."
+            "killed by its node's torchrun agent and the run goes on as after a node failure. Half of it bounds "
+            "the collective timeout after that first step, so survivors of a hung peer do not wait the 30-minute "
+            "default."
+        ),
+    )
+    collective_timeout_min_s: float = Field(
+        5,
+        ge=1,
+        le=86400,
+        description=(
+            "The least time a collective of the training step waits for the slowest rank before the waiting "
+            "ranks count a peer as hung and restart. The timeout is 10 times the slowest step this rank has "
+            "seen since its (re)start, at least this, at most half of step_timeout_s (which it starts at)."
         ),
     )
 

@@ -4,10 +4,12 @@ links of their own), then restore it.
 ``--kind down`` takes the node's interface down, ``drop`` drops its packets silently, ``delay``
 adds ``--latency-ms`` (see ``providers.LINK_FAULTS``; the provider makes them: netns nodes take
 every kind from the host, an SSH node such as an aws instance makes ``drop`` and ``delay`` itself,
-with its SSH port spared). The other nodes' collectives time out (half the step timeout), their
-agents re-rendezvous without the node (the rendezvous endpoint is outside every node, on the host
-or the controller, so the cut node can never form a world of its own) and the run goes on from
-the last committed step. Once the link is back the node comes back into the run: its agent
+with its SSH port spared). The cut node's keep-alives stop reaching the rendezvous, which drops
+it (``restart.keep_alive_s`` x ``keep_alive_misses``); the other nodes' agents then kill their
+workers, waiting on it in a collective (``trainer.rendezvous.peer_lost``; the collective's timeout
+is the backstop), and re-rendezvous without it (the endpoint is outside every node, on the host
+or the controller, so the cut node can never form a world of its own); the run goes on from
+the last committed step or a newer replica. Once the link is back the node comes back into the run: its agent
 rejoins the next rendezvous by itself when it is still running, or the drill runs
 ``infractl rejoin`` when it gave up.
 
@@ -63,8 +65,8 @@ class Partition(Kind):
 
     @classmethod
     def series_seconds(cls, spec: RunSpec) -> float:
-        """Twice the step timeout: the collectives across the cut time out at half of it, so the run
-        has surely noticed before the link is back (a shorter cut may only stall a step)."""
+        """Twice the step timeout: the collectives across the cut time out at half of it at most,
+        so the run has surely noticed before the link is back (a shorter cut may only stall a step)."""
         return 2.0 * spec.watchdog.step_timeout_s
 
     def __init__(self) -> None:
