@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, settings
 
 from infractl import proc, providers, runstore
 from infractl.cli import main
+from infractl.errors import InfractlError
+from infractl.providers import aws
 from infractl.state import ClusterState, started_clusters
 from infractl.store import Store
 
@@ -292,6 +294,46 @@ def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float)
             return step
         time.sleep(0.1)
     raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
+
+
+# --- emulated AWS (tests/awsemu.py) ----------------------------------------------------------
+
+
+@pytest.fixture
+def aws_left_clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """For the emulated-AWS tests (their module's ``emulation``, tests/awsemu.py): what a test leaves
+    (a failed one) is removed after it and named as an error, so that one failure stays one: a
+    cluster left in the VPC would give the next cluster's hosts its addresses, and `gc --yes`
+    (tests/test_gc.py) would try to tear down an `up` of it after its AWS has gone with the
+    emulation."""
+    yield
+    if "emulation" not in request.fixturenames or "applied" in request.fixturenames:
+        return  # the class's cluster is destroyed with its fixture
+    emulation = request.getfixturevalue("emulation")
+    left = []
+    for state in started_clusters():
+        if not state.dir.is_relative_to(tmp_path_factory.getbasetemp()):
+            continue
+        try:
+            spec = state.read_intent().get("spec") or {}
+        except (InfractlError, OSError, ValueError):
+            spec = {}
+        if (spec.get("aws") or {}).get("endpoint_url") != emulation.endpoint:
+            continue
+        left.append(f"cluster {state.dir}")
+        done = Cli(state.dir.parent.parent)("teardown", "-c", state.name, "--purge", "--yes", expect=None, timeout=900)
+        if done.returncode != 0:
+            shutil.rmtree(state.dir, ignore_errors=True)
+            state.unlist()
+    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": aws.CLUSTER_TAG}])
+    tagged = {
+        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == aws.CLUSTER_TAG
+    }
+    for name in sorted(tagged):
+        if removed := aws.reap(name, "us-east-1", endpoint_url=emulation.endpoint):
+            left.append(f"cluster {name}'s {', '.join(removed)}")
+    emulation.sync()
+    assert not left, f"the test left these behind (now removed): {left}"
 
 
 # --- S3: a real S3 API server (moto's standalone server) over HTTP on loopback -------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -20,19 +19,20 @@ from typing import Any
 import pytest
 import yaml
 
-from infractl import infra, proc, providers, runstore
+from infractl import infra, proc
 from infractl.config import ClusterSpec, load_cluster
-from infractl.errors import InfractlError, InfraError
+from infractl.errors import InfraError
 from infractl.infra import Node
 from infractl.providers import aws
-from infractl.state import ClusterState, started_clusters
-from infractl.store import open_store
+from infractl.state import ClusterState
 
 from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
-from conftest import REPO, BuiltImage, Cli, wait_for_commit, wait_for_world, write
+from conftest import BuiltImage, Cli, write
 
-# One emulated VPC at a time on this machine: the module's tests share one worker.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated")]
+# One emulated VPC of this CIDR at a time on this machine, and tests/test_gc.py's `gc --yes` takes the
+# `up`s these tests kill: the module's tests and gc's share one worker. (The whole-life test is
+# tests/test_aws_e2e.py, on an emulation of its own.)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated"), pytest.mark.usefixtures("aws_left_clean")]
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -62,44 +62,6 @@ def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFac
     with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC_CIDR) as emulated:
         emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
         yield emulated
-
-
-@pytest.fixture(autouse=True)
-def _nothing_left_for_the_next(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """What a test of the emulation leaves (a failed one) is removed after it and named as an error, so
-    that one failure stays one: a cluster left in the VPC would give the next cluster's hosts its
-    addresses, and gc on this worker (tests/test_gc.py) would try to tear down an `up` of it after
-    its AWS has gone with the emulation."""
-    yield
-    if "emulation" not in request.fixturenames or "applied" in request.fixturenames:
-        return  # the class's cluster is destroyed with its fixture
-    emulation: EmulatedAws = request.getfixturevalue("emulation")
-    left = []
-    for state in started_clusters():
-        if not state.dir.is_relative_to(tmp_path_factory.getbasetemp()):
-            continue
-        try:
-            spec = state.read_intent().get("spec") or {}
-        except (InfractlError, OSError, ValueError):
-            spec = {}
-        if (spec.get("aws") or {}).get("endpoint_url") != emulation.endpoint:
-            continue
-        left.append(f"cluster {state.dir}")
-        done = Cli(state.dir.parent.parent)("teardown", "-c", state.name, "--purge", "--yes", expect=None, timeout=900)
-        if done.returncode != 0:
-            shutil.rmtree(state.dir, ignore_errors=True)
-            state.unlist()
-    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": aws.CLUSTER_TAG}])
-    tagged = {
-        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == aws.CLUSTER_TAG
-    }
-    for name in sorted(tagged):
-        if removed := aws.reap(name, "us-east-1", endpoint_url=emulation.endpoint):
-            left.append(f"cluster {name}'s {', '.join(removed)}")
-    emulation.sync()
-    assert not left, f"the test left these behind (now removed): {left}"
 
 
 @pytest.fixture(scope="class")
@@ -274,161 +236,6 @@ def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     assert interfaces == layout
     assert len([i for i in interfaces if i[2] in ("efa", "efa-only")]) == efa
     assert ("module.cluster.aws_placement_group.this[0]" in resources) == (efa > 0)
-
-
-DRILLED_RUN = """\
-name: drilled
-model: {layers: 2, hidden: 64, heads: 2, seq_len: 64}
-data: {max_bytes: 200000}
-batch_size: 8
-steps: 400
-checkpoint: {every: 10, keep: 2}
-nodes: {min: 1, max: 2}
-max_restarts: 3
-watchdog: {step_timeout_s: 8}
-"""
-
-
-def _plant_leaks(emulation: EmulatedAws, cluster: str) -> list[str]:
-    """Make what a crashed launcher leaves behind, outside Terraform, with the cluster's tag: an
-    instance, a volume, a NAT gateway and an Elastic IP (in a VPC of their own). Their ids."""
-    ec2 = emulation.client("ec2")
-
-    def tags(kind: str) -> list[dict[str, Any]]:
-        return [{"ResourceType": kind, "Tags": [{"Key": aws.CLUSTER_TAG, "Value": cluster}]}]
-
-    vpc = ec2.create_vpc(CidrBlock="10.99.0.0/16")["Vpc"]["VpcId"]
-    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.99.1.0/24")["Subnet"]["SubnetId"]
-    instance = ec2.run_instances(
-        ImageId=emulation.image_id,
-        InstanceType="c7i.4xlarge",
-        MinCount=1,
-        MaxCount=1,
-        SubnetId=subnet,
-        TagSpecifications=tags("instance"),
-    )["Instances"][0]["InstanceId"]
-    volume = ec2.create_volume(AvailabilityZone="us-east-1a", Size=8, TagSpecifications=tags("volume"))["VolumeId"]
-    address = ec2.allocate_address(Domain="vpc", TagSpecifications=tags("elastic-ip"))["AllocationId"]
-    nat = ec2.create_nat_gateway(SubnetId=subnet, AllocationId=address, TagSpecifications=tags("natgateway"))
-    return [instance, volume, nat["NatGateway"]["NatGatewayId"], address]
-
-
-def _remove_leaks(emulation: EmulatedAws, planted: list[str]) -> None:
-    instance, volume, nat, address = planted
-    ec2 = emulation.client("ec2")
-    ec2.terminate_instances(InstanceIds=[instance])
-    ec2.delete_volume(VolumeId=volume)
-    ec2.delete_nat_gateway(NatGatewayId=nat)
-    ec2.release_address(AllocationId=address)
-
-
-# long: one cluster's whole life on the emulated AWS, as the README walks it (bringing it up takes minutes).
-def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
-    emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """``up`` with 2 c7i nodes: the module applied by the real provider, both hosts configured over
-    SSH through the controller, the pinned image pulled by digest from the cluster's registry on
-    the controller, the health gate passed. The quickstart trains to its end with checkpoints in
-    the emulated S3 bucket, reached with the instances' own credentials; a killed node is
-    recovered from, and so is a spot interruption notice (the emergency checkpoint commits, the run
-    goes on without the node); the bundle describes the aws topology. ``teardown --purge`` names leaks planted
-    outside Terraform and exits 1; once they are removed, it runs again and nothing is left."""
-    cli = Cli(tmp_path_factory.mktemp("e2e"))
-    groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
-    pinned = f"infractl/trainer@{cpu_image.digest}"
-    config = cluster_yaml(cli.cwd, emulation.endpoint, emulation.image_id, groups, runtime_image=pinned)
-    name = cli.cwd.name
-    up = cli("up", "-c", str(config), timeout=1200)
-    record = json.loads((cli.home / name / "cluster.json").read_text())
-    controller = record["rendezvous"]["host"]
-    assert controller.startswith("10.77.16."), record["rendezvous"]  # the controller, in the public subnet
-    assert record["image"] == f"{controller}:5000/{pinned}"
-    assert f"image: {record['image']} (pushed)" in up.stderr and up.stderr.count("all_reduce over 2 node(s)") == 2
-    nodes = [Node.from_record(item) for item in record["nodes"]]
-    assert [n.name for n in nodes] == ["main-0", "main-1"]
-    inventory = json.loads((cli.home / name / "ansible" / "inventory" / "hosts.json").read_text())["all"]
-    assert inventory["children"] == {"cpu": {"hosts": {"main-0": {}, "main-1": {}}}}
-    host = inventory["hosts"]["main-0"]
-    assert (host["node_instance_type"], host["ansible_become"], host["ansible_python_interpreter"]) == (
-        "c7i.4xlarge",
-        False,  # the emulation logs in as root; a cloud image's user gets sudo
-        "/usr/bin/python3",
-    )
-    for node in nodes:
-        inspected = ssh(node, f"podman image inspect --format '{{{{.Digest}}}}' {record['image']}")
-        assert inspected.stdout.strip() == cpu_image.digest, inspected.stderr
-    store = open_store(record["store"])
-    try:
-        cli("train", str(REPO / "examples" / "quickstart.yaml"), "-c", name, timeout=900)
-        assert runstore.latest_committed_step(store, "quickstart") == 60
-        # The nodes reached the bucket with the instance profile's credentials: none of this machine's went there.
-        env_file = ssh(nodes[0], "cat /mnt/infractl/runs/quickstart/agent.env")
-        assert env_file.returncode == 0 and "AWS_SECRET_ACCESS_KEY" not in env_file.stdout, env_file.stdout
-
-        cli("train", str(write(cli.cwd / "drilled.yaml", DRILLED_RUN)), "-c", name, "--detach")
-        wait_for_commit(store, "drilled", at_least=10, timeout=300)
-        drill = json.loads(
-            cli("drill", "kill-node", "-c", name, "--node", "main-1", "--no-wait", "--json", "--timeout", "400").stdout
-        )
-        assert drill["outcome"] == "recovered" and drill["resumed_correctly"], drill
-        control = providers.control(ClusterState(name, cli.home / name))
-        for node in nodes:  # recovered: its end would only repeat the quickstart's
-            control.kill_node(node.name, "drilled")
-
-        # A partition the instance makes itself (iptables; its SSH port spared, so the drill can
-        # undo it): main-0 goes on alone, and main-1 comes back into the run once its link is.
-        paced = "steps: 100000\nmin_step_s: 0.2"  # stopped below: paced, it spares the CPU meanwhile
-        cut = DRILLED_RUN.replace("name: drilled", "name: cut").replace("steps: 400", paced)
-        cli("train", str(write(cli.cwd / "cut.yaml", cut)), "-c", name, "--detach")
-        wait_for_commit(store, "cut", at_least=10, timeout=300)
-        refused = cli("drill", "partition", "-c", name, "--node", "main-1", "--kind", "down", expect=2).stderr
-        assert "error: --kind: node 'main-1' cannot take a 'down' fault" in refused, refused
-        partition = json.loads(
-            cli(
-                "drill", "partition", "-c", name, "--node", "main-1", "--kind", "drop", "--seconds", "45",
-                "--no-wait", "--json", "--timeout", "400",
-            ).stdout
-        )  # fmt: skip
-        assert partition["outcome"] == "recovered" and partition["survivors"] == ["main-0"], partition
-        assert partition["world_size_after"] == 1 and partition["resumed_correctly"], partition
-        assert partition["fault"]["rejoined_by"] in ("itself", "infractl rejoin"), partition
-        assert "INFRACTL" not in ssh(nodes[1], "iptables -S").stdout
-        for node in nodes:
-            control.kill_node(node.name, "cut")
-
-        # A spot interruption notice in one instance's metadata service: its agent takes it as the
-        # preemption it announces (emergency checkpoint, the node leaves), and the run goes on.
-        spotted = DRILLED_RUN.replace("name: drilled", "name: spotted").replace("keep: 2", "keep: 100")
-        cli("train", str(write(cli.cwd / "spotted.yaml", spotted)), "-c", name, "--detach")
-        wait_for_commit(store, "spotted", at_least=10, timeout=300)
-        [reclaimed] = [h.instance_id for h in emulation.hosts.values() if h.private_ip == nodes[1].address]
-        interrupted = time.time()
-        emulation.interrupt(reclaimed)
-        wait_for_world(store, "spotted", size=1, since=interrupted, timeout=600)
-        log = ssh(nodes[1], "cat /mnt/infractl/logs/spotted.log").stdout
-        assert "spot interruption notice" in log, log[-3000:]
-        preempted = re.search(r"\bstopped\b.*reason=preempted.*step=(\d+)", log)
-        assert preempted is not None, log[-3000:]
-        assert runstore.read_manifest(store, "spotted", int(preempted[1])) is not None
-        control.kill_node(nodes[0].name, "spotted")
-
-        cli("bundle", "-c", name, "--out", str(cli.cwd / "handover"))
-        topology = (cli.cwd / "handover" / "topology.md").read_text()
-        assert "Provider: `aws`" in topology and f"`{controller}:{record['rendezvous']['port']}`" in topology
-        assert all(f"| {n.name} | {n.address} |" in topology for n in nodes), topology
-        assert "instances: main-0 `c7i.4xlarge`, main-1 `c7i.4xlarge`" in topology, topology
-        assert "Controller `m7i.large`" in topology and f"private `{controller}`" in topology, topology
-    finally:
-        planted = _plant_leaks(emulation, name)
-        refused = cli("teardown", "-c", name, "--purge", "--yes", expect=1)
-    assert all(resource in refused.stderr for resource in planted), refused.stderr
-    _remove_leaks(emulation, planted)
-    cli("teardown", "-c", name, "--purge", "--yes")
-    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
-    assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
-    emulation.sync()
-    assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
-    assert not (cli.home / name).exists()
 
 
 def _up_in_its_own_group(emulation: EmulatedAws, cpu_image: BuiltImage, cli: Cli) -> tuple[str, subprocess.Popen[str]]:
