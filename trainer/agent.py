@@ -87,8 +87,9 @@ class StopStoppedWorkersAgent(LocalElasticAgent):
         # until it times out, and cannot save without that peer (trainer.rendezvous.peer_lost).
         waiting = bool(rendezvous.peer_lost(worker_group.spec.rdzv_handler))
         for pid in pids:
-            if waiting or _stopped(pid):
-                reason = "a peer of its round is gone" if waiting else "it is stopped and cannot answer SIGTERM"
+            stopped = _stopped(pid)
+            if waiting or stopped:
+                reason = "it is stopped and cannot answer SIGTERM" if stopped else "a peer of its round is gone"
                 log.warning("killing worker %d: %s", pid, reason)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

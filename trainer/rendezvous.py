@@ -34,6 +34,8 @@ once the dead node, still a participant, is dropped for missing its keep-alives,
   waiting on it in a collective would otherwise wait out the collective timeout. Its agent
   SIGKILLs them (``trainer.agent``): they cannot answer SIGTERM inside a collective, and they
   cannot save without the peer. A membership change, as torch counts it: no restart is spent.
+  A peer that left the round to restart its own workers (they failed) looks the same in the
+  shared state, and is handled the same: the workers here could not finish a step without it.
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ def _next_rendezvous(handler: Any) -> Any:
 
 
 def peer_lost(handler: Any) -> frozenset[Any]:
-    """The participants of this node's round that the rendezvous dropped while its workers ran
-    (their keep-alives stopped), as ``_num_nodes_waiting`` last found them; empty if none."""
+    """The participants of this node's round that left it while its workers ran (dropped for
+    stopped keep-alives, or gone to restart), as ``_num_nodes_waiting`` last found them; empty if
+    none."""
     return frozenset(getattr(handler, "_infractl_peer_lost", frozenset()))
 
 
@@ -155,7 +158,7 @@ def _num_nodes_waiting(handler: Any) -> int:
                 log.warning(
                     "peer_lost",
                     nodes=sorted(f"{node.addr}:{node.pid}" for node in lost),
-                    reason="the rendezvous dropped them: their keep-alives stopped",
+                    reason="they left this node's round: their keep-alives stopped, or they restart",
                     action="restarting this node's workers",
                 )
             handler._infractl_peer_lost = frozenset(lost)
