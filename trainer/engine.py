@@ -111,11 +111,7 @@ class Trainer:
         self.device = device
         self.preemption = PreemptionNotice()
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
-        self.collective_timeout = CollectiveTimeout.for_default_group(
-            min_s=spec.watchdog.collective_timeout_min_s,
-            max_s=spec.watchdog.step_timeout_s / 2,
-            report=self._collective_timeout_set,
-        )
+        self.collective_timeout = CollectiveTimeout.for_default_group(spec.watchdog, report=self._report_timeout)
         self._warm_from = spec.steps  # the step after which collectives time out: set once warmed up
         self._staging_seen = False  # whether a save or replica of this start was staged and timed
         self.config_hash = config_hash(spec)
@@ -359,7 +355,7 @@ class Trainer:
         if self.env.rank == 0:
             log.info("watchdog_started", step_timeout_s=timeout_s, file_timer=self.watchdog.enabled)
 
-    def _collective_timeout_set(self, seconds: float, slowest_step_s: float) -> None:
+    def _report_timeout(self, seconds: float, slowest_step_s: float) -> None:
         if self.env.rank == 0:
             log.info("collective_timeout", timeout_s=seconds, slowest_step_s=round(slowest_step_s, 3))
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch.distributed as dist
 from torch.distributed.elastic.timer.file_based_local_timer import FileTimerClient
 
+from infractl.config import WatchdogSpec
 from infractl.log import get_logger
 
 __all__ = ["CollectiveTimeout", "StepWatchdog", "TIMER_FILE_ENV"]
@@ -137,13 +138,13 @@ class CollectiveTimeout:
         self.current: float | None = None
 
     @classmethod
-    def for_default_group(
-        cls, *, min_s: float, max_s: float, report: Callable[[float, float], None]
-    ) -> CollectiveTimeout:
+    def for_default_group(cls, spec: WatchdogSpec, *, report: Callable[[float, float], None]) -> CollectiveTimeout:
+        """The default group's, as run.yaml's ``watchdog`` section sets it."""
+
         def apply(seconds: float) -> None:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
-        return cls(min_s=min_s, max_s=max_s, apply=apply, report=report)
+        return cls(min_s=spec.collective_timeout_min_s, max_s=spec.step_timeout_s / 2, apply=apply, report=report)
 
     def start(self) -> None:
         """From now on collectives time out: at ``max_s`` until enough steps were seen."""
