@@ -1,10 +1,12 @@
 """``infractl train``: decide what a launch will do, then start one elastic torchrun agent per
-node; and ``infractl rejoin``. Following a run is the CLI's (it only reads the store)."""
+node; ``infractl rejoin`` and ``infractl stop``. Following a run is the CLI's (it only reads the
+store)."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +36,8 @@ __all__ = [
     "finish",
     "rejoin",
     "run_to_end",
+    "stop",
+    "Stopped",
     "torchrun_argv",
     "node_log",
 ]
@@ -420,4 +424,40 @@ def rejoin(
     runstore.write_run_record(store, record)
     return Rejoined(
         run_id=run, node=node_name, attempt=attempt.attempt, pid=agent.pid, rejoins=done + 1, budget=spec.max_restarts
+    )
+
+
+@dataclass(frozen=True)
+class Stopped:
+    run_id: str
+    nodes: list[str]
+    killed: int  # processes SIGKILLed: all of them without a save, else those that outlived the grace period
+    last_committed_step: int | None
+
+
+def stop(state: ClusterState, *, run: str | None = None, save: bool = True) -> Stopped:
+    """Stop a running run on every node. ``save``: as a preemption would, SIGTERM to each agent,
+    whose workers save the step they are on and exit within ``preemption.grace_s`` (whatever is
+    left after that is SIGKILLed). Else every process of the run is SIGKILLed at once, and the
+    run's newest commit stays its newest (a rollback wants no newer one). ``infractl train`` of
+    the same run.yaml resumes it."""
+    run, live = runs.running_run(state, run)
+    store = store_for(state)
+    control = providers.control(state)
+    left = control.processes(run=run)
+    if save:
+        record = runstore.read_run_record(store, run)
+        grace_s = RunSpec.model_validate(record.spec).preemption.grace_s if record and record.spec else 30
+        control.signal([p for p in left if p.agent], signal.SIGTERM)
+        # The agents' own shutdown is the grace period; their exit and the save's commit get a little more.
+        left = control.wait_gone(timeout=grace_s + 15, run=run)
+    if left:
+        control.signal(left, signal.SIGKILL)
+        if alive := control.wait_gone(timeout=30, run=run):
+            raise StateError(f"run {run!r}: {len(alive)} process(es) survived SIGKILL on {alive[0].node}")
+    return Stopped(
+        run_id=run,
+        nodes=sorted(live),
+        killed=len(left),
+        last_committed_step=runstore.latest_committed_step(store, run),
     )

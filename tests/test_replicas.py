@@ -1,17 +1,24 @@
 """In-memory checkpoint replicas (trainer/replicas.py): the agent's server over real HTTP on
-loopback, which replicas count as whole, the fetch that never takes a corrupt copy, and a
-replica saved and loaded through DCP by one rank. The drills (tests/test_drill.py) and the
-four-node cluster (tests/test_elastic_batch.py) run them across nodes."""
+loopback, which replicas count as whole, the fetch that never takes a corrupt copy, a replica
+saved and loaded by one rank, and one saved by two ranks loaded on one (DCP reshards it). The
+drills (tests/test_drill.py) and the four-node cluster (tests/test_elastic_batch.py) run them
+across nodes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from test_schemes import STEPS, copy_of, reference_run, scheme_spec
+from test_trainer import REPO, TIMEOUT_S
 
 from infractl import runstore
 from infractl.runstore import Manifest, ManifestEntry, SaveReason
@@ -126,7 +133,7 @@ def test_a_replica_newer_than_the_commit_is_loaded_and_the_store_is_left_as_it_w
     store = FileStore(tmp_path / "store")
     monkeypatch.setenv(replicas.REPLICA_ADDR_ENV, servers[0].address)
     pending = [{"step": 12, "loss": 1.5}]
-    held = Replicas.join(rank=0, world_size=1, workdir=tmp_path / "work", records=lambda: pending)
+    held = Replicas.join(rank=0, world_size=1, records=lambda: pending)
     assert held is not None and held.peer is None  # one node: its own agent only
 
     checkpointer = Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
@@ -137,7 +144,6 @@ def test_a_replica_newer_than_the_commit_is_loaded_and_the_store_is_left_as_it_w
     held.save(12, {"w": weight}, extra={"reason": SaveReason.REPLICA.value})
     weight.add_(1)  # training goes on while the copy is made
     held.close()
-    assert not (tmp_path / "work" / "replicas").exists()
 
     loaded = torch.zeros(100)
     manifest = checkpointer.load(lambda _: {"w": loaded}, held)
@@ -150,3 +156,69 @@ def test_a_replica_newer_than_the_commit_is_loaded_and_the_store_is_left_as_it_w
     servers[0].steps.clear()
     manifest = checkpointer.load(lambda _: {"w": loaded}, held)
     assert manifest is not None and manifest.step == 10 and torch.equal(loaded, torch.zeros(100))
+
+
+def _roundtrip(tmp_path: Path, store: FileStore, scheme: str, server: ReplicaServer, nproc: int) -> dict[str, Any]:
+    """tests/replica_roundtrip.py on ``nproc`` ranks of one node whose agent is ``server``."""
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(scheme_spec(scheme).model_dump_json())
+    out = tmp_path / f"roundtrip-{nproc}.pt"
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
+        str(REPO / "tests" / "replica_roundtrip.py"),
+        "--spec", str(spec_path), "--store", store.uri, "--run-id", "tiny",
+        "--workdir", str(tmp_path / "trainer"), "--out", str(out),
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), replicas.REPLICA_ADDR_ENV: server.address}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded: dict[str, Any] = torch.load(out, weights_only=False)
+    return loaded
+
+
+@pytest.mark.parametrize("scheme", ["fsdp", "zero1"])
+def test_a_replica_saved_on_two_ranks_loads_on_one_exactly_as_the_commit_of_its_step(
+    scheme: str, servers: list[ReplicaServer], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """fsdp's DTensor shards and zero1's per-owner optimizer state, replicated on 2 ranks, are
+    resharded onto 1 by DCP's load plan over the replica's own files, to the same bits as the
+    store's commit of that step."""
+    store = copy_of(reference_run(tmp_path_factory, scheme), tmp_path)
+    saved = _roundtrip(tmp_path, store, scheme, servers[0], nproc=2)
+    assert (saved["step"], saved["resumed_from"]) == (STEPS, "store")
+    assert _index(servers[0])[str(STEPS)]["manifest"] is not None  # type: ignore[index]
+
+    loaded = _roundtrip(tmp_path, store, scheme, servers[0], nproc=1)
+
+    assert (loaded["step"], loaded["resumed_from"], loaded["store_resumed_from"]) == (STEPS, "replica", "store")
+    replica, committed = loaded["replica"], loaded["store"]
+    assert sorted(replica) == sorted(committed) and any(k.startswith("optimizer.state.") for k in replica)
+    for key, value in committed.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(replica[key], value), key
+        else:
+            assert replica[key] == value, key
+
+
+def test_a_replica_of_a_state_whose_shape_changed_fails_and_the_next_agrees_a_new_layout(
+    tmp_path: Path, one_rank: None, servers: list[ReplicaServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(replicas.REPLICA_ADDR_ENV, servers[0].address)
+    held = Replicas.join(rank=0, world_size=1, records=list)
+    assert held is not None
+    held.save(1, {"w": torch.ones(4)}, extra={"reason": SaveReason.REPLICA.value})
+    # A state that gained a key: the layout agreed at step 1 no longer says where it goes.
+    grown = {"w": torch.ones(4), "v": torch.full((2,), 3.0)}
+    held.save(2, grown, extra={"reason": SaveReason.REPLICA.value})
+    held.save(3, grown, extra={"reason": SaveReason.REPLICA.value})
+    held.close()
+
+    assert sorted(_index(servers[0])) == ["3"]  # step 2 sent nothing; 3 dropped step 1
+    (tmp_path / "store").mkdir()
+    checkpointer = Checkpointer(
+        FileStore(tmp_path / "store"), run_id="r", workdir=tmp_path, rank=0, world_size=1, keep=2
+    )
+    loaded = {"w": torch.zeros(4), "v": torch.zeros(2)}
+    manifest = checkpointer.load(lambda _: loaded, held)
+    assert manifest is not None and manifest.step == 3
+    assert torch.equal(loaded["v"], torch.full((2,), 3.0)) and torch.equal(loaded["w"], torch.ones(4))

@@ -147,6 +147,31 @@ def test_prune_keeps_newest_and_removes_stale_partials(store: Store) -> None:
     assert store.list(runstore.checkpoint_prefix("r", 40))
 
 
+def test_a_copy_is_a_second_object_with_the_same_bytes(store: Store) -> None:
+    store.put_bytes("a/x", b"payload")
+    store.copy("a/x", "b/y")
+    assert store.get_bytes("b/y") == b"payload" and store.get_bytes("a/x") == b"payload"
+    with pytest.raises(StoreKeyError):
+        store.copy("a/missing", "b/z")
+
+
+def test_set_aside_moves_the_committed_steps_after_one_whole_and_leaves_the_rest(store: Store) -> None:
+    for step in (10, 20, 30):
+        _checkpoint(store, step)
+    _checkpoint(store, 40, commit=False)  # a save interrupted by the stop: the resume deletes it
+    with pytest.raises(CheckpointError, match="step 15 of run 'r' is not committed"):
+        runstore.set_aside(store, "r", 15)
+    assert runstore.committed_steps(store, "r") == [10, 20, 30]
+
+    moved, aside = runstore.set_aside(store, "r", 10)
+
+    assert moved == [20, 30] and aside.startswith("runs/r/rolled-back/")
+    assert runstore.committed_steps(store, "r") == [10] and store.list(runstore.checkpoint_prefix("r", 40))
+    for step in moved:
+        kept = [o.key.rsplit("/", 1)[1] for o in store.list(f"{aside}/step-{step:08d}")]
+        assert kept == ["COMMITTED", "MANIFEST.json", "shard"], kept
+
+
 def test_metrics_keep_the_newest_record_of_a_step(store: Store) -> None:
     runstore.write_metrics(store, "r", [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}])
     runstore.write_metrics(store, "r", [{"step": 2, "loss": 3.5}, {"step": 3, "loss": 3.0}])

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.checkpoint.storage import StorageReader
 
 from infractl.log import get_logger
 from infractl.runstore import (
@@ -75,7 +76,7 @@ from infractl.runstore import (
     verify_checkpoint,
 )
 from infractl.store import Store, StoreError
-from trainer.replicas import Replicas
+from trainer.replicas import ReplicaReader, Replicas
 from trainer.replicas import fetch as fetch_replica
 
 __all__ = ["Checkpointer", "SaveFailed", "UPLOAD_DELAY_ENV"]
@@ -281,7 +282,7 @@ class Checkpointer:
             dist.all_gather_object(errors, fetch_replica(candidate, restore, tag=f"rank-{self.rank}"))
             error = next((e for e in errors if e), None)
             if error is None:
-                self._load(manifest, build_state(manifest))
+                self._load(manifest, build_state(manifest), reader=ReplicaReader(restore))
                 return manifest
             if self.rank == 0:
                 log.warning("replica_invalid", step=manifest.step, error=error)
@@ -444,9 +445,10 @@ class Checkpointer:
             return f"{type(exc).__name__}: {exc}"
         return None
 
-    def _load(self, manifest: Manifest, state: dict[str, Any]) -> None:
+    def _load(self, manifest: Manifest, state: dict[str, Any], *, reader: StorageReader | None = None) -> None:
+        """Load the step fetched into its restore directory: DCP's files, or a replica's (``reader``)."""
         restore = self._restore_dir(manifest.step)
-        load(state, storage_reader=FileSystemReader(restore))
+        load(state, storage_reader=reader or FileSystemReader(restore))
         # Ranks sharing this workdir may still be reading it.
         dist.barrier()
         shutil.rmtree(restore, ignore_errors=True)

@@ -134,7 +134,7 @@ class Trainer:
         self.metrics = (
             MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id) if env.rank == 0 else None
         )
-        self.replicas = self._join_replicas(workdir)
+        self.replicas = self._join_replicas()
         self.saves = self._saves()
         #: What this process resumed from: "store", "replica", or None (step 0).
         self.resumed_from: str | None = None
@@ -166,13 +166,13 @@ class Trainer:
             replicate_every=spec.checkpoint.replicate_every,
         )
 
-    def _join_replicas(self, workdir: Path) -> Replicas | None:
+    def _join_replicas(self) -> Replicas | None:
         """This job's in-memory replicas (collective), unless the run asks for none."""
         if not self.spec.checkpoint.replicate_every:
             return None
         metrics = self.metrics
         records = metrics.unwritten if metrics is not None else list
-        return Replicas.join(rank=self.env.rank, world_size=self.env.world_size, workdir=workdir, records=records)
+        return Replicas.join(rank=self.env.rank, world_size=self.env.world_size, records=records)
 
     def _state(self, loading: Manifest | None) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -10,15 +10,24 @@ Like torch's rendezvous and TCP stores, it trusts the cluster network.
 
 A replica of step N (every rank, collectively, over a gloo group of its own)::
 
-    training thread     dcp.async_save stages the state to host memory and returns (what
-                        training waits for), as the store's checkpoints do
-    the replica thread  waits for DCP's write to <workdir>/replicas/step-<N>/rank-<R>/, PUTs each
-                        file with its sha256 to this node's agent and to the next node's (a ring
-                        over the nodes, in rank order), deletes the local files; then, over the
-                        group: all_gather of every rank's files and errors; if none failed, every
-                        rank PUTs the step's manifest (every file's sha256, the trainer's extra,
-                        rank 0's metrics records not yet in the store) to the same two agents.
-                        An agent keeps the newest step with a manifest and the steps after it
+    once per start      the ranks agree, through DCP's save planner, which items of the flattened
+                        state each rank holds (a replicated item on one rank only) and the DCP
+                        ``Metadata`` of them all (``_Layout``); a replica whose state no longer
+                        has that shape fails, and the next one agrees again
+    training thread     copies this rank's items in host memory: tensors cloned, other objects
+                        pickled (what training waits for)
+    the replica thread  serializes them as one file, ``rank-<R>`` (rank 0 adds ``metadata``), PUTs
+                        it with its sha256 to this node's agent and to the next node's (a ring over
+                        the nodes, in rank order); then, over the group: all_gather of every rank's
+                        files and errors; if none failed, every rank PUTs the step's manifest
+                        (every file's sha256, the trainer's extra, rank 0's metrics records not
+                        yet in the store) to the same two agents. An agent keeps the newest step
+                        with a manifest and the steps after it
+
+Not ``dcp.async_save``: its planning collectives and its file per item (each a ``torch.save`` of
+its own) made the recovery benchmark's replicas slower than its 0.1 s steps, so replicas were
+skipped and the newest whole one fell behind the run (README, Recovery). Loading is DCP's (``ReplicaReader``), so a
+replica reshards into another world size or layout as a store checkpoint does.
 
 A step is a replica once an agent holds its manifest; it is whole while every file the manifest
 lists is held by some live agent. On restart (``Checkpointer.load``), rank 0 asks every node's
@@ -36,27 +45,30 @@ rest would. Tests use it; it is never set in normal runs.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import hashlib
 import http.client
+import io
 import json
 import os
-import shutil
+import pickle
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader
 
 from infractl.log import get_logger
 from infractl.runstore import Manifest, ManifestEntry, file_sha256
@@ -65,6 +77,7 @@ __all__ = [
     "CORRUPT_ENV",
     "REPLICA_ADDR_ENV",
     "Candidate",
+    "ReplicaReader",
     "ReplicaServer",
     "Replicas",
     "fetch",
@@ -79,6 +92,8 @@ REPLICA_ADDR_ENV = "INFRACTL_REPLICA_ADDR"
 #: Fault-injection knob (module doc): ``peer`` corrupts the copies an agent holds for other nodes.
 CORRUPT_ENV = "INFRACTL_REPLICA_CORRUPT"
 
+#: The key of rank 0's pickled DCP ``Metadata`` among a replica's files (each rank's is ``rank-<R>``).
+_METADATA_KEY = "metadata"
 #: How long an agent may leave one request's socket silent before the request fails.
 _TIMEOUT_S = 10.0
 #: How long a replica's collectives may wait for the slowest rank's write and copies.
@@ -238,15 +253,31 @@ class _InFlight:
     step: int
     thread: threading.Thread
     error: str | None = None
+    relayout: bool = False  # a rank's state no longer matched the layout: agree a new one
+
+
+#: A replica's copy of this rank's items, in file order: the tensors, and every other object pickled.
+_Staged = tuple[list[torch.Tensor], bytes]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What this rank's replica file holds, agreed once per start (``Replicas._agree``): the items
+    of the flattened state DCP's planner gives this rank (each replicated item on one rank only),
+    in file order; the state's shape it was agreed for; on rank 0, the DCP ``Metadata`` of every
+    rank's items (pickled), where each item's ``storage_data`` is (file key, kind, position)."""
+
+    signature: tuple[Any, ...]
+    items: list[WriteItem]
+    metadata: bytes | None
 
 
 class Replicas:
     """This rank's replicas: ``join`` on every rank."""
 
-    def __init__(self, *, rank: int, agents: list[str], workdir: Path, records: Callable[[], list[Any]]) -> None:
+    def __init__(self, *, rank: int, agents: list[str], records: Callable[[], list[Any]]) -> None:
         self.rank = rank
         self.world_size = len(agents)
-        self.workdir = workdir
         self._records = records  # rank 0's metrics records not yet in the store
         #: Every rank's agent, and so every live node's, in rank order.
         self.agents = agents
@@ -256,10 +287,11 @@ class Replicas:
         self.peer = nodes[(nodes.index(self.own) + 1) % len(nodes)] if len(nodes) > 1 else None
         # Replicas' collectives run off the training thread: a group of their own (see checkpoint.py).
         self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+        self._layout: _Layout | None = None
         self._in_flight: _InFlight | None = None
 
     @classmethod
-    def join(cls, *, rank: int, world_size: int, workdir: Path, records: Callable[[], list[Any]]) -> Replicas | None:
+    def join(cls, *, rank: int, world_size: int, records: Callable[[], list[Any]]) -> Replicas | None:
         """Every rank, collectively: this job's replicas, or None where a rank has no agent that
         holds them (a worker started by plain torchrun)."""
         addresses: list[str | None] = [None] * world_size
@@ -269,31 +301,32 @@ class Replicas:
             if rank == 0:
                 log.warning("replicas_off", reason=f"{world_size - len(agents)} rank(s) have no replica server")
             return None
-        return cls(rank=rank, agents=agents, workdir=workdir, records=records)
+        return cls(rank=rank, agents=agents, records=records)
 
     def busy(self) -> bool:
-        """Whether this rank's previous replica is still being written or copied."""
+        """Whether this rank's previous replica is still being copied."""
         return self._in_flight is not None and self._in_flight.thread.is_alive()
 
     def save(self, step: int, state: dict[str, Any], *, extra: dict[str, Any]) -> None:
-        """Start a replica of ``state`` as step ``step``; return once it is staged in host memory.
+        """Start a replica of ``state`` as step ``step``; return once it is copied in host memory.
         Every rank, collectively, and only when no rank is ``busy``."""
         if self._in_flight is not None:
             self._in_flight.thread.join()  # done on every rank: the caller checked
             self._report(self._in_flight)
-        staging = self.workdir / "replicas" / f"step-{step}" / f"rank-{self.rank}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        written = cast(
-            "Future[Any]",
-            async_save(state, storage_writer=FileSystemWriter(staging, sync_files=False), process_group=self._group),
-        )
+            if self._in_flight.relayout:
+                self._layout = None
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()})
+        signature = _signature(planner.state_dict)
+        if self._layout is None:
+            self._layout = self._agree(planner, signature)  # nothing else is on the group now
+        staged = _stage(planner, self._layout.items) if signature == self._layout.signature else None
         extra = extra | ({"records": self._records()} if self.rank == 0 else {})
         context = contextvars.copy_context()
         in_flight = _InFlight(step=step, thread=threading.Thread())
         in_flight.thread = threading.Thread(
             target=context.run,
-            args=(self._finish, in_flight, staging, written, extra),
+            args=(self._finish, in_flight, self._layout, staged, extra),
             name=f"replica-step-{step}",
             daemon=True,
         )
@@ -306,44 +339,61 @@ class Replicas:
         if in_flight is not None:
             in_flight.thread.join()
             self._report(in_flight)
-        with contextlib.suppress(OSError):
-            (self.workdir / "replicas").rmdir()
 
     def _report(self, in_flight: _InFlight) -> None:
         if in_flight.error is not None and self.rank == 0:
             log.warning("replica_failed", step=in_flight.step, error=in_flight.error)
 
-    def _finish(self, in_flight: _InFlight, staging: Path, written: Future[Any], extra: dict[str, Any]) -> None:
-        """Write, copy to both agents, agree, publish the manifest. Every rank issues the same
-        collectives whatever fails locally: errors travel as data."""
+    def _agree(self, planner: DefaultSavePlanner, signature: tuple[Any, ...]) -> _Layout:
+        """Every rank, collectively: DCP's plan of who saves which item, once, instead of on
+        every replica as ``dcp.save`` does (its planning and per-item files cost a replica of a
+        small model more than its bytes)."""
+        plans: list[SavePlan | None] = [None] * self.world_size
+        dist.all_gather_object(plans, planner.create_local_plan(), group=self._group)
+        per_rank, metadata = planner.create_global_plan(cast("list[SavePlan]", plans))
+        storage: dict[MetadataIndex, tuple[str, str, int]] = {}
+        for rank, plan in enumerate(per_rank):
+            counts = {"tensor": 0, "object": 0}
+            for item in plan.items:
+                kind = "object" if item.type is WriteItemType.BYTE_IO else "tensor"
+                storage[item.index] = (_file_key(rank), kind, counts[kind])
+                counts[kind] += 1
+        metadata.storage_data = storage
+        return _Layout(
+            signature=signature,
+            items=per_rank[self.rank].items,
+            metadata=pickle.dumps(metadata) if self.rank == 0 else None,
+        )
+
+    def _finish(self, in_flight: _InFlight, layout: _Layout, staged: _Staged | None, extra: dict[str, Any]) -> None:
+        """Serialize, copy to both agents, agree, publish the manifest. Every rank issues the
+        same collectives whatever fails locally: errors travel as data."""
         step = in_flight.step
         started = time.monotonic()
         entries: list[ManifestEntry] = []
         error: str | None = None
         try:
-            written.result()
-            for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-                body = path.read_bytes()  # read once: hashed here, sent to both agents
-                entry = ManifestEntry(key=path.name, size=len(body), sha256=hashlib.sha256(body).hexdigest())
+            if staged is None:
+                raise ValueError("the state's keys or shapes changed since the replicas' layout was agreed")
+            tensors, objects = staged
+            buffer = io.BytesIO()
+            torch.save({"tensors": tensors, "objects": objects}, buffer)
+            bodies = [(_file_key(self.rank), buffer.getvalue())]
+            if layout.metadata is not None:
+                bodies.append((_METADATA_KEY, layout.metadata))
+            for key, body in bodies:
+                entry = ManifestEntry(key=key, size=len(body), sha256=hashlib.sha256(body).hexdigest())
                 for address, copy in ((self.own, "own"), (self.peer, "peer")):
                     if address is not None:
-                        _request(
-                            address,
-                            "PUT",
-                            f"/steps/{step}/files/{urllib.parse.quote(entry.key)}?copy={copy}",
-                            body,
-                            {"X-Sha256": entry.sha256},
-                        )
+                        path = f"/steps/{step}/files/{key}?copy={copy}"
+                        _request(address, "PUT", path, body, {"X-Sha256": entry.sha256})
                 entries.append(entry)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            with contextlib.suppress(OSError):  # empty once this node's other ranks are done too
-                staging.parent.rmdir()
         try:
-            gathered: list[tuple[list[ManifestEntry], str | None] | None] = [None] * self.world_size
-            dist.all_gather_object(gathered, (entries, error), group=self._group)
+            gathered: list[tuple[list[ManifestEntry], str | None, bool] | None] = [None] * self.world_size
+            dist.all_gather_object(gathered, (entries, error, staged is None), group=self._group)
+            in_flight.relayout = any(part[2] for part in gathered if part)
             errors = [f"rank {r}: {part[1]}" for r, part in enumerate(gathered) if part and part[1]]
             if errors:
                 in_flight.error = "; ".join(errors)
@@ -371,6 +421,32 @@ class Replicas:
             except (OSError, ValueError) as exc:
                 log.warning("replica_index_failed", agent=address, error=str(exc))
         return whole_replicas(indexes, not_before)
+
+
+def _file_key(rank: int) -> str:
+    return f"rank-{rank}"
+
+
+def _signature(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """The flattened state's shape: its keys, and each tensor's size and dtype."""
+    return tuple(
+        (key, (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None)
+        for key, value in sorted(flat.items())
+    )
+
+
+def _stage(planner: DefaultSavePlanner, items: list[WriteItem]) -> _Staged:
+    """Copies of this rank's ``items`` of the state ``planner`` was set up with, in file order:
+    the tensors cloned, every other object pickled (training goes on and changes them)."""
+    tensors: list[torch.Tensor] = []
+    objects: list[Any] = []
+    for item in items:
+        value = planner.lookup_object(item.index)
+        if item.type is WriteItemType.BYTE_IO:
+            objects.append(value)
+        else:
+            tensors.append(value.detach().clone())
+    return tensors, pickle.dumps(objects)
 
 
 def whole_replicas(indexes: dict[str, dict[str, Any]], not_before: int | None) -> list[Candidate]:
@@ -424,3 +500,63 @@ def fetch(candidate: Candidate, dest: Path, *, tag: str) -> str | None:
         else:
             return f"step {step}: {entry.key}: " + "; ".join(problems)
     return None
+
+
+class ReplicaReader(StorageReader):
+    """DCP's reader of a replica fetched into ``path``: rank 0's metadata file and every rank's
+    file (``Replicas._finish``). DCP plans the load, so a replica loads into another world size
+    or layout as a store checkpoint does."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.storage_data: dict[MetadataIndex, tuple[str, str, int]] = {}
+        self._files: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._files = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return cast("Metadata", pickle.loads((self.path / _METADATA_KEY).read_bytes()))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for item in plan.items:
+            key, kind, position = self.storage_data[item.storage_index]
+            tensors, objects = self._file(key)
+            if kind == "object":
+                value = io.BytesIO()
+                torch.save(objects[position], value)  # what the planner reads a DCP object from
+                value.seek(0)
+                planner.load_bytes(item, value)
+                continue
+            source = tensors[position]
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                source = source.narrow(dim, offset, length)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise ValueError(f"{item.storage_index}: size {list(source.size())}, expected {list(target.size())}")
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+    def _file(self, key: str) -> tuple[list[torch.Tensor], list[Any]]:
+        if key not in self._files:
+            held = torch.load(self.path / key, weights_only=True)
+            # Objects are unpickled as DCP's own reader does: the files come from the run's agents.
+            self._files[key] = (held["tensors"], pickle.loads(held["objects"]))
+        return self._files[key]

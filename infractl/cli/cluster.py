@@ -157,7 +157,8 @@ def _run_rows(
         except ValidationError:
             spec = None  # a record without a valid spec (written by another version): still listed
         steps = spec.steps if spec else None
-        last = runstore.latest_committed_step(store, record.run_id)
+        committed = runstore.committed_steps(store, record.run_id)
+        last = committed[-1] if committed else None
         latest = runstore.latest_metrics(store, record.run_id)
         run_state = runs.run_state(
             record,
@@ -188,6 +189,7 @@ def _run_rows(
                 "attempts": len(record.attempts),
                 "steps": steps,
                 "last_committed_step": last,
+                "committed_steps": committed,
                 "last_step": latest["step"] if latest else None,
                 "loss": latest["loss"] if latest else None,
                 "world_size": latest["world_size"] if latest else None,
@@ -220,6 +222,7 @@ def _running_rows(live: dict[str, set[str]]) -> list[dict[str, Any]]:
             "attempts": None,
             "steps": None,
             "last_committed_step": None,
+            "committed_steps": None,
             "last_step": None,
             "loss": None,
             "world_size": None,

@@ -1,4 +1,5 @@
-"""``infractl train``: launch (or resume) a run on every node and follow it; ``infractl rejoin``."""
+"""``infractl train``: launch (or resume) a run on every node and follow it; ``infractl rejoin``,
+``infractl stop`` and ``infractl rollback``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ from typing import Annotated
 
 import typer
 
-from infractl import launcher, runstore
-from infractl.cli._common import ClusterOpt, JsonOpt, LogFormatOpt, NodeArg, RunOpt, YesOpt, confirm, output
+from infractl import launcher, runs, runstore
+from infractl.cli._common import (
+    ClusterOpt,
+    JsonOpt,
+    LogFormatOpt,
+    NodeArg,
+    RunArg,
+    RunOpt,
+    YesOpt,
+    confirm,
+    output,
+)
+from infractl.cluster import store_for
 from infractl.config import RunSpec, load_run
-from infractl.errors import StoreError, TrainingError
+from infractl.errors import StateError, StoreError, TrainingError, UsageError
 from infractl.output import Output
 from infractl.runstore import Attempt
 from infractl.state import resolve_cluster
@@ -144,6 +156,62 @@ def rejoin(
     )
 
 
+def stop(
+    run: RunOpt = None,
+    no_save: Annotated[
+        bool,
+        typer.Option("--no-save", help="Kill every process of the run now: the step it is on is not saved."),
+    ] = False,
+    cluster_opt: ClusterOpt = None,
+    json_mode: JsonOpt = False,
+) -> None:
+    """Stop a running run on every node: its workers save the step they are on (as on a preemption notice) and exit."""
+    out = output(json_mode)
+    state, _ = resolve_cluster(cluster_opt)
+    with state.lock("stop"):
+        stopped = launcher.stop(state, run=run, save=not no_save)
+    forced = ""
+    if no_save:
+        forced = f"; its {stopped.killed} process(es) killed, nothing saved"
+    elif stopped.killed:
+        forced = f"; {stopped.killed} process(es) outlived the grace period and were killed"
+    out.success(
+        f"run {stopped.run_id!r} stopped on {', '.join(stopped.nodes)} at committed step "
+        f"{stopped.last_committed_step}{forced}; `infractl train` of its run.yaml resumes it"
+    )
+    out.result(asdict(stopped))
+
+
+def rollback(
+    run: RunArg,
+    to: Annotated[int, typer.Option("--to", help="The committed step the run goes back to.", min=0)],
+    cluster_opt: ClusterOpt = None,
+    yes: YesOpt = False,
+    json_mode: JsonOpt = False,
+) -> None:
+    """Roll RUN back to an earlier committed step: every newer step is moved aside in the store, kept, not deleted."""
+    out = output(json_mode)
+    state, _ = resolve_cluster(cluster_opt)
+    store = store_for(state)
+    with state.lock("rollback"):
+        if run in runs.running(state):
+            raise StateError(f"run {run!r} is running: stop it first (`infractl stop --run {run}`)", field="RUN")
+        committed = runstore.committed_steps(store, run)
+        if to not in committed:
+            listed = ", ".join(map(str, committed)) or "none"
+            raise UsageError(f"step {to} is not a committed step of run {run!r} (committed: {listed})", field="--to")
+        newer = [step for step in committed if step > to]
+        confirm(f"Move step(s) {', '.join(map(str, newer)) or 'none'} of run {run!r} aside?", yes=yes)
+        moved, aside = runstore.set_aside(store, run, to)
+    out.success(
+        f"run {run!r} rolled back to step {to}: step(s) {', '.join(map(str, moved)) or 'none'} moved to "
+        f"{store.location(aside)}; `infractl train` of its run.yaml resumes it from step {to}"
+    )
+    out.result({"run_id": run, "to": to, "moved": moved, "aside": store.location(aside)})
+
+
 def register(app: typer.Typer) -> None:
     app.command()(train)
     app.command()(rejoin)
+    app.command()(stop)
+    app.command()(rollback)

@@ -19,7 +19,6 @@ import math
 from pathlib import Path
 from string import Template
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from pydantic import ValidationError
 
@@ -82,7 +81,6 @@ def _cluster_values(cluster: dict[str, Any]) -> dict[str, str]:
         "exports": str(home().parent / "exports"),
         "run_from": _RUN_FROM,
         "store": store,
-        "store_path": _store_path(store),
         "nodes": " ".join(str(n["name"]) for n in cluster["nodes"]),
         "node_count": str(len(cluster["nodes"])),
     }
@@ -95,7 +93,6 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
     except ValidationError:
         return None
     ckpt = checkpoint_prefix(record.run_id, 0).rsplit("/", 1)[0]
-    store_path = _store_path(str(cluster["store"]))
     per_node = int(cluster["spec"].get("processes_per_node", 1))
     return {
         "run": record.run_id,
@@ -109,17 +106,13 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
         "step_timeout": str(math.ceil(spec.watchdog.step_timeout_s)),
         "grace": f"{spec.preemption.grace_s:g}",
         "ckpt": ckpt,
+        # The run's committed steps, oldest first, on one line (any store: `infractl status` reads them).
         "commits": (
-            f'ls -1 "{store_path}/{ckpt}"/step-*/COMMITTED  # the committed steps, in the store'
-            if store_path
-            else f"infractl metrics {record.run_id} -c {cluster['name']} | tail -n 5  # the store is S3: steps recorded"
+            f"infractl status -c {cluster['name']} --json | python3 -c 'import json, sys; print(*next("
+            'r["committed_steps"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.argv[1]))'
+            f"' {record.run_id}"
         ),
     }
-
-
-def _store_path(uri: str) -> str:
-    """A ``file://`` store's directory (as ``Path.as_uri`` wrote it); empty for any other store."""
-    return unquote(urlsplit(uri).path) if uri.startswith("file://") else ""
 
 
 def section(state: ClusterState, runbook: str, run: str | None) -> dict[str, str | None]:

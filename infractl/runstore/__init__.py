@@ -15,6 +15,7 @@ Layout (``<store>/runs/<run-id>/``)::
                                       extra (the SaveReason, tokens seen, config hash, dataset version,
                                       environment fingerprint, save timings)
     ckpt/step-<N>/COMMITTED           written last and create-only
+    rolled-back/<UTC time>/step-<N>/  steps `infractl rollback` moved out of ckpt/, whole, kept
     drills/<drill-id>.json            DrillRecord: one fault drill and its measured recovery
     chaos/<series-id>.json            ChaosRecord: a seeded series of random faults (its drills are
                                       in drills/) and the finished run against a reference run
@@ -52,6 +53,7 @@ from infractl.runstore.commit import (
     latest_committed_step,
     prune_checkpoints,
     read_manifest,
+    set_aside,
     step_objects,
     verify_checkpoint,
 )
@@ -135,6 +137,7 @@ __all__ = [
     "read_profile_request",
     "read_run_record",
     "run_prefix",
+    "set_aside",
     "starts_a_process",
     "step_objects",
     "verify_checkpoint",

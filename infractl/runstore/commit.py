@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
 from infractl.errors import InfractlError, StoreError
@@ -25,6 +26,7 @@ __all__ = [
     "latest_committed_step",
     "prune_checkpoints",
     "read_manifest",
+    "set_aside",
     "step_objects",
     "verify_checkpoint",
 ]
@@ -147,3 +149,27 @@ def prune_checkpoints(store: Store, run_id: str, *, keep: int, idle: bool = Fals
     for step in sorted(doomed):
         store.delete_prefix(checkpoint_prefix(run_id, step))
     return sorted(doomed)
+
+
+def set_aside(store: Store, run_id: str, after: int) -> tuple[list[int], str]:
+    """Roll the run back to its committed step ``after``: move every committed step newer than it
+    under ``runs/<run>/rolled-back/<UTC time>/``, where nothing reads them and retention never
+    deletes them. Returns the steps moved and that prefix. Uncommitted leftovers stay: the run's
+    resume deletes them, as after any interrupted save.
+
+    Each step is copied whole first, then uncommitted (its COMMITTED marker deleted), then deleted.
+    Interrupted, a step is either still committed in place (and its copy may be partial: run it
+    again) or already whole in the copy (a resume deletes what is left in place).
+    """
+    committed = committed_steps(store, run_id)
+    if after not in committed:
+        raise CheckpointError(f"step {after} of run {run_id!r} is not committed")
+    aside = f"{run_prefix(run_id)}/rolled-back/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    moved = [step for step in committed if step > after]
+    for step in moved:
+        prefix = checkpoint_prefix(run_id, step)
+        for obj in store.list(prefix):
+            store.copy(obj.key, f"{aside}/{obj.key[len(run_prefix(run_id)) + len('/ckpt/') :]}")
+        store.delete_prefix(f"{prefix}/COMMITTED")
+        store.delete_prefix(prefix)
+    return moved, aside

@@ -54,6 +54,11 @@ class Store(ABC):
     def get_file(self, key: str, path: Path) -> None: ...
 
     @abstractmethod
+    def copy(self, key: str, to: str) -> None:
+        """Copy object ``key`` to ``to`` inside the store (server-side where the backend can);
+        ``StoreKeyError`` if ``key`` does not exist."""
+
+    @abstractmethod
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod

@@ -131,6 +131,14 @@ class FileStore(Store):
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, path)
 
+    def copy(self, key: str, to: str) -> None:
+        with self._io("copy", key):
+            src = self._path(key)
+            if not src.is_file():
+                self._root_exists()
+                raise StoreKeyError(self.uri, key)
+            self.put_file(to, src)
+
     def exists(self, key: str) -> bool:
         with self._io("look up", key):
             if self._path(key).is_file():

@@ -277,6 +277,19 @@ class S3Store(Store):
                     raise
         raise AssertionError("unreachable")
 
+    def copy(self, key: str, to: str) -> None:
+        # A managed copy: server-side, multipart above the threshold (a single CopyObject stops at 5 GB).
+        from botocore.exceptions import ClientError
+
+        source = {"Bucket": self.bucket, "Key": self._object_key(key)}
+        with self._io("copy", key):
+            try:
+                self.client.copy(source, self.bucket, self._object_key(to), Config=self._transfer_config())
+            except ClientError as e:
+                if _is_missing(e):
+                    raise StoreKeyError(self.uri, key) from None
+                raise
+
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 

@@ -77,7 +77,8 @@ def main() -> None:
 def check(spec: dict) -> None:
     """Exit with the reason if this node cannot take ``spec``."""
     if os.geteuid() != 0:
-        sys.exit(f"managing the access groups and ACLs needs root on the node (uid {os.geteuid()}); run infractl as root")
+        uid = os.geteuid()
+        sys.exit(f"managing the access groups and ACLs needs root on the node (uid {uid}); run infractl as root")
     if not (shutil.which("setfacl") and shutil.which("getfacl")):
         sys.exit("setfacl not found: install the acl package (Debian: apt-get install acl)")
     for entry in spec["acls"]:
