@@ -14,8 +14,8 @@ if ! command -v chromium >/dev/null; then
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }
 fi
 cd "$repo"
-ruff check infractl trainer tests bench scripts setup.py
-ruff format --check infractl trainer tests bench scripts setup.py
+ruff check infractl trainer tests bench scripts playbooks setup.py
+ruff format --check infractl trainer tests bench scripts playbooks setup.py
 mypy
 # loadgroup: the tests of a module that share one cluster (xdist_group) run on one worker.
 # 3 workers on CI's 2 cores: an end-to-end test spends much of its time waiting (on a fault's
