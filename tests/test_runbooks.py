@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from markdown_it import MarkdownIt
 
 from infractl import proc, runstore
 from infractl.config import RunSpec
@@ -45,8 +46,6 @@ max_restarts: 3
 watchdog: {{step_timeout_s: 8}}
 """
 
-BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```$", re.S | re.M)
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
@@ -55,7 +54,63 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
 
 
 def bash_blocks(markdown: str) -> list[str]:
-    return BASH_BLOCK.findall(markdown)
+    """The runbook's fenced ``bash`` blocks, in order, as a Markdown parser reads them."""
+    return [t.content for t in MarkdownIt().parse(markdown) if t.type == "fence" and t.info.strip() == "bash"]
+
+
+def symptoms_section(markdown: str) -> str:
+    """The text of the runbook's "Symptoms and where they show" section (up to the next heading)."""
+    tokens = MarkdownIt().parse(markdown)
+    starts = [
+        i for i, t in enumerate(tokens) if t.type == "heading_open" and tokens[i + 1].content.startswith("Symptoms")
+    ]
+    assert len(starts) == 1, "a runbook has one Symptoms section"
+    section = []
+    for token in tokens[starts[0] + 3 :]:
+        if token.type == "heading_open":
+            break
+        section.append(token.content)
+    return "\n".join(section)
+
+
+def assert_symptoms(
+    cli: Cli,
+    runbook: Path,
+    run: str,
+    *,
+    cluster: str = "local",
+    logs: Sequence[str] = (),
+    status: Mapping[str, object] | None = None,
+    within_s: float = 0.0,
+) -> None:
+    """What the runbook tells the on-call engineer to look for, seen on the cluster before its
+    blocks run. Each of ``logs`` (an event and the fields the runbook quotes with it) is named in
+    the runbook's Symptoms section and is in the run's node logs. Each of ``status`` (a field of
+    ``infractl status --json``: ``runs[].F`` the run's row, ``nodes[NODE].F`` a node's, ``store.F``,
+    ``rendezvous.F``)
+    is named there (``nodes[].F``) and has the value given. The logs may take ``within_s`` to show them."""
+    named = symptoms_section(runbook.read_text())
+    paths = {path: re.sub(r"\[[^\]]+\]", "[]", path) for path in status or {}}
+    for symptom in [*logs, *paths.values()]:
+        assert symptom in named, f"{runbook.name}'s symptoms do not name {symptom!r}"
+    patterns = {event: re.escape(event).replace(r"\ ", r"\s.*?") for event in logs}
+    deadline = time.monotonic() + within_s
+    while patterns:
+        # The node logs are printed even while the store is down (then the command exits 1).
+        text = cli("logs", "-c", cluster, "--run", run, "--tail", "2000", expect=None).stdout
+        missing = [event for event, pattern in patterns.items() if not re.search(pattern, text)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"no {missing} in the logs of {run}"
+        time.sleep(1)
+    if status:
+        shown = json.loads(cli("status", "-c", cluster, "--json").stdout)
+        rows = {"runs[]": next(r for r in shown["runs"] if r["run"] == run)}
+        rows |= {f"nodes[{n['name']}]": n for n in shown["nodes"]}
+        for path, expected in status.items():
+            where, _, field = path.rpartition(".")
+            actual = (rows[where] if where in rows else shown[where])[field]
+            assert actual == expected, f"status {path} is {actual!r}, not {expected!r}"
 
 
 def run_blocks(cli: Cli, runbook: Path) -> str:
@@ -124,6 +179,7 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
         "path": f"{runbook}#run-lost",
     }
     assert f"run lost is degraded (running on 1 of 2 nodes): see {runbook}#run-lost" in cluster("status").stdout
+    assert_symptoms(cluster, runbook, "lost", status={"nodes[node-1].live_processes": 0})
     # The survivor waits in the rendezvous for nodes.min: nothing commits until node-1 is back.
     committed = runstore.latest_committed_step(store, "lost")
     assert committed is not None and committed >= 20
@@ -154,6 +210,12 @@ def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_
     cluster("bundle", "--run", "orphan", "--out", str(written))
     copy = Path(shutil.copytree(written, tmp_path / "ops-share" / "local"))
     shutil.rmtree(written)
+    assert_symptoms(
+        cluster,
+        copy / "runbooks" / "node-failure.md",
+        "orphan",
+        status={"runs[].state": "stopped", "nodes[node-0].live_processes": 0, "nodes[node-1].live_processes": 0},
+    )
     transcript = run_blocks(cluster, copy / "runbooks" / "node-failure.md")
     # The stopped run is launched again from the copy's configs/runs/orphan.yaml.
     assert "run orphan is stopped" in transcript and "run orphan recovered: " in transcript, transcript
@@ -167,7 +229,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
     store = start(cluster, "outage", steps=steps)
     cluster("bundle", "--run", "outage")  # before the outage: the bundle is made from the store
     drill = subprocess.Popen(
-        [sys.executable, "-m", "infractl", "drill", "store-outage", "--seconds", "20", "--run", "outage", "--no-wait"],
+        [sys.executable, "-m", "infractl", "drill", "store-outage", "--seconds", "40", "--run", "outage", "--no-wait"],
         cwd=cluster.cwd,
         env=cluster.env(),
         stdout=subprocess.PIPE,
@@ -180,7 +242,12 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
             time.sleep(0.1)
         assert not (cluster.home / "local" / "store").exists(), "the drill did not take the store down"
         fault_time = time.time()
-        transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "store-outage.md")
+        runbook = cluster.cwd / "handover" / "local" / "runbooks" / "store-outage.md"
+        # The next save fails; the one after it logs the failure.
+        assert_symptoms(
+            cluster, runbook, "outage", logs=["checkpoint_failed"], status={"store.reachable": False}, within_s=20
+        )
+        transcript = run_blocks(cluster, runbook)
     finally:
         drill_output, _ = drill.communicate(timeout=600)
     assert drill.returncode == 0, drill_output
@@ -203,7 +270,22 @@ def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_com
     cluster("bundle", "--run", "stuck")  # no step completes past a stopped rank: nothing commits until the restart
     committed = runstore.latest_committed_step(store, "stuck")
     assert committed is not None
-    transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "hung-job.md")
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "hung-job.md"
+    # Within seconds the collectives time out and the hung worker is killed: the run restarts by itself.
+    assert_symptoms(
+        cluster,
+        runbook,
+        "stuck",
+        logs=[
+            "stopped reason=crashed",
+            "Timed out waiting",
+            "killing worker",
+            "it is stopped and cannot answer SIGTERM",
+        ],
+        status={"runs[].state": "running"},
+        within_s=30,
+    )
+    transcript = run_blocks(cluster, runbook)
     assert "run stuck recovered: " in transcript, transcript
     assert_completed_from(store, "stuck", steps=steps, fault_time=fault_time, committed=committed)
 
@@ -290,6 +372,65 @@ def test_a_runbook_section_has_a_path_only_once_a_bundle_holds_it(tmp_path: Path
     assert section(state, "node-failure", None)["path"] == f"{tmp_path}/out/runbooks/node-failure.md"
 
 
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_preemption_runbook_brings_the_preempted_node_back_and_the_run_completes_from_its_save(
+    cluster: Cli,
+) -> None:
+    steps = 200  # the survivor waits for nodes.min: the run cannot end before the runbook brought node-1 back
+    store = start(cluster, "reclaimed", steps=steps)
+    node_dir = cluster.home / "local"
+    fault_time = time.time()
+    # A spot reclaim's notice: SIGTERM to the node's agent, whose workers save the step and leave.
+    proc.signal_listed([p for p in proc.listing(node_dir, node="node-1", run="reclaimed") if p.agent], signal.SIGTERM)
+    assert proc.wait_gone(node_dir, node="node-1", timeout=60) == []
+    cluster("bundle", "--run", "reclaimed")
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "preemption.md"
+    assert_symptoms(
+        cluster,
+        runbook,
+        "reclaimed",
+        logs=["preempted", "stopped reason=preempted", "stopped reason=peer_preempted"],
+        status={"nodes[node-1].live_processes": 0},
+        within_s=20,
+    )
+    committed = runstore.latest_committed_step(store, "reclaimed")
+    manifest = runstore.read_manifest(store, "reclaimed", committed or 0)
+    assert manifest is not None and manifest.reason is runstore.SaveReason.PREEMPTION, manifest
+    transcript = run_blocks(cluster, runbook)
+    assert "infractl rejoin" in transcript and "run reclaimed recovered: " in transcript, transcript
+    assert_completed_from(store, "reclaimed", steps=steps, fault_time=fault_time, committed=committed or 0)
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_full_restart_runbook_recreates_the_cluster_and_the_run_completes_from_its_last_commit(cluster: Cli) -> None:
+    steps = 120
+    store = start(cluster, "everything", steps=steps)
+    node_dir = cluster.home / "local"
+    fault_time = time.time()
+    # Every process of the cluster dies, the rendezvous server with the nodes' agents and workers.
+    proc.kill(proc.find(node_dir))
+    assert proc.wait_gone(node_dir, timeout=30) == []
+    committed = runstore.latest_committed_step(store, "everything")
+    cluster("bundle", "--run", "everything")
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "full-restart.md"
+    assert_symptoms(
+        cluster,
+        runbook,
+        "everything",
+        status={
+            "rendezvous.running": False,
+            "runs[].state": "stopped",
+            "nodes[node-0].live_processes": 0,
+            "nodes[node-1].live_processes": 0,
+        },
+    )
+    transcript = run_blocks(cluster, runbook)
+    assert "infractl teardown" in transcript and "run everything recovered: " in transcript, transcript
+    assert_completed_from(store, "everything", steps=steps, fault_time=fault_time, committed=committed or 0)
+
+
 def rollback_runbook_outcome(cli: Cli, cluster_name: str, store: Store, name: str) -> None:
     """Run ``name`` (2,000 steps, still training when the runbook runs), treat its newest commit
     as bad and follow the rollback runbook: the run is stopped without a save, the steps after
@@ -343,3 +484,32 @@ def test_rollback_runbook_on_an_s3_store_sets_the_newer_steps_aside_in_the_bucke
         tmp_path_factory, "rollback-s3", cluster_yaml=f"name: s3rb\nnodes: 2\nstore: {s3_store_uri}\n"
     ) as cli:
         rollback_runbook_outcome(cli, "s3rb", open_store(s3_store_uri), "diverged")
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_teardown_runbook_exports_the_model_and_leaves_the_store_readable(cluster: Cli) -> None:
+    """Last of the module's cluster tests: the runbook tears the cluster down; it is brought up
+    again for the module's own teardown."""
+    steps = 40
+    run_file = write(cluster.cwd / "window.yaml", RUN.format(name="window", steps=steps))
+    cluster("train", str(run_file))  # the training window: the run completes
+    store = FileStore(cluster.home / "local" / "store")
+    cluster("bundle", "--run", "window")
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "teardown.md"
+    assert_symptoms(cluster, runbook, "window", status={"runs[].state": "completed"})
+    try:
+        transcript = run_blocks(cluster, runbook)
+        assert "cluster local is down" in transcript, transcript
+        assert proc.find(cluster.home / "local") == []
+        # The store outlives the cluster, whole: every committed step verifies, the metrics and
+        # run records read, and the exported weights are the ones the run trained last.
+        assert runstore.committed_steps(store, "window")[-1] == steps
+        for step in runstore.committed_steps(store, "window"):
+            runstore.verify_checkpoint(store, "window", step)
+        assert runstore.read_metrics(store, "window")[-1]["step"] == steps
+        exported = cluster.home.parent / "exports" / "window.safetensors"
+        described = json.loads(exported.with_name("window.safetensors.json").read_text())
+        assert described["step"] == steps and runstore.file_sha256(exported) == described["sha256"]
+    finally:
+        cluster("up")
