@@ -73,7 +73,7 @@ class DataSpec(Spec):
 
 
 #: checkpoint.replicate_every's default. bench/trainer.py on 2 CPU cores (README, Performance): one
-#: replica costs about one step's time (269 ms against 276 ms), so every 100 steps it costs about 1%.
+#: replica costs about half a step's time (135 ms against 272 ms), so every 100 steps it costs 0.5%.
 REPLICATE_EVERY = 100
 
 
