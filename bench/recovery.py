@@ -7,7 +7,8 @@ SIGKILLed, node-0 goes on alone from the last committed step, node-1 rejoins, th
 again, and the next drill starts); then ``infractl drill KIND --node node-1 --no-wait`` for
 kill-during-checkpoint, hang-node, preempt and store-outage (and on netns: partition, the link
 down, and partition:drop, its packets dropped, each for 20 s), with ``infractl rejoin node-1``
-after each that removed the node; then ``infractl teardown``. Reports how many kill-node drills
+after each that removed the node, each striking once the run trained ``SETTLE_STEPS`` steps on the
+whole world; then ``infractl teardown``. Reports how many kill-node drills
 recovered from the last committed step, the median and worst restart_s (fault -> first step
 completed after resume), the median of each of its phases (detect, stop, rendezvous, startup,
 load, first_step: infractl/drill/recovery.py), rejoin_s (rejoin -> first step on 2 nodes again),
@@ -143,18 +144,31 @@ def _waited_for_first_commit(home: Path, timeout: float) -> None:
     raise SystemExit(f"the run committed no checkpoint within {timeout:g}s")
 
 
-def _world_size(home: Path) -> int | None:
+#: Steps the run trains on the whole world before the next drill strikes: a restart's first steps
+#: are not steady state (the collective timeout waits its maximum until it has seen 5 steps).
+SETTLE_STEPS = 20
+
+
+def _progress(home: Path) -> tuple[int | None, int | None]:
+    """The run's world size and newest step, from `infractl status`."""
     status = json.loads(_infractl(home, "status", *_CLUSTER, "--json", timeout=60).stdout)
-    return next((run.get("world_size") for run in status.get("runs", [])), None)
+    run = next(iter(status.get("runs", [])), {})
+    return run.get("world_size"), run.get("last_step")
 
 
 def _whole_again(home: Path) -> None:
-    """Rejoin node-1 if the last drill left the run without it; wait for a step on 2 nodes."""
-    if _world_size(home) == 2:
-        return
-    _infractl(home, "rejoin", "node-1", *_CLUSTER, timeout=60)
+    """Rejoin node-1 if the last drill left the run without it; wait for ``SETTLE_STEPS`` steps
+    on 2 nodes."""
+    if _progress(home)[0] != 2:
+        _infractl(home, "rejoin", "node-1", *_CLUSTER, timeout=60)
     deadline = time.monotonic() + 300
-    while _world_size(home) != 2 and time.monotonic() < deadline:
+    first: int | None = None
+    while time.monotonic() < deadline:
+        world, step = _progress(home)
+        if world == 2 and step is not None:
+            first = step if first is None else first
+            if step >= first + SETTLE_STEPS:
+                return
         time.sleep(1)
 
 

@@ -15,17 +15,16 @@ progress, whole (run it on one rank: the states of another world size are then c
 from __future__ import annotations
 
 import argparse
-import gc
-from pathlib import Path
 from typing import Any
 
 import torch
+import torchrun_script
 from torch.distributed.tensor import DTensor
 
 from infractl.config import load_run_json
 from infractl.config.run import RunSpec
 from infractl.store import open_store
-from trainer.distributed import DistEnv, destroy_process_group, init_process_group
+from trainer.distributed import DistEnv
 from trainer.engine import Trainer
 
 
@@ -70,21 +69,5 @@ def _roundtrip(args: argparse.Namespace, env: DistEnv, device: torch.device) -> 
         torch.save(out, args.out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--spec", "--workdir", "--out"):
-        parser.add_argument(name, type=Path, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--run-id", required=True)
-    args = parser.parse_args()
-    env = DistEnv.from_environ()
-    device = init_process_group(env)
-    try:
-        _roundtrip(args, env, device)
-    finally:
-        gc.collect()
-        destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    torchrun_script.run(_roundtrip)

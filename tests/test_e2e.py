@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_runbooks import rolled_back, run_blocks
 
 from infractl import proc, runstore
 from infractl.store import FileStore, open_store
@@ -121,7 +122,7 @@ def test_up_train_kill_resume_teardown(cli: Cli) -> None:
     cli("teardown", "--yes", expect=2)
 
 
-def test_train_checkpoints_into_s3_and_purge_removes_the_run(cli: Cli, s3_store_uri: str) -> None:
+def test_train_checkpoints_into_s3_rolls_back_there_and_purge_removes_the_run(cli: Cli, s3_store_uri: str) -> None:
     cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
     run = write(cli.cwd / "run.yaml", (RUN % {"min": 2, "max": 2}).replace("steps: 240", "steps: 20"))
     store = open_store(s3_store_uri)
@@ -133,6 +134,15 @@ def test_train_checkpoints_into_s3_and_purge_removes_the_run(cli: Cli, s3_store_
     assert runstore.verify_checkpoint(store, "e2e", 20).world_size == 2
     assert [r["step"] for r in runstore.read_metrics(store, "e2e")] == list(range(1, 21))
     assert json.loads(cli("status", "-c", "s3c", "--json").stdout)["runs"][0]["state"] == "completed"
+
+    # The rollback runbook on the S3 store: step 20 is moved aside in the bucket (server-side
+    # copies), and the run, launched again, resumes from step 10 and completes.
+    cli("bundle", "-c", "s3c", "--run", "e2e")
+    transcript = run_blocks(cli, cli.cwd / "handover" / "s3c" / "runbooks" / "rollback.md")
+    assert rolled_back(store, "e2e", transcript) == 10 and "run e2e recovered: completed" in transcript, transcript
+    wait_for_commit(store, "e2e", at_least=20, timeout=180)
+    record = runstore.read_run_record(store, "e2e")
+    assert record is not None and record.attempts[-1].resume_from == 10
 
     done = json.loads(cli("teardown", "-c", "s3c", "--yes", "--purge", "--json").stdout)
     assert done["runs_purged"] == ["e2e"]

@@ -12,14 +12,13 @@ exported weights against these logits.
 from __future__ import annotations
 
 import argparse
-import gc
-from pathlib import Path
 
 import torch
+import torchrun_script
 
 from infractl.config import load_run_json
 from infractl.store import open_store
-from trainer.distributed import DistEnv, destroy_process_group, init_process_group
+from trainer.distributed import DistEnv
 from trainer.engine import Trainer
 
 # Two sequences of 32 bytes: the tests' runs have seq_len 32.
@@ -46,21 +45,5 @@ def _logits(args: argparse.Namespace, env: DistEnv, device: torch.device) -> Non
         torch.save({"step": step, "inputs": INPUTS, "logits": logits.float().cpu()}, args.out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--spec", "--workdir", "--out"):
-        parser.add_argument(name, type=Path, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--run-id", required=True)
-    args = parser.parse_args()
-    env = DistEnv.from_environ()
-    device = init_process_group(env)
-    try:
-        _logits(args, env, device)
-    finally:
-        gc.collect()
-        destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    torchrun_script.run(_logits)
