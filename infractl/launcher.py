@@ -16,7 +16,7 @@ from typing import Any
 
 from infractl import proc, providers, runs, runstore
 from infractl.cluster import keep_rendezvous, store_for
-from infractl.config import RunSpec, check_layout
+from infractl.config import PreemptionSpec, RunSpec, check_layout
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
@@ -447,7 +447,8 @@ def stop(state: ClusterState, *, run: str | None = None, save: bool = True) -> S
     left = control.processes(run=run)
     if save:
         record = runstore.read_run_record(store, run)
-        grace_s = RunSpec.model_validate(record.spec).preemption.grace_s if record and record.spec else 30
+        preemption = RunSpec.model_validate(record.spec).preemption if record and record.spec else PreemptionSpec()
+        grace_s = preemption.grace_s
         control.signal([p for p in left if p.agent], signal.SIGTERM)
         # The agents' own shutdown is the grace period; their exit and the save's commit get a little more.
         left = control.wait_gone(timeout=grace_s + 15, run=run)

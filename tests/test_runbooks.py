@@ -473,7 +473,9 @@ def test_rollback_runbook_sets_the_newer_steps_aside_and_the_run_goes_on_from_th
     after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
     restarts = [r for r in after if runstore.starts_a_process(r)]
     assert restarts and min(restarts, key=lambda r: r["time"])["step"] == to + 1, restarts[:2]
-    cluster("stop", "--run", name, "--no-save")
+    # A plain stop is a preemption of every node: the step the workers were on is committed.
+    stopped = json.loads(cluster("stop", "--run", name, "--json").stdout)
+    assert stopped["killed"] == 0 and stopped["last_committed_step"] == runstore.read_metrics(store, name)[-1]["step"]
     refused = cluster("rollback", name, "--to", str(to + 1), "--yes", expect=2).stderr
     assert f"--to: step {to + 1} is not a committed step of run {name!r} (committed: " in refused
 
