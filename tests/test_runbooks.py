@@ -7,18 +7,16 @@ for any cluster, with nothing left unfilled."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from markdown_it import MarkdownIt
 
 from infractl import proc, runstore
 from infractl.config import RunSpec
@@ -31,6 +29,7 @@ from infractl.state import ClusterState, write_private
 from infractl.store import FileStore, Store
 
 from conftest import Cli, module_cluster, wait_for_commit, write
+from runbook_steps import assert_completed_from, assert_symptoms, bash_blocks, run_blocks, start
 
 # nodes.min 2: without node-1 the survivor waits in the rendezvous and the run stalls, so it
 # completes only if the runbook's commands bring node-1 back (or launch the run again).
@@ -53,116 +52,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
         yield cli
 
 
-def bash_blocks(markdown: str) -> list[str]:
-    """The runbook's fenced ``bash`` blocks, in order, as a Markdown parser reads them."""
-    return [t.content for t in MarkdownIt().parse(markdown) if t.type == "fence" and t.info.strip() == "bash"]
-
-
-def symptoms_section(markdown: str) -> str:
-    """The text of the runbook's "Symptoms and where they show" section (up to the next heading)."""
-    tokens = MarkdownIt().parse(markdown)
-    starts = [
-        i for i, t in enumerate(tokens) if t.type == "heading_open" and tokens[i + 1].content.startswith("Symptoms")
-    ]
-    assert len(starts) == 1, "a runbook has one Symptoms section"
-    section = []
-    for token in tokens[starts[0] + 3 :]:
-        if token.type == "heading_open":
-            break
-        section.append(token.content)
-    return "\n".join(section)
-
-
-def assert_symptoms(
-    cli: Cli,
-    runbook: Path,
-    run: str,
-    *,
-    cluster: str = "local",
-    logs: Sequence[str] = (),
-    status: Mapping[str, object] | None = None,
-    within_s: float = 0.0,
-) -> None:
-    """What the runbook tells the on-call engineer to look for, seen on the cluster before its
-    blocks run. Each of ``logs`` (an event and the fields the runbook quotes with it) is named in
-    the runbook's Symptoms section and is in the run's node logs. Each of ``status`` (a field of
-    ``infractl status --json``: ``runs[].F`` the run's row, ``nodes[NODE].F`` a node's, ``store.F``,
-    ``rendezvous.F``)
-    is named there (``nodes[].F``) and has the value given. The logs may take ``within_s`` to show them."""
-    named = symptoms_section(runbook.read_text())
-    paths = {path: re.sub(r"\[[^\]]+\]", "[]", path) for path in status or {}}
-    for symptom in [*logs, *paths.values()]:
-        assert symptom in named, f"{runbook.name}'s symptoms do not name {symptom!r}"
-    patterns = {event: re.escape(event).replace(r"\ ", r"\s.*?") for event in logs}
-    deadline = time.monotonic() + within_s
-    while patterns:
-        # The node logs are printed even while the store is down (then the command exits 1).
-        text = cli("logs", "-c", cluster, "--run", run, "--tail", "2000", expect=None).stdout
-        missing = [event for event, pattern in patterns.items() if not re.search(pattern, text)]
-        if not missing:
-            break
-        assert time.monotonic() < deadline, f"no {missing} in the logs of {run}"
-        time.sleep(1)
-    if status:
-        shown = json.loads(cli("status", "-c", cluster, "--json").stdout)
-        rows = {"runs[]": next(r for r in shown["runs"] if r["run"] == run)}
-        rows |= {f"nodes[{n['name']}]": n for n in shown["nodes"]}
-        for path, expected in status.items():
-            where, _, field = path.rpartition(".")
-            actual = (rows[where] if where in rows else shown[where])[field]
-            assert actual == expected, f"status {path} is {actual!r}, not {expected!r}"
-
-
-def run_blocks(cli: Cli, runbook: Path) -> str:
-    """Every ``bash`` block of ``runbook`` in order, as the runbook says to run them: ``bash -euo
-    pipefail`` from the runbook's folder (as Runme does), with no INFRACTL_HOME of its own; all
-    must succeed."""
-    env = {k: v for k, v in cli.env().items() if k != "INFRACTL_HOME"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `infractl`, as installed
-    blocks = bash_blocks(runbook.read_text())
-    assert blocks, runbook
-    transcript = []
-    for block in blocks:
-        assert block.startswith('export INFRACTL_HOME="'), block
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", block],
-            cwd=runbook.parent,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        transcript.append(f"$ {block}\n{done.stdout}{done.stderr}")
-        assert done.returncode == 0, "\n".join(transcript)
-    return "\n".join(transcript)
-
-
-def start(cli: Cli, name: str, *, steps: int) -> FileStore:
-    """Start run ``name`` detached on the cluster; return its store once step 20 committed."""
-    cli("train", str(write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps))), "--detach")
-    store = FileStore(cli.home / "local" / "store")
-    wait_for_commit(store, name, at_least=20, timeout=180)
-    return store
-
-
-def assert_completed_from(store: FileStore, name: str, *, steps: int, fault_time: float, committed: int) -> None:
-    """The run completed on 2 ranks, and every restart after the fault resumed from ``committed``."""
-    wait_for_commit(store, name, at_least=steps, timeout=300)
-    after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
-    restarts = [r for r in after if runstore.starts_a_process(r)]
-    assert restarts, after[:3]
-    first = min(restarts, key=lambda r: r["time"])
-    assert committed >= 20 and first["step"] - 1 == committed, (first, committed)
-    assert after[-1]["step"] == steps and after[-1]["world_size"] == 2
-    record = runstore.read_run_record(store, name)
-    assert record is not None and all(a.resume_from in (0, committed) for a in record.attempts)
-
-
 @pytest.mark.e2e
 @pytest.mark.xdist_group("runbooks")
 def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
     steps = 200  # the run stalls without node-1: it cannot end before the runbook brought it back
-    store = start(cluster, "lost", steps=steps)
+    store = start(cluster, RUN.format(name="lost", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     proc.kill(proc.find(node_dir, node="node-1"))
@@ -198,7 +92,7 @@ def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_
     cluster: Cli, tmp_path: Path
 ) -> None:
     steps = 60  # two more commits after the relaunch: it resumes, it is not merely done
-    store = start(cluster, "orphan", steps=steps)
+    store = start(cluster, RUN.format(name="orphan", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     proc.kill(proc.find(node_dir, run="orphan"))  # every node: no agent is left to resume it
@@ -226,7 +120,7 @@ def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_
 @pytest.mark.xdist_group("runbooks")
 def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster: Cli) -> None:
     steps = 2000  # still training when the store is back and the runbook verifies
-    store = start(cluster, "outage", steps=steps)
+    store = start(cluster, RUN.format(name="outage", steps=steps))
     cluster("bundle", "--run", "outage")  # before the outage: the bundle is made from the store
     drill = subprocess.Popen(
         [sys.executable, "-m", "infractl", "drill", "store-outage", "--seconds", "40", "--run", "outage", "--no-wait"],
@@ -263,7 +157,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
 @pytest.mark.xdist_group("runbooks")
 def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
     steps = 200  # the run may end before the runbook's last block: it verifies "or has completed"
-    store = start(cluster, "stuck", steps=steps)
+    store = start(cluster, RUN.format(name="stuck", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     proc.signal_listed(recovery.workers(proc.listing(node_dir, node="node-1")), signal.SIGSTOP)
@@ -377,7 +271,7 @@ def test_preemption_runbook_brings_the_preempted_node_back_and_the_run_completes
     cluster: Cli,
 ) -> None:
     steps = 200  # the survivor waits for nodes.min: the run cannot end before the runbook brought node-1 back
-    store = start(cluster, "reclaimed", steps=steps)
+    store = start(cluster, RUN.format(name="reclaimed", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     # A spot reclaim's notice: SIGTERM to the node's agent, whose workers save the step and leave.
@@ -407,7 +301,7 @@ def test_preemption_runbook_brings_the_preempted_node_back_and_the_run_completes
 @pytest.mark.xdist_group("runbooks")
 def test_full_restart_runbook_recreates_the_cluster_and_the_run_completes_from_its_last_commit(cluster: Cli) -> None:
     steps = 120
-    store = start(cluster, "everything", steps=steps)
+    store = start(cluster, RUN.format(name="everything", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     # Every process of the cluster dies, the rendezvous server with the nodes' agents and workers.
