@@ -82,11 +82,11 @@ def assert_symptoms(
             assert actual == expected, f"status {path} is {actual!r}, not {expected!r}"
 
 
-def run_blocks(cli: Cli, runbook: Path) -> str:
+def run_blocks(cli: Cli, runbook: Path, *, env: Mapping[str, str] | None = None) -> str:
     """Every ``bash`` block of ``runbook`` in order, as the runbook says to run them: ``bash -euo
-    pipefail`` from the runbook's folder (as Runme does), with no INFRACTL_HOME of its own; all
-    must succeed."""
-    env = {k: v for k, v in cli.env().items() if k != "INFRACTL_HOME"}
+    pipefail`` from the runbook's folder (as Runme does), with no INFRACTL_HOME of its own (and
+    ``env``: what the machine's environment sets, e.g. an emulated device); all must succeed."""
+    env = {k: v for k, v in cli.env().items() if k != "INFRACTL_HOME"} | dict(env or {})
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `infractl`, as installed
     blocks = bash_blocks(runbook.read_text())
     assert blocks, runbook

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from infractl.config import ModelSpec, load_run
 from infractl.planning import memory
 from infractl.store import FileStore
-from trainer.model import GPT, GPTConfig
+from trainer.held import EmulatedDevice
+from trainer.model import GPT, GPTConfig, token_loss
 from trainer.parallelize import _TP_PLAN
 
 from conftest import REPO, Cli, module_cluster, write
@@ -159,11 +161,74 @@ def test_a_run_that_fits_nowhere_names_the_smallest_shortfall(cli: Cli) -> None:
         (["--steps", "3"], "--steps: only with --measure"),
         (["--measure", "--device", "h200"], "--device: --measure measures the cluster's own devices"),
         (["--measure", "--steps", "0"], "Invalid value for '--steps'"),
+        (["--measure", "--apply"], "--apply: only without --measure"),
     ],
 )
 def test_bad_plan_arguments_are_one_line(cli: Cli, args: list[str], message: str) -> None:
     result = cli("plan", str(REPO / "examples" / "quickstart.yaml"), *args, expect=2)
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# A run whose activations outweigh the rest: at 2 devices of 68 MiB, plain ddp needs 81 MiB by the
+# plan and activation checkpointing 64 MiB; the emulated device counts 72 MiB for ddp's forward.
+SQUEEZED = """\
+# the team's own notes stay
+name: squeezed
+model: {layers: 2, hidden: 64, heads: 2, seq_len: 128}
+batch_size: 64
+parallel:
+  dp: 2
+nodes: {min: 2, max: 2}
+steps: 60 # trailing
+"""
+EMULATED_68_MIB = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
+
+
+def test_apply_writes_the_first_way_that_fits_the_smallest_world_and_keeps_the_rest_of_the_file(cli: Cli) -> None:
+    run = write(cli.cwd / "squeezed.yaml", SQUEEZED)
+    plan = ["plan", str(run), "--max-nodes", "2"]
+    shown = json.loads(cli(*plan, "--json", env=EMULATED_68_MIB).stdout)
+    assert shown["device"] == "cpu (emulated)" and shown["device_memory_bytes"] == 68 << 20
+    assert [o["devices"] for o in shown["options"][:4]] == [None, None, None, None]  # no scheme alone fits
+    applied = json.loads(cli(*plan, "--apply", "--json", env=EMULATED_68_MIB).stdout)["applied"]
+    assert applied == {
+        "way": "ddp + activation checkpointing",
+        "changed": {"parallel": "ddp", "activation_checkpointing": True},
+    }
+    assert run.read_text() == (
+        SQUEEZED.replace("parallel:\n  dp: 2\n", "parallel: ddp\n") + "activation_checkpointing: true\n"
+    )
+    again = json.loads(cli(*plan, "--apply", "--json", env=EMULATED_68_MIB).stdout)["applied"]
+    assert again == {"way": "ddp + activation checkpointing", "changed": {}}
+    # Nothing fits a smaller device: exit 2, the file as it was.
+    before = run.read_text()
+    refused = cli(*plan, "--apply", env={"INFRACTL_DEVICE_MEMORY": str(30 << 20)}, expect=2).stderr
+    assert refused.startswith("error: --max-nodes: run 'squeezed' fits on no cpu (emulated) within 2 node(s)")
+    assert run.read_text() == before
+    refused = cli(*plan, env={"INFRACTL_DEVICE_MEMORY": "68MiB"}, expect=2).stderr
+    assert refused.strip() == "error: $INFRACTL_DEVICE_MEMORY: must be a positive number of bytes, got '68MiB'"
+
+
+def test_the_emulated_device_raises_cudas_exception_part_way_through_the_forward() -> None:
+    torch.manual_seed(0)
+    spec = load_run(write(Path(tempfile.mkdtemp()) / "squeezed.yaml", SQUEEZED))
+    model = GPT(GPTConfig(**spec.model.model_dump()))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = torch.randint(0, memory.VOCAB, (32, spec.model.seq_len))
+    fits = EmulatedDevice(model, optimizer, 80 << 20)
+    with fits.watching():
+        token_loss(model(tokens), tokens).backward()
+    # What it counted is the plan's: the reserve, parameters and gradients, and the activations.
+    planned = memory.budget(spec.model, scheme="ddp", ranks=2, micro_batch=32, precision="fp32", cuda=False)
+    assert fits.resident == planned.reserve + planned.parameters + planned.gradients
+    assert abs(fits.saved - planned.activations) < 0.02 * planned.activations
+    optimizer.step()  # AdamW's state: held from the next step on
+    squeezed = EmulatedDevice(model, optimizer, 68 << 20)
+    with pytest.raises(torch.OutOfMemoryError, match="tried to allocate .* the device's capacity is 68.00 MiB"):
+        with squeezed.watching():
+            token_loss(model(tokens), tokens)
+    assert squeezed.resident - fits.resident == pytest.approx(planned.optimizer, rel=1e-3)  # and its step counters
+    assert 0 < squeezed.saved < fits.saved  # it stopped part-way through
 
 
 # Sizes where the model's tensors outweigh the runtime's 30 MiB, so every component counts.

@@ -326,6 +326,58 @@ def test_full_restart_runbook_recreates_the_cluster_and_the_run_completes_from_i
     assert_completed_from(store, "everything", steps=steps, fault_time=fault_time, committed=committed or 0)
 
 
+# A run whose activations outweigh the rest (tests/test_plan.py sizes the same shape).
+SQUEEZED = """\
+name: squeezed
+model: {layers: 2, hidden: 64, heads: 2, seq_len: 128}
+data: {max_bytes: 200000}
+batch_size: 64
+steps: 60
+checkpoint: {every: 20, keep: 2}
+nodes: {min: 2, max: 2}
+max_restarts: 1
+watchdog: {step_timeout_s: 8}
+"""
+#: Devices of 68 MiB, emulated on the CPU nodes (trainer/held.py): the run's plain ddp holds 72 MiB
+#: in its forward there (81 MiB by the plan); with activation checkpointing the plan says 64 MiB.
+SMALL_DEVICES = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_out_of_memory_runbook_changes_the_run_to_a_way_that_fits_and_it_completes_from_its_last_commit(
+    cluster: Cli,
+) -> None:
+    """The run trained to a commit, then moved to nodes with smaller devices: every rank runs out
+    of memory in its first step's forward, the restart too, and the run fails. The runbook
+    changes its config to the first way that fits and launches it again, on the same devices."""
+    store = start(cluster, SQUEEZED)
+    cluster("stop", "--run", "squeezed")  # a preemption: the step it was on is committed
+    committed = runstore.latest_committed_step(store, "squeezed")
+    assert committed is not None and committed >= 20
+    fault_time = time.time()
+    moved = cluster("train", str(cluster.cwd / "squeezed.yaml"), env=SMALL_DEVICES, expect=None)
+    assert moved.returncode != 0 and "stopped at committed step" in moved.stderr, moved.stderr
+    cluster("bundle", "--run", "squeezed")
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "out-of-memory.md"
+    assert_symptoms(
+        cluster,
+        runbook,
+        "squeezed",
+        logs=['stopped error="OutOfMemoryError'],
+        status={"runs[].state": "failed"},
+    )
+    (row,) = [r for r in json.loads(cluster("status", "--json").stdout)["runs"] if r["run"] == "squeezed"]
+    assert row["attention"]["runbook"] == "out-of-memory", row
+    transcript = run_blocks(cluster, runbook, env=SMALL_DEVICES)
+    assert "now says activation_checkpointing: true" in transcript, transcript
+    assert "run squeezed recovered: " in transcript, transcript
+    assert_completed_from(store, "squeezed", steps=60, fault_time=fault_time, committed=committed)
+    # It trained with activation checkpointing on the same devices: the change made it fit.
+    record = runstore.read_run_record(store, "squeezed")
+    assert record is not None and record.spec["activation_checkpointing"] is True
+
+
 def rolled_back(store: Store, name: str, transcript: str) -> int:
     """The step the rollback runbook's ``infractl rollback`` went back to; every committed step
     it moved is checked to be kept whole aside (its manifest, every file it lists, its COMMITTED)."""

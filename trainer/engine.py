@@ -39,6 +39,7 @@ from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
+from trainer.held import EmulatedDevice
 from trainer.layout import Layout
 from trainer.metrics import CommTimer, MetricsWriter, StepClock
 from trainer.model import GPT, GPTConfig, token_loss
@@ -122,6 +123,8 @@ class Trainer:
         self.parallel = _build_model(spec, env, self.layout, device)
         self.model = self.parallel.module
         self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel.dp_shard == "zero1")
+        # A CPU rank may rehearse a device's memory limit (trainer/held.py).
+        self.emulated = EmulatedDevice.from_environ(self.model, self.optimizer) if device.type == "cpu" else None
         self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
             store,
@@ -384,7 +387,8 @@ class Trainer:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in self.data.batch(step))
         fetched = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(inputs, targets)
+        with self.emulated.watching() if self.emulated is not None else contextlib.nullcontext():
+            loss = self._forward_backward(inputs, targets)
         backward_done = clock.mark()
         norm = self.parallel.reduce_and_clip(GRAD_CLIP)
         self.optimizer.step()

@@ -2,12 +2,9 @@
 and the bytes each component of the budget actually took (infractl/planning/memory.py predicts
 the same components).
 
-- parameters, gradients, optimizer state: the exact bytes of this rank's tensors (the local
-  shards under fsdp, this rank's partition of AdamW's state under zero1);
-- activations: the tensors autograd saves for the backward pass, counted once per storage by a
-  ``saved_tensors_hooks`` pack hook during the forward. Saved weights are not activations:
-  parameters themselves are skipped, and autocast's bf16 copies of them (and views of those)
-  are reported apart as ``autocast_copies``. The first step is left out when there are more
+- parameters, gradients, optimizer state, and activations (the tensors autograd saves for the
+  backward pass, less saved weights, which are reported apart as ``autocast_copies``): counted
+  as trainer/held.py counts them. The first step is left out when there are more
   (it also runs one-off work: a pipeline stage's forward that infers its shapes). Under tensor
   parallel a saved DTensor counts its local shard. Under activation checkpointing a block's
   saves happen again during the backward pass, out of the hook's sight: after the steps, the
@@ -26,17 +23,14 @@ Every rank writes its report to ``runs/<run>/memory/rank-<r>.json``; nothing is 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import json
 import pickle
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,17 +38,12 @@ from infractl import runstore
 from infractl.log import get_logger
 from infractl.store import Store, StoreError
 from trainer.engine import Trainer
+from trainer.held import SavedTensors, optimizer_bytes, tensor_bytes
 from trainer.model import GPT
-from trainer.parallelize import local_tensor
 
 __all__ = ["start", "measure"]
 
 log = get_logger(__name__)
-
-# Autograd nodes that pass a weight through unchanged in value: a saved tensor reached from a
-# parameter through these alone is a copy or a view of the weight, not an activation.
-_WEIGHT_PATH = ("TBackward", "ToCopyBackward", "TransposeBackward", "ViewBackward", "AliasBackward", "PermuteBackward")
-
 
 #: glibc's mallopt parameter for the mmap threshold; setting it turns its adaptation off.
 _M_MMAP_THRESHOLD = -3
@@ -104,62 +93,7 @@ class _PeakSampler:
         self.peak = max(self.peak, resident_bytes())
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    local = local_tensor(t)
-    return local.numel() * local.element_size()
-
-
-def _from_weight(t: torch.Tensor) -> bool:
-    if t.is_leaf:
-        return t.requires_grad
-    node = t.grad_fn
-    for _ in range(4):
-        if node is None or not type(node).__name__.startswith(_WEIGHT_PATH):
-            return False
-        parents = [n for n, _ in node.next_functions if n is not None]
-        if len(parents) != 1:
-            return False
-        node = parents[0]
-        if type(node).__name__ == "AccumulateGrad":
-            return True
-    return False
-
-
-class _SavedTensors:
-    """Bytes of the distinct storages autograd saves while it is active, by kind."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
-        self.activations: dict[int, int] = {}
-        self.copies: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # Under tensor parallel autograd saves DTensors, which have no storage of their own.
-        with torch.no_grad():
-            storage = local_tensor(t).untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.params:
-            kind = self.copies if _from_weight(t) else self.activations
-            kind.setdefault(key, storage.nbytes())
-        return t
-
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        self.activations.clear()
-        self.copies.clear()
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
-            yield
-
-
-def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    # zero1's ZeroRedundancyOptimizer keeps this rank's partition in an inner AdamW.
-    inner = getattr(optimizer, "optim", optimizer)
-    return sum(
-        _tensor_bytes(v) for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)
-    )
-
-
-def _recomputed_block_bytes(trainer: Trainer, saved: _SavedTensors) -> int:
+def _recomputed_block_bytes(trainer: Trainer, saved: SavedTensors) -> int:
     """Under activation checkpointing: what one block saves when the backward pass recomputes
     it, less its input (kept anyway). One block's forward with checkpointing off, on a fresh
     input of the step's shape; under fsdp every rank runs it (it gathers the block's weights)."""
@@ -189,7 +123,8 @@ def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline
     if cuda:
         torch.cuda.reset_peak_memory_stats(trainer.device)
         torch.cuda.memory._record_memory_history(max_entries=100_000)
-    saved = _SavedTensors(trainer.model)
+    # An emulated device counts with the same hook (only the innermost hook sees the saves).
+    saved = trainer.emulated or SavedTensors(trainer.model)
     activations = copies = 0
     with _PeakSampler() as sampler:
         for step in range(1, steps + 1):
@@ -208,9 +143,9 @@ def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline
         "steps": steps,
         "dp": trainer.layout.dp,
         "micro_batch": trainer.layout.micro_batch,
-        "parameters": sum(_tensor_bytes(p) for p in trainer.model.parameters()),
-        "gradients": sum(_tensor_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
-        "optimizer": _optimizer_bytes(trainer.optimizer),
+        "parameters": sum(tensor_bytes(p) for p in trainer.model.parameters()),
+        "gradients": sum(tensor_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None),
+        "optimizer": optimizer_bytes(trainer.optimizer),
         "activations": activations,
         "autocast_copies": copies,
         "peak": peak,

@@ -3,8 +3,9 @@ training it fits on, before anyone rents hardware."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Group, RenderableType
@@ -14,6 +15,7 @@ from rich.text import Text
 from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, LogFormatOpt, output
 from infractl.config import RunSpec, load_run
+from infractl.config.loader import rewrite, validate
 from infractl.errors import UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
@@ -32,6 +34,23 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+_MeasureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--measure",
+        help="Run a few real steps on the cluster and print the memory each component took beside the prediction.",
+    ),
+]
+_ApplyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--apply",
+        help="Write the settings of the first way that fits the run's nodes.min nodes (parallel, "
+        "activation_checkpointing, mixed_precision) into RUN.yaml; its other lines and comments stay.",
+    ),
+]
+
+
 def plan_command(
     run_file: Annotated[Path, typer.Argument(help="run.yaml to size.", metavar="RUN.yaml")],
     device_name: Annotated[
@@ -44,28 +63,25 @@ def plan_command(
     ] = 1,
     max_nodes: Annotated[int, typer.Option("--max-nodes", help="Most nodes to consider.", min=1, max=1024)] = 8,
     explain: Annotated[bool, typer.Option("--explain", help="Print every number with its formula and inputs.")] = False,
-    measure_run: Annotated[
-        bool,
-        typer.Option(
-            "--measure",
-            help="Run a few real steps on the cluster and print the memory each component took beside the prediction.",
-        ),
-    ] = False,
+    measure_run: _MeasureOpt = False,
     steps: Annotated[
         int | None, typer.Option("--steps", help="Steps the --measure run takes [default: 3].", min=1, max=100)
     ] = None,
+    apply: _ApplyOpt = False,
     cluster_opt: ClusterOpt = None,
     json_mode: JsonOpt = False,
     log_format: LogFormatOpt = "console",
 ) -> None:
     """Size RUN.yaml: bytes per device by component for ddp, zero1, zero2 and fsdp (with and without
     activation checkpointing, fp32 and bf16) and for tensor and pipeline parallel degrees, the
-    fewest devices and nodes each fits on, and the way to train it with its run.yaml settings.
-    Exit 2 when it fits nowhere within --max-nodes. With --measure, check the prediction against
-    a short real run of RUN.yaml on the cluster."""
+    fewest devices and nodes each fits on, and the way to train it with its run.yaml settings
+    (--apply writes them into RUN.yaml). Exit 2 when it fits nowhere within --max-nodes. With
+    --measure, check the prediction against a short real run of RUN.yaml on the cluster."""
     out = output(json_mode)
     spec = load_run(run_file)
     if measure_run:
+        if apply:
+            raise UsageError("only without --measure (measuring changes no setting)", field="--apply")
         if device_name is not None:
             raise UsageError("--measure measures the cluster's own devices; leave --device out", field="--device")
         _measure(spec, run_file, steps=steps or 3, cluster_opt=cluster_opt, log_format=log_format, out=out)
@@ -73,7 +89,7 @@ def plan_command(
     for given, name in ((steps, "--steps"), (cluster_opt, "--cluster")):
         if given is not None:
             raise UsageError("only with --measure (planning alone starts nothing)", field=name)
-    chosen = device(device_name or "cpu")
+    chosen = device(device_name or "cpu", os.environ)
     if chosen.name == "cpu":
         chosen = Device("cpu", chosen.memory_bytes // gpus_per_node, None, False)
     result = plan(spec, chosen, devices_per_node=gpus_per_node, max_nodes=max_nodes)
@@ -82,14 +98,47 @@ def plan_command(
         raise UsageError(
             f"run {spec.name!r} fits on no {chosen.name} within {max_nodes} node(s) of {gpus_per_node}: the closest, "
             f"{closest.label} on {closest.tried} device(s) (the most that split batch_size {spec.batch_size}), "
-            f"needs {_size(closest.budget.total)} per device, "
-            f"{_size(closest.shortfall)} more than its {_size(chosen.memory_bytes)}",
+            f"needs {_size(closest.budget.total)} per device, {_size(closest.shortfall)} more than its "
+            f"{_size(chosen.memory_bytes)}",
             field="--max-nodes",
         )
     parts: list[RenderableType] = [_table(result)]
     if explain:
         parts.append(_explain(result, spec))
-    out.result(result.to_dict(), Group(*parts, _advice(result)))
+    parts.append(_advice(result))
+    shown = result.to_dict()
+    if apply:
+        shown["applied"], said = _apply(run_file, spec, result)
+        parts.append(said)
+    out.result(shown, Group(*parts))
+
+
+def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any], Text]:
+    """Write into ``run_file`` the settings of the first way, in the recommendation's order, that
+    fits the run's smallest world (``nodes.min`` nodes of ``devices_per_node``: an elastic run
+    keeps its global batch on fewer ranks, so each holds more); return that way and the settings
+    that changed, and what to say. The smallest change that fits, where the recommendation is
+    the fewest devices."""
+    smallest = spec.nodes.min * result.devices_per_node
+    way = next((o for o in result.options if o.parallel is not None and (o.devices or smallest + 1) <= smallest), None)
+    if way is None:
+        raise UsageError(
+            f"no way to train run {spec.name!r} fits its smallest world, nodes.min {spec.nodes.min} x "
+            f"{result.devices_per_node} device(s) of {_size(result.device.memory_bytes)}: raise nodes.min, or "
+            "lower batch_size",
+            field="--apply",
+        )
+    assert way.parallel is not None
+    wanted = {"parallel": way.parallel, "activation_checkpointing": way.checkpointing, "mixed_precision": way.precision}
+    now = spec.model_dump(mode="json")
+    proposed = validate(RunSpec, now | wanted, run_file).model_dump(mode="json")
+    changed = {k: v for k, v in wanted.items() if proposed[k] != now[k]}
+    fits = f"the first way that fits {spec.nodes.min} node(s) of {result.devices_per_node} (nodes.min): {way.label}"
+    if not changed:
+        return {"way": way.label, "changed": {}}, Text(f"{fits}; {run_file} trains that way already: nothing changed")
+    rewrite(run_file, RunSpec, "run", changed)
+    settings = ", ".join(f"{k}: {_flow(v)}" for k, v in changed.items())
+    return {"way": way.label, "changed": changed}, Text(f"{fits}; {run_file} now says {settings}")
 
 
 def _measure(
@@ -141,8 +190,10 @@ def _table(result: Plan) -> Table:
     return table
 
 
-def _flow(value: str | dict[str, int]) -> str:
-    """``value`` as run.yaml would spell it inline: ``ddp``, ``{tp: 2}``."""
+def _flow(value: bool | str | dict[str, int]) -> str:
+    """``value`` as run.yaml would spell it inline: ``ddp``, ``{tp: 2}``, ``true``."""
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, str):
         return value
     return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"

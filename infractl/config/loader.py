@@ -4,7 +4,10 @@ and the field path. ``cluster.yaml`` and ``run.yaml`` (``cluster.py``, ``run.py`
 
 from __future__ import annotations
 
+import os
+import re
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from infractl.errors import ConfigError
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "load", "read_text", "validate"]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "load", "read_text", "rewrite", "validate"]
 
 #: Config files are small; anything larger is refused before it is parsed (parsing a 50 MB YAML
 #: file takes half a minute). Nesting and the node count after alias expansion are bounded too:
@@ -151,3 +154,49 @@ def validate(model: type[_M], raw: object, source: Path) -> _M:
             msg = err["msg"].removeprefix("Value error, ")
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         raise ConfigError(f"{msg}{more}", file=str(source), field=field) from None
+
+
+_TOP_LEVEL_KEY = re.compile(r"^(?P<key>[A-Za-z_][\w-]*)\s*:")
+
+
+def rewrite(path: Path, model: type[_M], what: str, changes: dict[str, Any]) -> _M:
+    """Set top-level fields of the config file at ``path`` to ``changes`` and return it as
+    ``model``. Only their lines change: each field's line (and the indented lines of its block)
+    is replaced, a field the file lacks is appended, comments and the other fields stay as they
+    are. Nothing is written unless the result loads (``ConfigError`` naming the file otherwise);
+    the file is replaced atomically, keeping its mode."""
+    text = read_text(path, what)
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    for key, value in changes.items():
+        # One line in flow style: a one-item list's text, less its brackets.
+        written = f"{key}: {yaml.safe_dump([value], default_flow_style=True, width=1 << 16).strip()[1:-1]}\n"
+        starts = [i for i, line in enumerate(lines) if (m := _TOP_LEVEL_KEY.match(line)) and m["key"] == key]
+        if not starts:
+            lines.append(written)
+            continue
+        start = starts[0]
+        end = start + 1
+        while end < len(lines) and (not lines[end].strip() or lines[end][0].isspace()):
+            end += 1
+        lines[start:end] = [written]
+    new = "".join(lines)
+    _check_shape(new, path)
+    try:
+        raw = yaml.load(new, Loader=_LOADER)
+    except yaml.YAMLError as exc:
+        raise _yaml_error(path, exc) from None
+    if not isinstance(raw, dict) or any(raw.get(k) != v for k, v in changes.items()):
+        raise ConfigError("cannot set its fields in place: write it as one field per line", file=str(path))
+    result = validate(model, raw, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(new)
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return result

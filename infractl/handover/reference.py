@@ -92,10 +92,11 @@ FAILURE_SIGNATURES: tuple[FailureSignature, ...] = (
         "connection-loss",
     ),
     FailureSignature(
-        "`stopped reason=crashed error=OutOfMemoryError: ...` (CUDA) or `error=RuntimeError: ... "
-        "DefaultCPUAllocator: can't allocate memory ...` (CPU)",
+        '`stopped error="OutOfMemoryError: ..." reason=crashed` (CUDA, or a CPU node\'s emulated device) or '
+        "`error=RuntimeError: ... DefaultCPUAllocator: can't allocate memory ...` (CPU)",
         "node logs",
-        "a rank ran out of device memory (`infractl plan RUN.yaml` sizes it; `--measure` checks it)",
+        "a rank ran out of device memory (`infractl plan RUN.yaml` sizes it, `--apply` changes the run to a way "
+        "that fits, `--measure` checks it)",
         "out-of-memory",
     ),
     FailureSignature(

@@ -83,6 +83,7 @@ def _cluster_values(cluster: dict[str, Any]) -> dict[str, str]:
         "store": store,
         "nodes": " ".join(str(n["name"]) for n in cluster["nodes"]),
         "node_count": str(len(cluster["nodes"])),
+        "per_node": str(int(cluster["spec"].get("processes_per_node", 1))),
     }
 
 

@@ -2,18 +2,21 @@
 
 Memory is the datasheet's (GB of HBM as the vendor counts it, 10^9 bytes); the budget itself
 holds back the runtime's reserve and a fragmentation margin. ``cpu`` is this machine: its
-physical memory, one "device" per training process.
+physical memory, one "device" per training process; or, with ``$INFRACTL_DEVICE_MEMORY``, an
+emulated device of that many bytes per process, which the trainer enforces (trainer/held.py):
+rehearse a device's memory limit, and running out of it, on CPU nodes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psutil
 
 from infractl.errors import UsageError
 
-__all__ = ["Device", "CATALOG", "device"]
+__all__ = ["Device", "CATALOG", "EMULATED_MEMORY_ENV", "device", "emulated_memory"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class Device:
 
 
 _GB = 10**9
+
+#: Bytes of the emulated device a CPU training process has (the module docstring).
+EMULATED_MEMORY_ENV = "INFRACTL_DEVICE_MEMORY"
 
 CATALOG: dict[str, Device] = {
     d.name: d
@@ -39,9 +45,24 @@ CATALOG: dict[str, Device] = {
 }
 
 
-def device(name: str) -> Device:
-    """The catalog's device ``name`` (``cpu``: this machine's memory); ``UsageError`` otherwise."""
+def emulated_memory(environ: Mapping[str, str]) -> int | None:
+    """The emulated device's bytes in ``environ`` (None: no emulation); ``UsageError`` naming the
+    variable when it is not a positive whole number."""
+    value = environ.get(EMULATED_MEMORY_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"must be a positive number of bytes, got {value!r}", field=f"${EMULATED_MEMORY_ENV}")
+    return int(value)
+
+
+def device(name: str, environ: Mapping[str, str] | None = None) -> Device:
+    """The catalog's device ``name`` (``cpu``: this machine's memory, or the emulated device
+    ``environ`` sets); ``UsageError`` otherwise."""
     if name == "cpu":
+        emulated = emulated_memory(environ or {})
+        if emulated is not None:
+            return Device("cpu (emulated)", emulated, None, False)
         return Device("cpu", int(psutil.virtual_memory().total), None, False)
     if name not in CATALOG:
         raise UsageError(f"unknown device {name!r} (one of: cpu, {', '.join(CATALOG)})", field="--device")
