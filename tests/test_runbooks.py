@@ -27,9 +27,10 @@ from infractl.runs import Attention, RunState, attention
 from infractl.runstore import Manifest, RunRecord, StepRecord
 from infractl.state import ClusterState, write_private
 from infractl.store import FileStore, Store
+from trainer.engine import CORRUPT_ENV
 
 from conftest import Cli, module_cluster, wait_for_commit, write
-from runbook_steps import assert_completed_from, assert_symptoms, bash_blocks, run_blocks, start
+from runbook_steps import assert_completed_from, assert_symptoms, bash_blocks, run_blocks, start, symptoms_section
 
 # nodes.min 2: without node-1 the survivor waits in the rendezvous and the run stalls, so it
 # completes only if the runbook's commands bring node-1 back (or launch the run again).
@@ -396,32 +397,47 @@ def rolled_back(store: Store, name: str, transcript: str) -> int:
 
 @pytest.mark.e2e
 @pytest.mark.xdist_group("runbooks")
-def test_rollback_runbook_sets_the_newer_steps_aside_and_the_run_goes_on_from_the_step_before(cluster: Cli) -> None:
-    """On a running run (2,000 steps: still training when the runbook runs) whose newest commit is
-    taken as bad: the run is stopped without a save, the committed steps after the second newest
-    are moved aside whole, and the run goes on from that step on its full world. (On an S3 store:
-    tests/test_e2e.py.)"""
+def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_step_before_the_jump(
+    cluster: Cli,
+) -> None:
+    """A bad update at step 50 (trainer/engine.py's injected one) makes the loss jump, and the
+    steps committed after it hold the bad weights. The run is still training when the runbook
+    runs: it is stopped without a save, the steps after the one the engineer picked from the
+    losses are moved aside whole, and the run goes on from that step, its loss back where it
+    was. (On an S3 store: tests/test_e2e.py.)"""
     name = "diverged"
     store = FileStore(cluster.home / "local" / "store")
-    cluster("train", str(write(cluster.cwd / f"{name}.yaml", RUN.format(name=name, steps=2000))), "--detach")
-    wait_for_commit(store, name, at_least=40, timeout=300)  # two commits: one to go back to
+    # Paced, and 10 commits kept: retention keeps the good steps while the runbook is read.
+    spec = RUN.format(name=name, steps=2000).replace("keep: 2", "keep: 10") + "min_step_s: 0.05\n"
+    cluster("train", str(write(cluster.cwd / f"{name}.yaml", spec)), "--detach", env={CORRUPT_ENV: "50"})
+    wait_for_commit(store, name, at_least=60, timeout=300)  # a commit after the bad update
     # Refused, one line, nothing moved: a running run.
     refused = cluster("rollback", name, "--to", "20", "--yes", expect=2).stderr
     assert f"run {name!r} is running: stop it first (`infractl stop --run {name}`)" in refused
     cluster("bundle", "--run", name)
+    runbook = cluster.cwd / "handover" / "local" / "runbooks" / "rollback.md"
+    # The symptom the runbook names: the loss jumps, in `infractl metrics` (what step 1 prints).
+    assert "the loss jumps" in symptoms_section(runbook.read_text())
+    shown = cluster("metrics", name).stdout
+    losses = {r["step"]: r["loss"] for r in runstore.read_metrics(store, name)}
+    assert losses[51] > 2 * losses[50], (losses[49], losses[50], losses[51])
+    assert re.search(rf"\b51\b.*{losses[51]:.4f}", shown), shown
+    # As the runbook says: the engineer picks the newest committed step before the jump.
+    to = max(step for step in runstore.committed_steps(store, name) if step <= 50)
     fault_time = time.time()
-    transcript = run_blocks(cluster, cluster.cwd / "handover" / "local" / "runbooks" / "rollback.md")
+    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to)})
 
     assert f"infractl stop --run {name} --no-save" in transcript and f"run {name} recovered: " in transcript
-    to = rolled_back(store, name, transcript)
-    assert to >= 20
-    # The run resumed from the step rolled back to.
+    assert rolled_back(store, name, transcript) == to == 40
+    # The run resumed from the step rolled back to, with the weights of before the jump.
     after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
     restarts = [r for r in after if runstore.starts_a_process(r)]
     assert restarts and min(restarts, key=lambda r: r["time"])["step"] == to + 1, restarts[:2]
+    assert all(r["loss"] < 2 * losses[50] for r in after), after[:12]
     # A plain stop is a preemption of every node: the step the workers were on is committed.
     stopped = json.loads(cluster("stop", "--run", name, "--json").stdout)
-    assert stopped["killed"] == 0 and stopped["last_committed_step"] == runstore.read_metrics(store, name)[-1]["step"]
+    newest = max(runstore.read_metrics(store, name), key=lambda r: r["time"])  # the steps set aside ran further
+    assert stopped["killed"] == 0 and stopped["last_committed_step"] == newest["step"], (stopped, newest)
     refused = cluster("rollback", name, "--to", str(to + 1), "--yes", expect=2).stderr
     assert f"--to: step {to + 1} is not a committed step of run {name!r} (committed: " in refused
 

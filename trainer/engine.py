@@ -12,6 +12,12 @@ on within ``log_every`` steps.
 
 Profiling (run.yaml's ``profile.steps``, ``infractl profile``) costs the loop one integer
 compare per step outside the steps it traces; trainer/profiling.py does the rest.
+
+Fault injection: ``$INFRACTL_CORRUPT_WEIGHTS_AT_STEP`` (a step number) multiplies every weight
+by ``CORRUPT_FACTOR`` on every rank right after that step's update, as a bad update does (silent
+data corruption, a poisoned batch): the loss jumps from the next step on and the checkpoints
+after it hold the bad weights, which a rollback sets aside (runbooks/rollback.md). Only a start
+with the variable set does it; it is never set in normal runs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +73,9 @@ __all__ = ["GRAD_CLIP", "Preempted", "Trainer", "config_hash"]
 log = get_logger(__name__)
 
 GRAD_CLIP = 1.0
+
+CORRUPT_ENV = "INFRACTL_CORRUPT_WEIGHTS_AT_STEP"
+CORRUPT_FACTOR = 8.0
 
 
 def config_hash(spec: RunSpec) -> str:
@@ -393,6 +403,8 @@ class Trainer:
         norm = self.parallel.reduce_and_clip(GRAD_CLIP)
         self.optimizer.step()
         self.progress.scheduler.step()
+        if os.environ.get(CORRUPT_ENV) == str(step):
+            self._corrupt_weights(step)
         stepped = clock.mark()
         return PendingStep(
             step=step,
@@ -405,6 +417,13 @@ class Trainer:
             timeline=dict(self.timeline) if first else None,
             resumed_from=self.resumed_from if first else None,
         )
+
+    def _corrupt_weights(self, step: int) -> None:
+        """The injected bad update (the module docstring)."""
+        log.warning("weights_corrupted", step=step, factor=CORRUPT_FACTOR, injected_by=CORRUPT_ENV)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(CORRUPT_FACTOR)
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Gradients of this rank's share of the global batch; returns its part of the global
