@@ -1,8 +1,11 @@
 """The netns provider end to end: a real 2-node cluster of network namespaces on a bridge (real
 Terraform, Ansible over real SSH to an sshd in each namespace, torchrun on gloo across the nodes'
 addresses), a seeded chaos series of ten faults (link cuts of node 1 and of node 0 among them) while
-a run trains, and a teardown that leaves no namespace, interface, key or process. The refusals (not
-root, no namespaces) change nothing."""
+a run trains, and a teardown that leaves no namespace, interface, key or process. The runbooks of
+faults a node of its own shows (connection loss, node failure, store outage, a hung job) work here
+as on the local cluster (tests/test_runbooks.py): the fault, its named symptoms seen, the bundle's
+blocks run as written, and the run trains on both nodes again from its last commit. The refusals
+(not root, no namespaces) change nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import ipaddress
 import itertools
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,12 +24,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infractl import runstore
-from infractl.drill import KINDS
+from infractl import providers, runstore
+from infractl.drill import KINDS, recovery
+from infractl.providers.base import NodeControl
 from infractl.state import ClusterState
 from infractl.store import FileStore
 
 from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, wait_for_world, write
+from runbook_steps import assert_resumed_from, assert_symptoms, run_blocks, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
 
@@ -37,6 +43,9 @@ nodes: 2
 # No netns.subnet: each cluster takes the /24 its state directory picks, so a run of this module never
 # collides with another's bridge on the same machine (a fixed subnet made a second run refuse to go up).
 
+# The runbook tests' run: it trains until the test's fixture stops it (a commit every 2 s, at little
+# CPU); the runbooks verify it trains on both nodes again. nodes.min 2: without its lost node the
+# run stalls, so it trains on 2 again only if the runbook brought the node back.
 RUN = """\
 name: {name}
 model: {{layers: 2, hidden: 64, heads: 2, seq_len: 64}}
@@ -45,7 +54,7 @@ batch_size: 8
 steps: 100000
 min_step_s: 0.2
 checkpoint: {{every: 10, keep: 2}}
-nodes: {{min: 1, max: 2}}
+nodes: {{min: {min_nodes}, max: 2}}
 max_restarts: 3
 watchdog: {{step_timeout_s: 8}}
 """
@@ -221,20 +230,146 @@ def _median_step_gap(store: FileStore, run: str) -> float:
     return gaps[len(gaps) // 2]
 
 
-def test_kill_node_empties_the_namespace_but_its_sshd_and_the_node_rejoins_over_ssh(cluster: Cli) -> None:
-    run = write(cluster.cwd / "kill.yaml", RUN.format(name="kill"))
-    cluster("train", str(run), "-c", "multi", "--detach")
-    store = FileStore(cluster.home / "multi" / "store")
-    wait_for_commit(store, "kill", at_least=10, timeout=120)
-    result = json.loads(cluster("drill", "kill-node", "-c", "multi", "--node", "node-1", "--no-wait", "--json").stdout)
-    assert result["outcome"] == "recovered" and result["world_size_after"] == 1, result
+def _runbook(cli: Cli, name: str) -> Path:
+    return cli.cwd / "handover" / "multi" / "runbooks" / f"{name}.md"
+
+
+def _nodes(cli: Cli) -> NodeControl:
+    return providers.control(ClusterState("multi", cli.home / "multi"))
+
+
+def test_node_failure_runbook_brings_a_killed_node_back_over_ssh_and_the_run_trains_on_both_again(
+    cluster: Cli,
+) -> None:
+    name = "lost"
+    store = start(cluster, RUN.format(name=name, min_nodes=2), cluster="multi", first_commit=10)
+    nodes = _nodes(cluster)
+    fault_time = time.time()
+    nodes.kill_node("node-1", name)  # as `infractl drill kill-node` does (which refuses below nodes.min)
+    assert nodes.wait_gone(node="node-1", run=name, timeout=30) == []
+    # The node died as a machine does: nothing is left in its namespace but its sshd, which stays so
+    # that the node can be reached again.
     node = json.loads((cluster.home / "multi" / "cluster.json").read_text())["nodes"][1]
     left = subprocess.run(["ip", "netns", "pids", node["namespace"]], capture_output=True, text=True).stdout.split()
-    sshd = (Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()
-    assert left == [sshd]
-    rejoined = time.time()
-    cluster("rejoin", "node-1", "-c", "multi")
-    wait_for_world(store, "kill", size=2, since=rejoined, timeout=120)
+    assert left == [(Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()]
+    committed = runstore.latest_committed_step(store, name)
+    assert committed is not None
+    cluster("bundle", "--run", name, "-c", "multi")
+    runbook = _runbook(cluster, "node-failure")
+    assert_symptoms(cluster, runbook, name, cluster="multi", status={"nodes[node-1].live_processes": 0})
+    transcript = run_blocks(cluster, runbook)
+    assert f"node 'node-1' is joining run '{name}'" in transcript, transcript  # the runbook's `infractl rejoin`
+    assert f"run {name} recovered: " in transcript, transcript
+    assert_resumed_from(store, name, fault_time=fault_time, committed=committed, first_commit=10)
+
+
+def test_connection_loss_runbook_after_a_partition_of_node_0_and_the_run_trains_on_both_again(cluster: Cli) -> None:
+    """node-0's link goes down (rank 0's node: node-1 goes on alone, as rank 0); once it is back the
+    runbook's health gate passes and node-0's agent, which outlived the cut, rejoins by itself."""
+    name = "cut"
+    store = start(cluster, RUN.format(name=name, min_nodes=1), cluster="multi", first_commit=10)
+    cluster("bundle", "--run", name, "-c", "multi")  # before the cut: then the status waits on no SSH timeout
+    nodes = _nodes(cluster)
+    fault_time = time.time()
+    nodes.cut_link("node-0", "down")  # as `infractl drill partition --node node-0 --kind down` does
+    try:
+        # A commit the cut node had agreed to lands within moments; node-1 alone commits only
+        # seconds later (the rendezvous drops node-0 after 3 missed keep-alives of 1 s).
+        time.sleep(1)
+        committed = runstore.latest_committed_step(store, name)
+        assert committed is not None
+        wait_for_world(store, name, size=1, since=fault_time, timeout=60)
+        assert_symptoms(
+            cluster,
+            _runbook(cluster, "connection-loss"),
+            name,
+            cluster="multi",
+            logs=["peer_lost", "rank_joined"],
+            status={"runs[].world_size": 1, "nodes[node-0].live_processes": None},
+            within_s=30,
+        )
+    finally:
+        nodes.restore_link("node-0", "down")  # the network is repaired
+    transcript = run_blocks(cluster, _runbook(cluster, "connection-loss"))
+    assert "health: node-0: all_reduce over 2 node(s)" in transcript, transcript
+    assert f"run {name} recovered: " in transcript, transcript
+    assert_resumed_from(store, name, fault_time=fault_time, committed=committed, first_commit=10)
+
+
+def test_store_outage_runbook_waits_for_the_store_and_the_run_trains_on_without_a_restart(cluster: Cli) -> None:
+    name = "outage"
+    store = start(cluster, RUN.format(name=name, min_nodes=2), cluster="multi", first_commit=10)
+    cluster("bundle", "--run", name, "-c", "multi")  # before the outage: the bundle is made from the store
+    drill = subprocess.Popen(
+        [sys.executable, "-m", "infractl", "drill", "store-outage", "-c", "multi", "--seconds", "30"]
+        + ["--run", name, "--no-wait"],
+        cwd=cluster.cwd,
+        env=cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        where = cluster.home / "multi" / "store"
+        deadline = time.monotonic() + 60
+        while where.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not where.exists(), "the drill did not take the store down"
+        fault_time = time.time()
+        runbook = _runbook(cluster, "store-outage")
+        assert_symptoms(
+            cluster,
+            runbook,
+            name,
+            cluster="multi",
+            logs=["checkpoint_failed"],
+            status={"store.reachable": False},
+            within_s=20,
+        )
+        transcript = run_blocks(cluster, runbook)
+    finally:
+        drill_output, _ = drill.communicate(timeout=600)
+    assert drill.returncode == 0, drill_output
+    assert "UNREACHABLE" in transcript and "the store answers again" in transcript, transcript
+    assert f"no node of run {name} is missing" in transcript and f"run {name} recovered: " in transcript
+    # Training went on through the outage on both nodes, without a restart, and commits again.
+    after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
+    assert after and not any(runstore.starts_a_process(r) for r in after)
+    assert {r["world_size"] for r in after} == {2}
+    assert wait_for_commit(store, name, at_least=after[-1]["step"], timeout=60) >= after[-1]["step"]
+
+
+def test_hung_job_runbook_confirms_the_hang_the_watchdog_cleared_and_the_run_trains_on_both_again(
+    cluster: Cli,
+) -> None:
+    name = "stuck"
+    store = start(cluster, RUN.format(name=name, min_nodes=2), cluster="multi", first_commit=10)
+    cluster("bundle", "--run", name, "-c", "multi")
+    nodes = _nodes(cluster)
+    fault_time = time.time()
+    # As `infractl drill hang-node --node node-1` does: node-1's workers stop, its agent runs on.
+    stopped = recovery.workers(nodes.processes(node="node-1", run=name))
+    assert stopped
+    nodes.signal(stopped, signal.SIGSTOP)
+    time.sleep(1)  # a commit the stopped rank had agreed to lands within moments; none after it until the restart
+    committed = runstore.latest_committed_step(store, name)
+    assert committed is not None
+    assert_symptoms(
+        cluster,
+        _runbook(cluster, "hung-job"),
+        name,
+        cluster="multi",
+        logs=[
+            "stopped reason=crashed",
+            "Timed out waiting",
+            "killing worker",
+            "it is stopped and cannot answer SIGTERM",
+        ],
+        within_s=30,
+    )
+    transcript = run_blocks(cluster, _runbook(cluster, "hung-job"))
+    assert f"run {name} recovered: " in transcript, transcript
+    assert_resumed_from(store, name, fault_time=fault_time, committed=committed, first_commit=10)
 
 
 @pytest.mark.parametrize("how", ["not root", "no namespaces"])
