@@ -9,7 +9,6 @@ import grp
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from infractl.handover import access_docs
 from infractl.state import ClusterState
 from infractl.store import Store, UnknownUser, open_store
 
-from conftest import REPO, Cli, S3AuthServer, module_cluster, one_line, s3_client
+from conftest import Cli, S3AuthServer, module_cluster, one_line, s3_client
 
 # -- the role table ---------------------------------------------------------------------------------
 
@@ -402,22 +401,3 @@ def test_access_needs_a_cluster_that_is_up(cli: Cli) -> None:
     result = cli("access", "list", expect=2)
     assert "cluster 'local' is not up" in one_line(result.stderr)
     assert not cli.home.exists()
-
-
-def test_the_nodes_access_script_makes_again_a_directory_a_running_checkpoint_removed(tmp_path: Path) -> None:
-    """A run's checkpoints remove the node's empty ``staging/`` once uploaded (and make it again for
-    the next save): ``infractl up`` or ``access`` while a run trains makes it again with its ACL."""
-    script = REPO / "playbooks" / "roles" / "access" / "files" / "apply_access.py"
-    wanted = sorted(["user::rwx", "group::---", "group:root:r-x", "mask::r-x", "other::---"])
-    spec = {"groups": {}, "workdir": str(tmp_path), "acls": [{"path": "staging", "acl": wanted}], "traverse": []}
-
-    def apply() -> list[str]:
-        done = subprocess.run([sys.executable, str(script), json.dumps(spec)], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        return list(json.loads(done.stdout)["changed"])
-
-    staging = tmp_path / "staging"
-    assert apply() == [f"{staging} made again", f"ACL of {staging}"]
-    shown = subprocess.run(["getfacl", "--omit-header", str(staging)], capture_output=True, text=True, check=True)
-    assert sorted(line for line in shown.stdout.splitlines() if line) == wanted
-    assert apply() == []

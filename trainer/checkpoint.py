@@ -227,14 +227,11 @@ class Checkpointer:
         return in_flight.step
 
     def close(self) -> None:
-        """Wait for the last save to commit and drop local leftovers. Idempotent."""
+        """Wait for the last save to commit. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self.wait()
-        finally:
-            _remove_empty(self.workdir / "staging")
+        self.wait()
 
     def load(self, build_state: StateBuilder, replicas: Replicas | None = None) -> Manifest | None:
         """Load the newest committed step that verifies into ``build_state(manifest)``, or a
@@ -246,7 +243,7 @@ class Checkpointer:
         Leftovers of interrupted saves (uncommitted steps, local staging) are deleted first.
         """
         self.wait()
-        shutil.rmtree(self._staging_dir(None), ignore_errors=True)
+        _remove_contents(self._staging_dir(None))
         steps = self._on_rank0(self._clean_and_list)
         if replicas is not None:
             manifest = self._load_replica(replicas, build_state, not_before=steps[0] if steps else None)
@@ -314,7 +311,7 @@ class Checkpointer:
                 except Exception as exc:
                     error = _describe(exc)
             shutil.rmtree(staged.dir, ignore_errors=True)
-            _remove_empty(staged.dir.parent, staged.dir.parent.parent)
+            _remove_empty(staged.dir.parent)  # staging/ itself stays (see _staging_dir)
 
             gathered: list[tuple[list[ManifestEntry], str | None] | None] = [None] * self.world_size
             dist.all_gather_object(gathered, (entries, error), group=self._group)
@@ -393,6 +390,9 @@ class Checkpointer:
     # -- hooks ---------------------------------------------------------------------------
 
     def _staging_dir(self, step: int | None) -> Path:
+        """Where ``step``'s files are staged (None: the folder of every step's). The folder itself
+        is the node's: the base role makes it and the access role gives it its ACL, so only what is
+        in it comes and goes."""
         base = self.workdir / "staging"
         return base if step is None else base / f"step-{step}" / f"rank-{self.rank}"
 
@@ -462,6 +462,13 @@ class Checkpointer:
         box: list[Any] = [compute() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         return cast(_T, box[0])
+
+
+def _remove_contents(folder: Path) -> None:
+    """Delete what ``folder`` holds (leftovers of interrupted saves), not the folder."""
+    if folder.is_dir():
+        for child in folder.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _remove_empty(*dirs: Path) -> None:

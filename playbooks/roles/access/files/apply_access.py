@@ -5,7 +5,7 @@ included), and the directories above the work directory let the groups through (
 Run by the access role's configure.yml with one argument, the JSON of:
     {"groups": {GROUP: [USER, ...]}, "workdir": ABS, "acls": [{"path": RELATIVE, "acl": [ENTRY, ...]}],
      "traverse": [ABS, ...]}
-It first checks that it can do it all (root, setfacl, the work directory exists) and changes nothing
+It first checks that it can do it all (root, setfacl, the directories exist) and changes nothing
 otherwise. It prints {"changed": [what it changed, ...]} as JSON; a failed check or command ends it
 with exit 1 and one line on stderr saying why. One process instead of a task per group and directory: each
 Ansible task costs a module run, and `infractl up` runs this on every node.
@@ -17,7 +17,6 @@ are configured at once, as are the clusters of parallel tests.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import grp
 import json
@@ -40,11 +39,6 @@ def run(argv: list[str], *, retries: int = 1) -> str:
     sys.exit(f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()}")
 
 
-def tried(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """``argv`` run once, whatever its exit."""
-    return subprocess.run(argv, capture_output=True, text=True, check=False)
-
-
 def has_account(user: str) -> bool:
     try:
         pwd.getpwnam(user)
@@ -60,41 +54,12 @@ def members(group: str) -> list[str] | None:
         return None
 
 
-GETFACL = ["getfacl", "--omit-header", "--absolute-names", "--no-effective"]
-
-
-def acl_entries(shown: str) -> list[str]:
-    return sorted(line for line in shown.splitlines() if line)
-
-
 def acl(path: str) -> list[str]:
-    return acl_entries(run([*GETFACL, path]))
-
-
-def set_acl(path: str, wanted: list[str]) -> list[str]:
-    """Give the node directory ``path`` exactly the ACL ``wanted``; return what that changed.
-
-    While a run trains, a directory of the work directory may be gone, or go between two commands
-    here: the trainer removes an empty ``staging/`` once a checkpoint's files are uploaded, and
-    makes it again for the next save. It is made again here (mode 0700, as the base role makes it).
-    """
-    changed: list[str] = []
-    setfacl = ["setfacl", "--set", ",".join(wanted), path]
-    for _ in range(5):
-        if not os.path.isdir(path):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)
-                changed.append(f"{path} made again")
-        shown = tried([*GETFACL, path])
-        if shown.returncode == 0 and acl_entries(shown.stdout) == wanted:
-            return changed
-        if shown.returncode == 0 and tried(setfacl).returncode == 0:
-            return [*changed, f"ACL of {path}"]
-        if os.path.isdir(path):
-            break  # it is there: a command fails on it for a reason of its own
-    if acl(path) != wanted:  # each exits saying why it fails
-        run(setfacl)
-    return [*changed, f"ACL of {path}"]
+    return sorted(
+        line
+        for line in run(["getfacl", "--omit-header", "--absolute-names", "--no-effective", path]).splitlines()
+        if line
+    )
 
 
 LOCK = "/run/lock/infractl-access.lock"
@@ -116,8 +81,10 @@ def check(spec: dict) -> None:
         sys.exit(f"managing the access groups and ACLs needs root on the node (uid {uid}); run infractl as root")
     if not (shutil.which("setfacl") and shutil.which("getfacl")):
         sys.exit("setfacl not found: install the acl package (Debian: apt-get install acl)")
-    if not os.path.isdir(spec["workdir"]):
-        sys.exit(f"{spec['workdir']} is not a directory (run infractl up)")
+    for entry in spec["acls"]:
+        path = os.path.normpath(os.path.join(spec["workdir"], entry["path"]))
+        if not os.path.isdir(path):
+            sys.exit(f"{path} is not a directory (run infractl up)")
 
 
 def apply(spec: dict) -> list[str]:
@@ -136,7 +103,9 @@ def apply(spec: dict) -> list[str]:
             changed.append(f"group {group}: members {', '.join(wanted) or 'none'}")
     for entry in spec["acls"]:
         path = os.path.normpath(os.path.join(spec["workdir"], entry["path"]))
-        changed += set_acl(path, sorted(entry["acl"]))
+        if acl(path) != sorted(entry["acl"]):
+            run(["setfacl", "--set", ",".join(entry["acl"]), path])
+            changed.append(f"ACL of {path}")
     through = [f"group:{group}:--x" for group in sorted(spec["groups"])]
     for path in spec["traverse"]:
         missing = [e for e in through if e not in acl(path)]
