@@ -9,6 +9,7 @@ run records in the store: the store is the source of truth, not files on this ma
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -133,12 +134,15 @@ def attention(
     started: float | None,
     log_tails: list[bytes],
     now: float,
+    unreachable: Sequence[str] = (),
 ) -> Attention | None:
     """A failed run (its last attempt ended short of its last step), a degraded one (running on
     fewer nodes or ranks than ``nodes.max``, or than all ``cluster_nodes`` when they are fewer) or
     a stalled one (running, and no step recorded for longer than the watchdog allows one step);
     None for a run that needs nobody. ``started``: when its last attempt started; ``log_tails``:
-    the end of each of its node logs (``LOG_TAIL_BYTES``), read for a device out-of-memory error."""
+    the end of each of its node logs (``LOG_TAIL_BYTES``), read for a device out-of-memory error;
+    ``unreachable``: the nodes the control plane cannot reach either, which make a degraded run a
+    connection loss rather than a node failure."""
     if state == "failed":
         if any(marker in tail for tail in log_tails for marker in _OOM_MARKERS):
             return Attention("failed", "a rank ran out of device memory", "out-of-memory")
@@ -148,10 +152,11 @@ def attention(
     # A missing node comes first: the survivors may wait for it in the rendezvous (a stall too).
     full_nodes = min(spec.nodes.max, cluster_nodes)
     full_world = full_nodes * processes_per_node
+    lost, cut = ("connection-loss", f"; {', '.join(unreachable)} unreachable") if unreachable else ("node-failure", "")
     if live_nodes < full_nodes:
-        return Attention("degraded", f"running on {live_nodes} of {full_nodes} nodes", "node-failure")
+        return Attention("degraded", f"running on {live_nodes} of {full_nodes} nodes{cut}", lost)
     if newest is not None and newest["world_size"] < full_world:
-        return Attention("degraded", f"world size {newest['world_size']} of {full_world}", "node-failure")
+        return Attention("degraded", f"world size {newest['world_size']} of {full_world}{cut}", lost)
     step_time = newest["step_time_s"] if newest else 0.0
     limit = spec.watchdog.step_timeout_s + spec.log_every * step_time + _METRICS_DELAY_S
     # A step of an earlier attempt says nothing of this one: count from the later of the two.

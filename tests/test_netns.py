@@ -285,7 +285,17 @@ def test_connection_loss_runbook_after_a_partition_of_node_0_and_the_run_trains_
             name,
             cluster="multi",
             logs=["peer_lost", "rank_joined"],
-            status={"runs[].world_size": 1, "nodes[node-0].live_processes": None},
+            status={
+                "runs[].world_size": 1,
+                "nodes[node-0].live_processes": None,
+                "runs[].attention": {
+                    "condition": "degraded",
+                    "why": "running on 1 of 2 nodes; node-0 unreachable",
+                    "runbook": "connection-loss",
+                    "section": f"run-{name}",
+                    "path": f"{_runbook(cluster, 'connection-loss')}#run-{name}",
+                },
+            },
             within_s=30,
         )
     finally:

@@ -205,6 +205,11 @@ def test_apply_writes_the_first_way_that_fits_the_smallest_world_and_keeps_the_r
     refused = cli(*plan, "--apply", env={"INFRACTL_DEVICE_MEMORY": str(30 << 20)}, expect=2).stderr
     assert refused.startswith("error: --max-nodes: run 'squeezed' fits on no cpu (emulated) within 2 node(s)")
     assert run.read_text() == before
+    # An elastic run may go on with one node, whose rank then holds twice the activations: no way fits that.
+    elastic = write(cli.cwd / "elastic.yaml", SQUEEZED.replace("{min: 2,", "{min: 1,"))
+    refused = cli("plan", str(elastic), "--max-nodes", "2", "--apply", env=EMULATED_68_MIB, expect=2).stderr
+    assert refused.startswith("error: --apply: no way to train run 'squeezed' fits its smallest world, nodes.min 1 x 1")
+    assert elastic.read_text() == SQUEEZED.replace("{min: 2,", "{min: 1,")
     refused = cli(*plan, env={"INFRACTL_DEVICE_MEMORY": "68MiB"}, expect=2).stderr
     assert refused.strip() == "error: $INFRACTL_DEVICE_MEMORY: must be a positive number of bytes, got '68MiB'"
 

@@ -178,6 +178,7 @@ def _run_rows(
                 started=record.last_attempt.started if record.last_attempt else None,
                 log_tails=_log_tails(nodes, record.run_id) if run_state == "failed" else [],
                 now=time.time(),
+                unreachable=sorted(nodes.unreachable),
             )
             if spec
             else None
