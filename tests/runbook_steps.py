@@ -21,6 +21,15 @@ from infractl.store import FileStore
 
 from conftest import Cli, wait_for_commit, write
 
+#: What a hung rank shows on every cluster (runbooks/hung-job.md): the peers' collectives time
+#: out, the hung node's agent kills the worker it cannot stop politely.
+HUNG_JOB_LOGS = (
+    "stopped reason=crashed",
+    "Timed out waiting",
+    "killing worker",
+    "it is stopped and cannot answer SIGTERM",
+)
+
 
 def bash_blocks(markdown: str) -> list[str]:
     """The runbook's fenced ``bash`` blocks, in order, as a Markdown parser reads them."""
@@ -151,3 +160,44 @@ def assert_completed_from(
     assert_resumed_from(store, name, fault_time=fault_time, committed=committed, world=world, first_commit=first_commit)
     last = runstore.read_metrics(store, name)[-1]
     assert last["step"] == steps and last["world_size"] == world
+
+
+def store_outage_runbook(cli: Cli, name: str, *, cluster: str = "local", seconds: int) -> float:
+    """Take the cluster's file store down for ``seconds`` with ``infractl drill store-outage`` (in
+    the background), check the symptoms the store-outage runbook names, and run its blocks while
+    the store is down: they wait for it, and the run ``name`` is found whole. Returns when the
+    store went down, once the drill ended."""
+    drill = subprocess.Popen(
+        [sys.executable, "-m", "infractl", "drill", "store-outage", "-c", cluster, "--seconds", str(seconds)]
+        + ["--run", name, "--no-wait"],
+        cwd=cli.cwd,
+        env=cli.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        where = cli.home / cluster / "store"
+        deadline = time.monotonic() + 60
+        while where.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not where.exists(), "the drill did not take the store down"
+        fault_time = time.time()
+        runbook = cli.cwd / "handover" / cluster / "runbooks" / "store-outage.md"
+        # The next save fails; the one after it logs the failure.
+        assert_symptoms(
+            cli,
+            runbook,
+            name,
+            cluster=cluster,
+            logs=["checkpoint_failed"],
+            status={"store.reachable": False},
+            within_s=20,
+        )
+        transcript = run_blocks(cli, runbook)
+    finally:
+        drill_output, _ = drill.communicate(timeout=600)
+    assert drill.returncode == 0, drill_output
+    assert "UNREACHABLE" in transcript and "the store answers again" in transcript, transcript
+    assert f"no node of run {name} is missing" in transcript and f"run {name} recovered: " in transcript
+    return fault_time

@@ -31,7 +31,7 @@ from infractl.state import ClusterState
 from infractl.store import FileStore
 
 from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, wait_for_world, write
-from runbook_steps import assert_resumed_from, assert_symptoms, run_blocks, start
+from runbook_steps import HUNG_JOB_LOGS, assert_resumed_from, assert_symptoms, run_blocks, start, store_outage_runbook
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
 
@@ -310,38 +310,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_trains_on_without_
     name = "outage"
     store = start(cluster, RUN.format(name=name, min_nodes=2), cluster="multi", first_commit=10)
     cluster("bundle", "--run", name, "-c", "multi")  # before the outage: the bundle is made from the store
-    drill = subprocess.Popen(
-        [sys.executable, "-m", "infractl", "drill", "store-outage", "-c", "multi", "--seconds", "30"]
-        + ["--run", name, "--no-wait"],
-        cwd=cluster.cwd,
-        env=cluster.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        where = cluster.home / "multi" / "store"
-        deadline = time.monotonic() + 60
-        while where.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not where.exists(), "the drill did not take the store down"
-        fault_time = time.time()
-        runbook = _runbook(cluster, "store-outage")
-        assert_symptoms(
-            cluster,
-            runbook,
-            name,
-            cluster="multi",
-            logs=["checkpoint_failed"],
-            status={"store.reachable": False},
-            within_s=20,
-        )
-        transcript = run_blocks(cluster, runbook)
-    finally:
-        drill_output, _ = drill.communicate(timeout=600)
-    assert drill.returncode == 0, drill_output
-    assert "UNREACHABLE" in transcript and "the store answers again" in transcript, transcript
-    assert f"no node of run {name} is missing" in transcript and f"run {name} recovered: " in transcript
+    fault_time = store_outage_runbook(cluster, name, cluster="multi", seconds=30)
     # Training went on through the outage on both nodes, without a restart, and commits again.
     after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
     assert after and not any(runstore.starts_a_process(r) for r in after)
@@ -369,12 +338,7 @@ def test_hung_job_runbook_confirms_the_hang_the_watchdog_cleared_and_the_run_tra
         _runbook(cluster, "hung-job"),
         name,
         cluster="multi",
-        logs=[
-            "stopped reason=crashed",
-            "Timed out waiting",
-            "killing worker",
-            "it is stopped and cannot answer SIGTERM",
-        ],
+        logs=HUNG_JOB_LOGS,
         within_s=30,
     )
     transcript = run_blocks(cluster, _runbook(cluster, "hung-job"))

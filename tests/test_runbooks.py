@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,16 @@ from infractl.store import FileStore, Store
 from trainer.engine import CORRUPT_ENV
 
 from conftest import Cli, module_cluster, wait_for_commit, write
-from runbook_steps import assert_completed_from, assert_symptoms, bash_blocks, run_blocks, start, symptoms_section
+from runbook_steps import (
+    HUNG_JOB_LOGS,
+    assert_completed_from,
+    assert_symptoms,
+    bash_blocks,
+    run_blocks,
+    start,
+    store_outage_runbook,
+    symptoms_section,
+)
 
 # nodes.min 2: without node-1 the survivor waits in the rendezvous and the run stalls, so it
 # completes only if the runbook's commands bring node-1 back (or launch the run again).
@@ -123,31 +131,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
     steps = 2000  # still training when the store is back and the runbook verifies
     store = start(cluster, RUN.format(name="outage", steps=steps))
     cluster("bundle", "--run", "outage")  # before the outage: the bundle is made from the store
-    drill = subprocess.Popen(
-        [sys.executable, "-m", "infractl", "drill", "store-outage", "--seconds", "40", "--run", "outage", "--no-wait"],
-        cwd=cluster.cwd,
-        env=cluster.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while (cluster.home / "local" / "store").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not (cluster.home / "local" / "store").exists(), "the drill did not take the store down"
-        fault_time = time.time()
-        runbook = cluster.cwd / "handover" / "local" / "runbooks" / "store-outage.md"
-        # The next save fails; the one after it logs the failure.
-        assert_symptoms(
-            cluster, runbook, "outage", logs=["checkpoint_failed"], status={"store.reachable": False}, within_s=20
-        )
-        transcript = run_blocks(cluster, runbook)
-    finally:
-        drill_output, _ = drill.communicate(timeout=600)
-    assert drill.returncode == 0, drill_output
-    assert "UNREACHABLE" in transcript and "the store answers again" in transcript, transcript
-    assert "no node of run outage is missing" in transcript and "run outage recovered: " in transcript
+    fault_time = store_outage_runbook(cluster, "outage", seconds=40)
     wait_for_commit(store, "outage", at_least=steps, timeout=300)
     after = [r for r in runstore.read_metrics(store, "outage") if r["time"] > fault_time]
     assert after and not any(runstore.starts_a_process(r) for r in after)  # training went on, no restart
@@ -171,12 +155,7 @@ def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_com
         cluster,
         runbook,
         "stuck",
-        logs=[
-            "stopped reason=crashed",
-            "Timed out waiting",
-            "killing worker",
-            "it is stopped and cannot answer SIGTERM",
-        ],
+        logs=HUNG_JOB_LOGS,
         within_s=30,
     )
     transcript = run_blocks(cluster, runbook)
