@@ -4,6 +4,19 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/scripts/bootstrap.sh"
+# The trainer image (tests/conftest.py's cpu_image) builds in the background from here on, while the
+# tools install and the checks run, into an image cache of this run's own that goes with it: the
+# first test that needs the image waits on the same lock, then finds it built. Workers no longer
+# sit idle for minutes at the start of the container tests. A cache named in INFRACTL_IMAGE_CACHE
+# (a developer's, across runs) is used as it is.
+if [ -z "${INFRACTL_IMAGE_CACHE:-}" ]; then
+  INFRACTL_IMAGE_CACHE="$(mktemp -d -t infractl-images.XXXXXX)"
+  export INFRACTL_IMAGE_CACHE
+  (cd "$repo" && exec setsid flock "$INFRACTL_IMAGE_CACHE/.build.lock" python -m infractl image build \
+    --json --lock "$INFRACTL_IMAGE_CACHE/cpu.lock.json" >"$INFRACTL_IMAGE_CACHE/prebuild.log" 2>&1) &
+  prebuild=$!
+  trap 'kill -- "-$prebuild" 2>/dev/null || true; rm -rf "$INFRACTL_IMAGE_CACHE"' EXIT
+fi
 # checkov, ansible-lint and uv live in .venv-tools: their pins clash with .venv's (boto3 1.35 against 1.44).
 "$repo/scripts/tools.sh"
 # The bundle's page is opened in headless Chromium (scripts/screenshot_bundle.py): Debian's chromium,
@@ -24,4 +37,4 @@ mypy
 # partition ended before the survivors restarted). Every worker stays busy to the end, so the suite
 # takes its whole work over 3: the slowest tests are listed at the end, to keep it inside CI's 45
 # minutes.
-exec python -m pytest -n 3 --dist loadgroup --durations=15 "$@"
+python -m pytest -n 3 --dist loadgroup --durations=15 "$@"

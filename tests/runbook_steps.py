@@ -30,6 +30,19 @@ HUNG_JOB_LOGS = (
     "it is stopped and cannot answer SIGTERM",
 )
 
+#: How long the hung-job tests wait for those lines: a loaded machine restarts the peers slowly.
+HUNG_JOB_WITHIN_S = 90
+
+
+def hung_job_run(run_yaml: str) -> str:
+    """``run_yaml`` with a 20 s step deadline. The stopped rank's own deadline (its agent's file
+    timer, which takes the agent down with it: a node lost) must pass well after its peers'
+    collectives time out (at most half the deadline) and their restart reaches its agent, which
+    kills it as the runbook says; 8 s left too little of that margin on a loaded machine."""
+    run, count = re.subn(r"step_timeout_s: \d+", "step_timeout_s: 20", run_yaml)
+    assert count == 1, run_yaml
+    return run
+
 
 def bash_blocks(markdown: str) -> list[str]:
     """The runbook's fenced ``bash`` blocks, in order, as a Markdown parser reads them."""

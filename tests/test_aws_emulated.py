@@ -70,9 +70,8 @@ def applied(
 ) -> Iterator[tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]]:
     folder = tmp_path_factory.mktemp("emu")
     groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 2}}
-    # The store's bucket exists already (the next test covers a cluster that creates its own).
-    spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups, create_bucket=False))
-    emulation.client("s3").create_bucket(Bucket=f"{spec.name}-store")
+    # The cluster creates the store's bucket (the class's last test destroys it, keeping the bucket).
+    spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups))
     state = ClusterState(spec.name, folder / "state")
     provider = aws.Aws()
     result = infra.apply(
@@ -89,8 +88,9 @@ def applied(
 
 
 class TestOneApply:
-    """Two checks of one applied cluster, destroyed once both ran (before any other cluster of the
-    emulation exists: two VPCs of one CIDR would give two hosts one address on the emulated link)."""
+    """Checks of one applied cluster, in order; the last destroys it, applies it again and destroys
+    it for good (all before any other cluster of the emulation exists: two VPCs of one CIDR would
+    give two hosts one address on the emulated link)."""
 
     def test_the_module_applies_with_the_real_provider_and_its_state_lives_in_the_state_bucket(
         self, emulation: EmulatedAws, applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]]
@@ -136,52 +136,56 @@ class TestOneApply:
         with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
             aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
 
+    def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
+        self,
+        emulation: EmulatedAws,
+        applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]],
+    ) -> None:
+        """The cluster created its bucket: destroyed without purge, the bucket and its runs stay and
+        nothing else does; applied again, the cluster takes the bucket back; destroyed with purge,
+        every version goes first and then the bucket. The sweep and the emulation find nothing.
+        Last in the class: the cluster is gone afterwards."""
+        spec, state, _, _ = applied
+        provider = aws.Aws()
+        record = {"spec": spec.model_dump(mode="json"), "store": spec.store}
+        bucket = f"{spec.name}-store"
+        s3 = emulation.client("s3")
 
-def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
-    emulation: EmulatedAws, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """A cluster that creates its bucket: destroyed without purge, the bucket and its runs stay and
-    nothing else does; applied again, the cluster takes the bucket back; destroyed with purge,
-    every version goes first and then the bucket. The sweep and the emulation find nothing."""
-    folder = tmp_path_factory.mktemp("gone")
-    groups = {"cpu": {"instance_type": "m7i.4xlarge", "nodes": 1}}
-    spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups))
-    state = ClusterState(spec.name, folder / "state")
-    provider = aws.Aws()
-    record = {"spec": spec.model_dump(mode="json"), "store": spec.store}
-    bucket = f"{spec.name}-store"
-    s3 = emulation.client("s3")
+        def destroyed(purge: bool) -> list[str]:
+            said = provider.before_destroy(state, record, purge=purge)
+            infra.destroy(state.terraform_dir)
+            emulation.sync()
+            leaks = aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)
+            assert leaks == [], (purge, leaks)
+            return said
 
-    def apply() -> None:
+        # While the cluster is up the sweep sees every kind it looks for (and afterwards none of them).
+        kinds = {leak.split()[0] for leak in aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)}
+        assert kinds >= {
+            "instance",
+            "nat-gateway",
+            "elastic-ip",
+            "launch-template",
+            "key-pair",
+            "security-group",
+            "vpc",
+        }
+        assert kinds >= {"iam-role", "instance-profile"}
+        s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"1")
+        s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"2")  # a second version
+
+        (said,) = destroyed(purge=False)
+        assert said.startswith(f"store: bucket {bucket} kept")
+        assert s3.get_object(Bucket=bucket, Key="runs/r1/COMMITTED")["Body"].read() == b"2"
+
+        # The kept bucket is imported, not created again (which S3 would refuse).
         root = provider.root_settings(spec, state)
         infra.apply(state.terraform_dir, infra.module_dir("aws"), provider.variables(spec, state), root=root)
         emulation.sync()
         assert len([h for h in emulation.hosts.values() if h.public_ip is None]) >= 1
-
-    def destroyed(purge: bool) -> list[str]:
-        said = provider.before_destroy(state, record, purge=purge)
-        infra.destroy(state.terraform_dir)
-        emulation.sync()
-        leaks = aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)
-        assert leaks == [], (purge, leaks)
-        return said
-
-    apply()
-    # While the cluster is up the sweep sees every kind it looks for (and afterwards none of them).
-    kinds = {leak.split()[0] for leak in aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)}
-    assert kinds >= {"instance", "nat-gateway", "elastic-ip", "launch-template", "key-pair", "security-group", "vpc"}
-    assert kinds >= {"iam-role", "instance-profile"}
-    s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"1")
-    s3.put_object(Bucket=bucket, Key="runs/r1/COMMITTED", Body=b"2")  # a second version
-
-    (said,) = destroyed(purge=False)
-    assert said.startswith(f"store: bucket {bucket} kept")
-    assert s3.get_object(Bucket=bucket, Key="runs/r1/COMMITTED")["Body"].read() == b"2"
-
-    apply()  # the kept bucket is imported, not created again (which S3 would refuse)
-    (said,) = destroyed(purge=True)
-    assert said == f"store: bucket {bucket} emptied (2 object version(s) and delete marker(s)) for destroy"
-    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+        (said,) = destroyed(purge=True)
+        assert said == f"store: bucket {bucket} emptied (2 object version(s) and delete marker(s)) for destroy"
+        assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
 
 
 @pytest.mark.parametrize(

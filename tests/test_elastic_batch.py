@@ -112,6 +112,8 @@ def test_two_of_three_nodes_lost_with_a_ranks_both_copies_resume_from_the_store(
     store = FileStore(cluster_dir / "store")
     try:
         wait_for_commit(store, "ring", at_least=20, timeout=180)
+        # A node that came up late joins in a later round: the copies form a ring of three from then on.
+        wait_for_world(store, "ring", size=3, since=0, timeout=180)
         newer_replica(cluster_dir, "node-0", "ring", store)
         killed = time.time()
         proc.kill(proc.find(cluster_dir, node="node-1", run="ring") + proc.find(cluster_dir, node="node-2", run="ring"))

@@ -31,9 +31,11 @@ from trainer.engine import CORRUPT_ENV
 from conftest import Cli, module_cluster, wait_for_commit, write
 from runbook_steps import (
     HUNG_JOB_LOGS,
+    HUNG_JOB_WITHIN_S,
     assert_completed_from,
     assert_symptoms,
     bash_blocks,
+    hung_job_run,
     run_blocks,
     start,
     store_outage_runbook,
@@ -142,7 +144,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
 @pytest.mark.xdist_group("runbooks")
 def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
     steps = 200  # the run may end before the runbook's last block: it verifies "or has completed"
-    store = start(cluster, RUN.format(name="stuck", steps=steps))
+    store = start(cluster, hung_job_run(RUN.format(name="stuck", steps=steps)))
     node_dir = cluster.home / "local"
     fault_time = time.time()
     proc.signal_listed(recovery.workers(proc.listing(node_dir, node="node-1")), signal.SIGSTOP)
@@ -156,7 +158,7 @@ def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_com
         runbook,
         "stuck",
         logs=HUNG_JOB_LOGS,
-        within_s=30,
+        within_s=HUNG_JOB_WITHIN_S,
     )
     transcript = run_blocks(cluster, runbook)
     assert "run stuck recovered: " in transcript, transcript

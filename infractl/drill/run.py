@@ -92,7 +92,7 @@ def run_drill(
             progress=progress,
             options=options or {},
         )
-        _wait_first_commit(drill)
+        _wait_started(drill)
         record = _strike(drill, kind)
         try:
             kind.settle(drill)
@@ -110,27 +110,39 @@ def run_drill(
     return record
 
 
-def _wait_first_commit(drill: Drill) -> None:
-    """Until the run's current attempt has committed a checkpoint it is still starting (a run just
-    launched, or relaunched): a fault then would measure its start-up, not a recovery. Wait for
-    that commit, within the drill's timeout."""
+def _wait_started(drill: Drill) -> None:
+    """Until the run's current attempt has committed a checkpoint and trains on the ranks of every
+    node running it, it is still starting (a run just launched or relaunched, nodes that came up
+    late and join in a later round): a fault then would measure its start-up, or a smaller world
+    than the run has, not a recovery. Wait for both, within the drill's timeout."""
     run_id = drill.target.run_id
     record = runstore.read_run_record(drill.store, run_id)
     started = record.last_attempt.started if record is not None and record.last_attempt is not None else 0.0
-    said = False
+    running = [*drill.target.survivors, *([drill.target.node] if drill.target.node else [])]
+    full = min(len(running), int(drill.target.spec["nodes"]["max"])) * max(
+        drill.nodes.node(n).processes for n in running
+    )
+    said: set[str] = set()
     while True:
         drill.commits.poll()
-        if drill.commits.since(started):
+        newest = runstore.latest_metrics(drill.store, run_id)
+        world = newest["world_size"] if newest is not None else 0
+        if drill.commits.since(started) and world >= full:
             return
-        if not said:
-            drill.progress(f"run {run_id!r} has committed no checkpoint yet in this attempt: waiting for its first")
-            said = True
+        waiting = (
+            "its first checkpoint in this attempt"
+            if not drill.commits.since(started)
+            else f"its full world ({full} ranks on {len(running)} node(s); world size {world} now)"
+        )
+        if waiting not in said:
+            drill.progress(f"run {run_id!r} is still starting: waiting for {waiting}")
+            said.add(waiting)
         if drill.watch.gone():
-            raise StateError(f"run {run_id!r} ended before it committed a checkpoint: there is nothing to recover to")
+            raise StateError(f"run {run_id!r} ended while the drill waited for {waiting}: there is nothing to recover")
         if time.monotonic() > drill.deadline:
             raise StateError(
-                f"run {run_id!r} committed no checkpoint within the drill's --timeout ({drill.timeout:g}s): a drill "
-                "measures the recovery to a committed step; look at `infractl logs`",
+                f"run {run_id!r} did not reach {waiting} within the drill's --timeout ({drill.timeout:g}s): a drill "
+                "measures the recovery of a run that has started; look at `infractl status` and `infractl logs`",
                 field="--timeout",
             )
         time.sleep(recovery.STORE_POLL_S)
