@@ -122,21 +122,20 @@ def _wait_started(drill: Drill) -> None:
     full = min(len(running), int(drill.target.spec["nodes"]["max"])) * max(
         drill.nodes.node(n).processes for n in running
     )
-    said: set[str] = set()
+    said = ""
     while True:
         drill.commits.poll()
-        newest = runstore.latest_metrics(drill.store, run_id)
-        world = newest["world_size"] if newest is not None else 0
-        if drill.commits.since(started) and world >= full:
-            return
-        waiting = (
-            "its first checkpoint in this attempt"
-            if not drill.commits.since(started)
-            else f"its full world ({full} ranks on {len(running)} node(s); world size {world} now)"
-        )
-        if waiting not in said:
+        if not drill.commits.since(started):
+            waiting = "its first checkpoint in this attempt"
+        else:
+            newest = runstore.latest_metrics(drill.store, run_id)
+            world = newest["world_size"] if newest is not None else 0
+            if world >= full:
+                return
+            waiting = f"its full world ({full} ranks on {len(running)} node(s); world size {world} now)"
+        if waiting != said:
             drill.progress(f"run {run_id!r} is still starting: waiting for {waiting}")
-            said.add(waiting)
+            said = waiting
         if drill.watch.gone():
             raise StateError(f"run {run_id!r} ended while the drill waited for {waiting}: there is nothing to recover")
         if time.monotonic() > drill.deadline:
