@@ -178,8 +178,13 @@ class TestOneApply:
         assert said.startswith(f"store: bucket {bucket} kept")
         assert s3.get_object(Bucket=bucket, Key="runs/r1/COMMITTED")["Body"].read() == b"2"
 
-        # The kept bucket is imported, not created again (which S3 would refuse).
+        # The kept bucket is imported, not created again (which S3 would refuse), and so are its
+        # lifecycle rules (made again, the provider would wait a minute for them to settle).
         root = provider.root_settings(spec, state)
+        assert [(i["to"], i["id"]) for i in root.blocks["import"]] == [
+            ("module.cluster.aws_s3_bucket.this[0]", bucket),
+            ("module.cluster.aws_s3_bucket_lifecycle_configuration.this[0]", bucket),
+        ]
         infra.apply(state.terraform_dir, infra.module_dir("aws"), provider.variables(spec, state), root=root)
         emulation.sync()
         assert len([h for h in emulation.hosts.values() if h.public_ip is None]) >= 1
@@ -242,12 +247,14 @@ def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     assert ("module.cluster.aws_placement_group.this[0]" in resources) == (efa > 0)
 
 
-def _up_in_its_own_group(emulation: EmulatedAws, cpu_image: BuiltImage, cli: Cli) -> tuple[str, subprocess.Popen[str]]:
+def _up_in_its_own_group(
+    emulation: EmulatedAws, cpu_image: BuiltImage, cli: Cli, **aws_fields: Any
+) -> tuple[str, subprocess.Popen[str]]:
     """Start ``infractl up`` of a 1-node cluster in a process group of its own (a terminal's: killing
     the group kills Ansible and every ssh with it); its name, and the process with its output."""
     groups = {"main": {"instance_type": "c7i.4xlarge", "nodes": 1}}
     pinned = f"infractl/trainer@{cpu_image.digest}"
-    config = cluster_yaml(cli.cwd, emulation.endpoint, emulation.image_id, groups, runtime_image=pinned)
+    config = cluster_yaml(cli.cwd, emulation.endpoint, emulation.image_id, groups, runtime_image=pinned, **aws_fields)
     up = subprocess.Popen(
         [*cli.program, "up", "-c", str(config)],
         cwd=cli.cwd,
@@ -274,9 +281,13 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     """The operator's terminal dies while Ansible configures the instances (the whole process group
     goes, Ansible with it), so ``up`` never wrote the cluster record: ``teardown`` destroys what the
     Terraform state holds from what the ``up`` had begun, stops the servers on the controller, and
-    nothing is left in the account."""
+    nothing of the cluster is left in the account. The store is a bucket of the operator's own,
+    which teardown keeps (a bucket the cluster creates: the destroy test and test_aws_e2e.py; here
+    it would add the AWS provider's wait for its lifecycle rules, about a minute, to the apply)."""
     cli = Cli(tmp_path_factory.mktemp("killed"))
-    name, up = _up_in_its_own_group(emulation, cpu_image, cli)
+    own = f"{cli.cwd.name}-store"
+    emulation.client("s3").create_bucket(Bucket=own)
+    name, up = _up_in_its_own_group(emulation, cpu_image, cli, create_bucket=False)
     said = []
     assert up.stdout is not None
     for line in up.stdout:
@@ -291,6 +302,11 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     assert "is not up" in cli("status", "-c", name, expect=2).stderr  # nothing to show, one line
     done = cli("teardown", "-c", name, "--yes", "--purge")
     assert "its `up` never finished" in done.stderr, done.stderr
+    s3 = emulation.client("s3")
+    assert own in [b["Name"] for b in s3.list_buckets()["Buckets"]]  # the operator's: kept
+    for kept in s3.list_objects_v2(Bucket=own).get("Contents", []):
+        s3.delete_object(Bucket=own, Key=kept["Key"])
+    s3.delete_bucket(Bucket=own)
     _nothing_left(emulation, cli, name)
     # ansible-runner ran ansible-playbook in a session of its own, which the kill did not reach: teardown stopped it.
     assert proc.find(cli.home / name) == []

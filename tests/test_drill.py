@@ -176,6 +176,9 @@ def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cl
 def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
     # Started right after the launch: the drill waits for the run's first commit, not a fault in its start-up.
     store = start(cluster, "hang", committed=False)
+    # What a drill cannot strike is refused at once, before that wait: local nodes have no link to cut.
+    refused = cluster("drill", "partition", "--node", "node-1", "--timeout", "600", expect=2, timeout=30).stderr
+    assert "error: --node: node 'node-1' has no network link of its own to cut" in refused, refused
     result = drill_json(cluster, "hang-node", "--node", "node-1")
     assert result["last_committed_step"] >= 10, result
     assert result["fault"]["signal"] == "SIGSTOP"
@@ -212,11 +215,12 @@ def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cluste
 @pytest.mark.xdist_group("drill")
 def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> None:
     # The knob holds every save between upload and commit, so the drill finds one in flight; at a
-    # save every 10 steps, 150 steps last about 60 s. No replicas: the store's commit is on trial.
+    # save every 10 steps, 90 steps last about 40 s (the drill strikes at the second or third save).
+    # No replicas: the store's commit is on trial.
     store = start(
         cluster,
         "partial",
-        steps=150,
+        steps=90,
         env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "4"},
         checkpoint="{every: 10, keep: 2, replicate_every: 0}",
     )

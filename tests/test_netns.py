@@ -72,15 +72,17 @@ watchdog: {{step_timeout_s: 8}}
 # them a partition of each node (node-0's link down, node-1's packets dropped). The run must outlast
 # the series, and trains between and during faults: at full speed 5,000 steps, which the reference
 # run trained again after it at the cost of the series' own time in CPU. Paced (`min_step_s`), the
-# run trains about 190 s in the 5.5-minute series; 1,000 steps at 0.375 s give it twice that, at a
-# fraction of the CPU, and the reference (trained without the pace) takes about a minute.
+# run trains about 190 s (some 500 steps) in the 5.5-minute series; 800 steps at 0.375 s give it 1.6
+# times that, at a fraction of the CPU, and the reference (trained without the pace) takes under a
+# minute. What the run trains during the series is counted in steps more than in seconds (each fault
+# waits for commits and for the whole world), so a slower machine does not eat the margin.
 CHAOS_SEED = 25
 CHAOS_RUN = """\
 name: storm
 model: {layers: 2, hidden: 64, heads: 2, seq_len: 64}
 data: {max_bytes: 200000}
 batch_size: 8
-steps: 1000
+steps: 800
 min_step_s: 0.375
 checkpoint: {every: 10, keep: 2}
 nodes: {min: 1, max: 2}
@@ -218,7 +220,7 @@ def test_a_seeded_chaos_series_of_10_faults_recovers_each_and_trains_what_an_uni
     # bitwise those of the reference run (trained after the series, uninterrupted), the rest within 1e-5.
     comparison = done["comparison"]
     assert comparison["matches"] and comparison["reference"] == "storm-reference", comparison
-    assert comparison["steps"] == 1000 and comparison["first_other_world_step"] is not None, comparison
+    assert comparison["steps"] == 800 and comparison["first_other_world_step"] is not None, comparison
     assert comparison["bitwise_steps"] == comparison["first_other_world_step"] - 1, comparison
     assert done["passed"] and done["median_restart_s"] <= done["worst_restart_s"]
     # The run kept its pace (min_step_s), the reference ran free: the same steps, in less time.

@@ -112,12 +112,17 @@ def test_identical_runs_repeat_every_loss_bit(
     assert attempt_losses(store_of(tmp_path), 1) == reference
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+#: Every scheme resumes on file://; on the S3 server only fsdp does: the store is the same one
+#: for every scheme (its objects are DCP's files), and fsdp's sharded files are the most of them.
+RESUME_CASES = [*(("file", scheme) for scheme in SCHEMES), ("s3", "fsdp")]
+
+
+@pytest.mark.parametrize(("store_uri", "scheme"), RESUME_CASES, indirect=["store_uri"])
 def test_resume_on_the_same_world_size_repeats_every_loss_bit(
     scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # The reference run stays on file://; the resumed run loads from, saves to and records in
-    # ``store_uri``: file:// and the S3 server (conftest's store_uri).
+    # ``store_uri``: file:// or the S3 server (conftest's store_uri).
     root = reference_run(tmp_path_factory, scheme)
     reference = reference_losses(root)
     store = copy_of(root, tmp_path, store_uri)

@@ -105,8 +105,12 @@ class Kind:
         """How long a timed fault of a chaos series lasts against a run of ``spec``."""
         return cls.seconds
 
+    def check(self, drill: Drill) -> None:
+        """Before anything else, the run's start-up included: refuse what this drill cannot
+        strike (its options, a node or store this kind cannot take down). Nothing waits here."""
+
     def prepare(self, drill: Drill) -> None:
-        """Before the fault: validate and look up whatever the fault needs (may wait)."""
+        """Right before the fault: look up whatever the fault needs (may wait)."""
 
     def inject(self, drill: Drill) -> list[NodeProcess]:
         """Strike; record what was done in ``drill.fault``. Return the processes whose exit is

@@ -92,6 +92,7 @@ def run_drill(
             progress=progress,
             options=options or {},
         )
+        kind.check(drill)
         _wait_started(drill)
         record = _strike(drill, kind)
         try:

@@ -742,6 +742,20 @@ def _bucket_exists(bucket: str, region: str, endpoint_url: str | None) -> bool:
     return True
 
 
+def _has_lifecycle_rules(bucket: str, region: str, endpoint_url: str | None) -> bool:
+    """Whether ``bucket`` has a lifecycle configuration."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    try:
+        boto3.client("s3", region_name=region, endpoint_url=endpoint_url).get_bucket_lifecycle_configuration(
+            Bucket=bucket
+        )
+    except ClientError:
+        return False
+    return True
+
+
 def empty_bucket(bucket: str, region: str, *, endpoint_url: str | None = None) -> int:
     """Delete every object version and delete marker of ``bucket`` (a versioned bucket keeps
     deleted objects as versions, and S3 deletes no bucket that holds any); return how many."""
@@ -1131,8 +1145,13 @@ class Aws(Provider):
         bucket = urlsplit(spec.store or "").netloc
         if aws.create_bucket and _bucket_exists(bucket, aws.region, aws.endpoint_url):
             # A bucket an earlier teardown kept (see before_destroy) is taken back, not created again;
-            # for a bucket already in the state the import is a no-op.
-            blocks["import"] = [{"to": "module.cluster.aws_s3_bucket.this[0]", "id": bucket}]
+            # for a bucket already in the state the import is a no-op. So are its lifecycle rules when
+            # it has them: made again, the AWS provider waits about a minute for them to settle (it
+            # reads them until three reads agree), where an import reads them once.
+            taken = ["aws_s3_bucket"]
+            if _has_lifecycle_rules(bucket, aws.region, aws.endpoint_url):
+                taken.append("aws_s3_bucket_lifecycle_configuration")
+            blocks["import"] = [{"to": f"module.cluster.{kind}.this[0]", "id": bucket} for kind in taken]
         cli_config = ""
         if aws.provider_mirror is not None:
             mirror = json.dumps(str(Path(aws.provider_mirror).expanduser()))

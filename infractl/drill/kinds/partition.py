@@ -76,7 +76,7 @@ class Partition(Kind):
         self._back: float | None = None
         self._next_look = 0.0
 
-    def prepare(self, drill: Drill) -> None:
+    def check(self, drill: Drill) -> None:
         assert drill.target.node is not None
         self._node = drill.target.node
         self._fault = str(drill.options.get("link", "down"))

@@ -31,7 +31,7 @@ class StoreOutage(Kind):
         self._down = contextlib.ExitStack()
         self._back_time: float | None = None
 
-    def prepare(self, drill: Drill) -> None:
+    def check(self, drill: Drill) -> None:
         self._take_down = drill.store.outage()  # refused here when this store cannot be taken down
 
     def inject(self, drill: Drill) -> list[NodeProcess]:
