@@ -140,7 +140,7 @@ def _waited_for_first_commit(home: Path, timeout: float) -> None:
         status = json.loads(_infractl(home, "status", *_CLUSTER, "--json", timeout=60).stdout)
         if any((run.get("last_committed_step") or 0) >= 10 for run in status.get("runs", [])):
             return
-        time.sleep(1)
+        time.sleep(3)  # each look is a command of its own, about a second of CPU
     raise SystemExit(f"the run committed no checkpoint within {timeout:g}s")
 
 

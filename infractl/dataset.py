@@ -25,12 +25,13 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from infractl.config import DataSpec
 from infractl.errors import ConfigError
+
+if TYPE_CHECKING:  # numpy is imported where tokens are loaded: every CLI command imports this module
+    import numpy as np
 
 __all__ = [
     "FORMAT",
@@ -218,6 +219,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 
 def _load_prepared(path: Path, *, verify: bool) -> Dataset:
+    import numpy as np
+
     manifest = _read_manifest(path)
     splits: dict[str, np.ndarray] = {}
     for split in SPLITS:
@@ -235,6 +238,8 @@ def _load_prepared(path: Path, *, verify: bool) -> Dataset:
 
 
 def _load_stdlib(spec: DataSpec) -> Dataset:
+    import numpy as np
+
     data = _split_bytes(stdlib_files(), spec.val_fraction, spec.max_bytes)
     splits = {split: np.frombuffer(bytes(data[split]), dtype=np.uint8) for split in SPLITS}
     digests = {split: [hashlib.sha256(splits[split].tobytes()).hexdigest()] for split in SPLITS}

@@ -281,7 +281,7 @@ def wait_for_world(store: Store, run_id: str, *, size: int, since: float, timeou
         ]
         if steps:
             return min(steps)
-        time.sleep(1)
+        time.sleep(2)  # each look reads every metrics chunk of the run
     raise AssertionError(f"{run_id} ran no step on {size} ranks within {timeout}s")
 
 
@@ -292,7 +292,7 @@ def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float)
         step = runstore.latest_committed_step(store, run_id)
         if step is not None and step >= at_least:
             return step
-        time.sleep(0.1)
+        time.sleep(0.25)
     raise AssertionError(f"no checkpoint of {run_id} reached step {at_least} within {timeout}s")
 
 
