@@ -112,8 +112,10 @@ def test_identical_runs_repeat_every_loss_bit(
     assert attempt_losses(store_of(tmp_path), 1) == reference
 
 
-#: Every scheme resumes on file://; on the S3 server only fsdp does: the store is the same one
-#: for every scheme (its objects are DCP's files), and fsdp's sharded files are the most of them.
+#: Every scheme resumes, on the same world size and on another, on file://; on the S3 server only
+#: fsdp does: the store is the same one for every scheme (its objects are DCP's files), fsdp's
+#: sharded files are the most of them, and its DTensor shards are the ones DCP really re-partitions
+#: (two more torchrun launches per scheme and test would cost ~40 s).
 RESUME_CASES = [*(("file", scheme) for scheme in SCHEMES), ("s3", "fsdp")]
 
 
@@ -138,12 +140,7 @@ def test_resume_on_the_same_world_size_repeats_every_loss_bit(
 # -- resharding: 2 ranks -> 1 -> 2 ---------------------------------------------------------------
 
 
-#: Every scheme reshards on file://; on the S3 server only fsdp does (its DTensor shards are
-#: the ones DCP really re-partitions; two more torchrun launches per scheme would cost ~40 s).
-RESHARD_CASES = [*(("file", scheme) for scheme in SCHEMES), ("s3", "fsdp")]
-
-
-@pytest.mark.parametrize(("store_uri", "scheme"), RESHARD_CASES, indirect=["store_uri"])
+@pytest.mark.parametrize(("store_uri", "scheme"), RESUME_CASES, indirect=["store_uri"])
 def test_resume_on_another_world_size_stays_within_tolerance(
     scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
