@@ -6,12 +6,21 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 # What this run started in the background, stopped and removed however the run ends.
 tools="" prebuild="" run_cache="" checks="" checks_log=""
+# Removing never changes the run's verdict.
 cleanup() {
   if [ -n "$tools" ]; then kill "$tools" 2>/dev/null || true; fi
-  if [ -n "$prebuild" ]; then kill -- "-$prebuild" 2>/dev/null || true; fi
   if [ -n "$checks" ]; then kill "$checks" 2>/dev/null || true; fi
-  if [ -n "$run_cache" ]; then rm -rf "$run_cache"; fi
-  if [ -n "$checks_log" ]; then rm -f "$checks_log"; fi
+  if [ -n "$prebuild" ]; then
+    # A build still running (a run of a few tests ends before it) writes into the cache until its
+    # processes are gone: removing it before then fails on files that keep appearing.
+    kill -- "-$prebuild" 2>/dev/null || true
+    for _ in $(seq 50); do
+      kill -0 -- "-$prebuild" 2>/dev/null || break
+      sleep 0.2
+    done
+  fi
+  if [ -n "$run_cache" ]; then rm -rf "$run_cache" || echo "test.sh: could not remove $run_cache" >&2; fi
+  if [ -n "$checks_log" ]; then rm -f "$checks_log" || true; fi
 }
 trap cleanup EXIT
 
