@@ -81,3 +81,14 @@ def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:
             assert isinstance(r[field], int) and r[field] > 0, (field, r)
         # The same tensors, measured exactly (AdamW's step counters are the few bytes apart).
         assert r["measured_model_states"] == pytest.approx(r["ours_model_states"], rel=1e-3), r
+
+
+def test_published_configurations_are_planned(tmp_path: Path) -> None:
+    # The README's table: every published run gets a way to train it that fits the device.
+    results = _bench("published_configs.py", out=tmp_path / "published.json", timeout=60)
+    assert len(results) >= 2, results
+    for r in results:
+        recommended = r["recommended"]
+        assert recommended["fits"] and recommended["parallel"], r
+        assert 0 < recommended["budget"]["total"] <= r["device_memory_bytes"], r
+        assert r["published_layout"]["budget"]["total"] > 0 and r["sources"], r
