@@ -424,7 +424,11 @@ def main() -> None:
     print("\nWhat each source states, in its own words or table row:\n")
     for r in results:
         print(f"- {r['published']['model']}: {r['published']['facts']}")
-    print("\nWhat each published model has that ours does not:\n")
+    print(
+        f"\nOurs: the trainer's byte-level GPT (vocabulary {memory.VOCAB}, LayerNorm, GELU MLP of 4h, multi-head "
+        "attention, tied embeddings, learned positions; fp32 weights, gradients and AdamW state under bf16 "
+        "autocast). What each published model has instead:\n"
+    )
     for r in results:
         print(f"- {r['published']['model']}: {r['published']['differs']}.")
     if args.json:
