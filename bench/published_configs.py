@@ -19,7 +19,7 @@ RUN.yaml --device D --gpus-per-node 8 --max-nodes N` runs) and printed as a mark
 
 The planner sizes the global batch as one forward/backward pass per data-parallel rank (the
 trainer accumulates gradients only on fewer nodes than ``nodes.max``), so a published run that
-accumulates gradients is sized with a micro-batch that many times larger; the third column sizes
+accumulates gradients is sized with a micro-batch that many times larger; "their layout" sizes
 the published micro-batch. Our model family is the trainer's byte-level GPT (vocabulary 256,
 LayerNorm, GELU MLP of 4h, multi-head attention, tied embeddings, learned positions, fp32 weights
 and AdamW state under bf16 autocast); each configuration's ``differs`` says what the published
