@@ -545,12 +545,13 @@ def _build_data(spec: RunSpec, layout: Layout) -> tuple[str, ByteBatches, Valida
 
 
 def _build_model(spec: RunSpec, env: DistEnv, layout: Layout, device: torch.device) -> Parallel:
-    """The model, parallelized by the run's layout."""
+    """The model, parallelized by the run's layout: built on the meta device, so a rank
+    allocates and initialises only what it holds (trainer/parallelize.py)."""
     if spec.deterministic:
         make_deterministic()
-    # Same seed on every rank for the initial weights, then a per-rank seed for anything
-    # random during training (a resume restores these states).
-    seed_everything(spec.seed)
-    model = GPT(GPTConfig.from_spec(spec.model))
+    # The initial weights come from spec.seed and each parameter's name (trainer/model.py);
+    # anything random during training from a per-rank seed (a resume restores these states).
     seed_everything(spec.seed + env.rank)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_spec(spec.model))
     return parallelize(model, spec=spec, layout=layout, device=device)

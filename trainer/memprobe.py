@@ -41,7 +41,7 @@ from trainer.engine import Trainer
 from trainer.held import SavedTensors, optimizer_bytes, tensor_bytes
 from trainer.model import GPT
 
-__all__ = ["start", "measure"]
+__all__ = ["PeakSampler", "start", "measure"]
 
 log = get_logger(__name__)
 
@@ -70,7 +70,7 @@ def resident_bytes() -> int:
     raise OSError("no RssAnon in /proc/self/status")
 
 
-class _PeakSampler:
+class PeakSampler:
     """The highest ``resident_bytes`` seen, sampled every millisecond by a daemon thread (the
     kernel keeps the peak of the whole resident set only)."""
 
@@ -83,7 +83,7 @@ class _PeakSampler:
         while not self._stop.wait(0.001):
             self.peak = max(self.peak, resident_bytes())
 
-    def __enter__(self) -> _PeakSampler:
+    def __enter__(self) -> PeakSampler:
         self._thread.start()
         return self
 
@@ -126,7 +126,7 @@ def measure(trainer: Trainer, *, steps: int, store: Store, run_id: str, baseline
     # An emulated device counts with the same hook (only the innermost hook sees the saves).
     saved = trainer.emulated or SavedTensors(trainer.model)
     activations = copies = 0
-    with _PeakSampler() as sampler:
+    with PeakSampler() as sampler:
         for step in range(1, steps + 1):
             with saved.watching():
                 trainer._train_step(step, first=step == 1)

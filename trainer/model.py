@@ -2,11 +2,17 @@
 
 A pipeline stage is the same ``GPT`` with the parts other stages hold removed (``stage``):
 parameter names, and so checkpoint keys, are the whole model's in every layout.
+
+Initial weights are a function of the seed and each parameter's name (``initial_value``), not
+of the order parameters are built in or of how they are spread over ranks: the trainer builds the
+model on the meta device, splits it, and each rank fills in only what it holds
+(``GPT.init_weights``), with the values a whole model built on one process has.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from infractl.config import ModelSpec
 
-__all__ = ["VOCAB_SIZE", "GPTConfig", "GPT", "token_loss"]
+__all__ = ["VOCAB_SIZE", "GPTConfig", "GPT", "initial_value", "token_loss"]
 
 VOCAB_SIZE = 256
 
@@ -114,7 +120,9 @@ class GPT(nn.Module):
     In the model's forward rather than in module hooks, so activation checkpointing, which runs a
     block's forward again, does not split an input twice."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
+        """Built where the default device says; initialised from ``seed`` unless that is the
+        meta device (then ``init_weights`` once the parameters have storage)."""
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(VOCAB_SIZE, cfg.hidden)
@@ -123,7 +131,8 @@ class GPT(nn.Module):
         # pipeline stage drops the blocks it does not run.
         self.blocks = nn.ModuleDict({str(i): _Block(cfg) for i in range(cfg.layers)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden)
-        self._init_weights()
+        if not self.ln_f.weight.is_meta:
+            self.init_weights(seed)
 
     def keep_stages(self, indices: Sequence[int], stages: int) -> None:
         """Drop, in place, what none of pipeline stages ``indices`` (of ``stages``) runs. A
@@ -152,18 +161,19 @@ class GPT(nn.Module):
         view.keep_stages([index], stages)
         return view
 
-    def _init_weights(self) -> None:
-        # GPT-2 initialisation: residual projections scaled down by depth so the
-        # residual stream's variance does not grow with the number of blocks.
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Give every parameter this model holds its initial value for ``seed``
+        (``initial_value``); a DTensor (fsdp, tensor parallel) takes this rank's part of it.
+        One whole parameter at a time exists besides the model: the largest is the peak."""
         for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif "ln" in name:
-                nn.init.ones_(param)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.cfg.layers))
+            value = initial_value(name, tuple(param.shape), seed=seed, layers=self.cfg.layers, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                # src_data_rank=None: each rank cuts its own part of its own copy, no communication.
+                part = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(part.to_local())
             else:
-                nn.init.normal_(param, std=0.02)
+                param.copy_(value)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, seq, 256) for ``tokens`` of shape (batch, seq)."""
@@ -186,6 +196,23 @@ class GPT(nn.Module):
         # Weight tying through F.linear (not a second module sharing the tensor) keeps
         # one name per parameter, which keeps checkpoint keys unambiguous.
         return F.linear(self.ln_f(x), self.tok_emb.weight)
+
+
+def initial_value(
+    name: str, shape: tuple[int, ...], *, seed: int, layers: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Parameter ``name``'s initial value in a model of ``layers`` blocks, on the CPU: GPT-2's
+    initialisation (biases zero, norms' weights one, matrices normal with std 0.02, the residual
+    projections scaled down by depth so the residual stream's variance does not grow with it),
+    drawn from a generator seeded by ``seed`` and ``name`` alone."""
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if "ln" in name:
+        return torch.ones(shape, dtype=dtype)
+    std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.empty(shape, dtype=dtype).normal_(std=std, generator=generator)
 
 
 def _stage_blocks(index: int, stages: int, layers: int) -> list[str]:

@@ -170,8 +170,10 @@ class Parallel:
 
 
 def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.device) -> Parallel:
-    """Move ``model`` to ``device`` and apply the run's layout. Under a pipeline, ``model``
-    becomes this rank's stage (``GPT.stage``) first."""
+    """Apply the run's layout to ``model``, built on the meta device, then give each parameter
+    storage on ``device`` and its initial value for the run's seed (``GPT.init_weights``): a
+    rank allocates only what it holds (its stages, its tensor-parallel and fsdp shards). Under a
+    pipeline, ``model`` becomes this rank's stage (``GPT.stage``) first."""
     if spec.cpu_offload and spec.parallel.dp_shard != "fsdp":
         raise ValueError(f"cpu_offload needs parallel: fsdp (got parallel: {spec.parallel.label})")
     mesh = None
@@ -179,7 +181,6 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
         mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
     if layout.pp > 1:
         model.keep_stages(layout.stage_indices, layout.stages)
-    model = model.to(device)
     stages = [model.stage(index, layout.stages) for index in layout.stage_indices] if layout.pp > 1 else []
     if mesh is not None and layout.tp > 1:
         _tensor_parallel(model, stages, mesh["tp"])
@@ -195,14 +196,24 @@ def parallelize(model: GPT, *, spec: RunSpec, layout: Layout, device: torch.devi
     if spec.parallel.dp_shard == "fsdp":
         dp_mesh = mesh["dp"] if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
         _shard(model, stages, dp_mesh, precision=spec.mixed_precision, cpu_offload=spec.cpu_offload, device=device)
+        # Offloaded shards live in host memory; fully_shard moves them to the device per use.
+        _materialize(model, torch.device("cpu") if spec.cpu_offload else device, seed=spec.seed)
         return Parallel(model, layout, mesh, sharded=True, stages=stages, parallel=spec.parallel, device=device)
+    _materialize(model, device, seed=spec.seed)
     if mesh is None:
-        # DDP broadcasts rank 0's weights at construction, so ranks start identical
-        # even if their seeds were not. zero1 differs only in its optimizer.
+        # DDP broadcasts rank 0's weights at construction; every rank computed the same ones.
+        # zero1 differs only in its optimizer.
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         return Parallel(ddp, layout, None, sharded=False, parallel=spec.parallel, device=device)
     return Parallel(model, layout, mesh, sharded=False, stages=stages, parallel=spec.parallel, device=device)
+
+
+def _materialize(model: GPT, device: torch.device, *, seed: int) -> None:
+    """Storage on ``device`` for what this rank holds of the meta-device ``model`` (fully_shard
+    resets its shards' views as it does), then the initial values (``GPT.init_weights``)."""
+    model.to_empty(device=device)
+    model.init_weights(seed)
 
 
 def _tensor_parallel(model: GPT, stages: list[GPT], mesh: DeviceMesh) -> None:
@@ -234,8 +245,7 @@ def _shard(
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     # Blocks first, then the root: each block is its own unit of all-gather and
     # reduce-scatter (communication overlaps the neighbouring block's compute); the root
-    # unit takes what is left (embeddings, final norm). Every rank builds identical initial
-    # weights from the same seed, and fully_shard keeps each rank's slice of them.
+    # unit takes what is left (embeddings, final norm).
     for block in model.blocks.values():
         shard(block)
     # The root's weights (the tied embedding) are used again right after the last block,
