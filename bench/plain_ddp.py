@@ -59,8 +59,7 @@ def main() -> None:
 
 def _train(spec: RunSpec, env: DistEnv, device: torch.device, *, window: tuple[int, int]) -> float:
     """The loop; the model, optimizer and data live only in this frame (see main)."""
-    seed_everything(spec.seed)
-    model = GPT(GPTConfig.from_spec(spec.model))
+    model = GPT(GPTConfig.from_spec(spec.model), seed=spec.seed)  # the trainer's initial weights
     seed_everything(spec.seed + env.rank)
     model = DistributedDataParallel(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = build_optimizer(model, lr=spec.lr)

@@ -156,14 +156,14 @@ def test_an_earlier_step_exports_its_own_weights_and_loss_and_again_the_same_byt
 ) -> None:
     store = exported_run(tmp_path_factory, tmp_path, "fsdp")
     losses = {r["step"]: r["loss"] for r in runstore.read_metrics(store, "tiny")}
-    newest, earlier = export.consolidate(store, "tiny"), export.consolidate(store, "tiny", step=8)
-    assert (newest.step, newest.loss) == (STEPS, losses[STEPS])
-    assert (earlier.step, earlier.loss) == (8, losses[8])
-    assert not torch.equal(newest.weights()["tok_emb.weight"], earlier.weights()["tok_emb.weight"])
-
-    out = tmp_path / "step-8.safetensors"
-    first = export.export(earlier, out, fmt="safetensors")
-    again = export.export(export.consolidate(store, "tiny", step=8), out, fmt="safetensors")
+    with export.consolidate(store, "tiny") as newest, export.consolidate(store, "tiny", step=8) as earlier:
+        assert (newest.step, newest.loss) == (STEPS, losses[STEPS])
+        assert (earlier.step, earlier.loss) == (8, losses[8])
+        assert not torch.equal(newest.weights()["tok_emb.weight"], earlier.weights()["tok_emb.weight"])
+        out = tmp_path / "step-8.safetensors"
+        first = export.export(earlier, out, fmt="safetensors")
+    with export.consolidate(store, "tiny", step=8) as again_read:
+        again = export.export(again_read, out, fmt="safetensors")
     assert first == again  # same weights, same bytes: a regenerated bundle stays byte-identical
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("step-8", ".step-8"))) == [
         "step-8.safetensors",
@@ -248,7 +248,8 @@ def test_sample_is_the_same_text_for_the_same_seed(
     assert all(c.isprintable() or c in "\n\t" for c in human.stdout)
     assert f"run 'tiny' at step {STEPS}" in human.stderr
 
-    model = export.consolidate(store, "tiny").model
+    with export.consolidate(store, "tiny") as consolidated:
+        model = consolidated.model()
     generated = generate(model, b"def ", tokens=40, temperature=0.8, seed=3)
     assert first["text"] == (b"def " + generated).decode("utf-8", errors="replace")
     assert generate(model, b"def ", tokens=40, temperature=0.8, seed=4) != generated

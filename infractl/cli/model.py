@@ -53,8 +53,8 @@ def export(
     exporting.check_destination(out, force=force)  # before the store: a refusal costs nothing
     state, _ = resolve_cluster(cluster_opt)
     store = cluster.store_for(state)
-    consolidated = exporting.consolidate(store, run, step=step)
-    described = exporting.export(consolidated, out, fmt=fmt)
+    with exporting.consolidate(store, run, step=step) as consolidated:
+        described = exporting.export(consolidated, out, fmt=fmt)
     # The store keeps where the file went and how it was made: the handover bundle names it.
     command = ["infractl", "export", run, "--step", str(consolidated.step), "--format", fmt]
     command += ["--out", str(out.absolute()), "-c", state.name]
@@ -108,8 +108,9 @@ def sample(
     except UnicodeEncodeError:
         raise UsageError("is not text that can be encoded as UTF-8", field="--prompt") from None
     state, _ = resolve_cluster(cluster_opt)
-    consolidated = exporting.consolidate(cluster.store_for(state), run, step=step)
-    generated = generate(consolidated.model, prompt_bytes, tokens=tokens, temperature=temperature, seed=seed)
+    with exporting.consolidate(cluster.store_for(state), run, step=step) as consolidated:
+        model = consolidated.model()
+    generated = generate(model, prompt_bytes, tokens=tokens, temperature=temperature, seed=seed)
     text = (prompt_bytes + generated).decode("utf-8", errors="replace")
     loss = f"loss {consolidated.loss:.4f}" if consolidated.loss is not None else "loss not recorded"
     out.info(

@@ -113,7 +113,8 @@ def _weights(store: Store, run_id: str, reference: str) -> tuple[bool, float]:
 
     from infractl.model.export import consolidate
 
-    mine, ref = consolidate(store, run_id).weights(), consolidate(store, reference).weights()
+    with consolidate(store, run_id) as ours, consolidate(store, reference) as theirs:
+        mine, ref = ours.weights(), theirs.weights()
     if mine.keys() != ref.keys():
         raise StateError(f"runs {run_id!r} and {reference!r} have different parameters: compare runs of one spec")
     bitwise, squared_diff, squared = True, 0.0, 0.0

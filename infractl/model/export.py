@@ -10,6 +10,12 @@ shards, ddp's and zero1's replicas alike). The keys are the plain ``trainer.mode
 names (``ModelState`` saves them without DDP's prefix), so the weights load strictly into a fresh
 ``GPT(GPTConfig(...))``; the output projection is tied to ``tok_emb.weight`` (one tensor, no copy).
 
+Exporting reads one layer at a time (a transformer block's tensors, or one of the others) and
+writes it to the output before reading the next, so host memory holds about one layer, not the
+model: safetensors is written directly (its header, every tensor's shape and place, comes from
+the checkpoint's metadata before any tensor is read); for ``torch.save`` each layer goes to a
+file of its own first, and the state dict saved maps those files instead of holding them.
+
 The step's facts come from its manifest: the model's shape and the scheme that saved it, world
 size, config hash, dataset version, tokens seen (checkpoints written before the manifest recorded
 the shape and scheme take them from the run's record, ``run.json``); the loss at that step from
@@ -18,17 +24,22 @@ the run's metrics.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import math
 import os
+import struct
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy
 import torch
 from pydantic import ValidationError
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
@@ -51,54 +62,72 @@ _MODEL_KEY = "model"
 
 @dataclass(frozen=True)
 class Consolidated:
-    """One committed step of a run as a plain, single-process model."""
+    """One committed step of a run as a plain, single-process model: its files downloaded and
+    checked, its tensors read on demand (``layers``, ``weights``, ``model``)."""
 
     run_id: str
     step: int
     shape: ModelSpec  # the model's shape that saved the step
     scheme: str  # the parallel scheme that saved it
     manifest: Manifest
-    model: GPT  # in eval mode, the step's weights loaded strictly
     loss: float | None  # the training loss at ``step`` (None when the metrics lack it)
     checkpoint: str  # where the step lives in the store (``Store.location``)
+    files: Path  # the step's DCP files
+    tensors: dict[str, TensorStorageMetadata]  # the model's tensors by GPT name: global shape and dtype
+
+    def layers(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The model's tensors, by GPT name in sorted order, one layer at a time: a transformer
+        block's, or one other parameter."""
+        names = sorted(self.tensors)
+        for _, group in itertools.groupby(names, key=_layer):
+            yield _read_model(self.files, {name: self.tensors[name] for name in group}, self.what)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The state dict to write: every parameter once, by its GPT name."""
-        return {name: tensor.detach().contiguous() for name, tensor in sorted(self.model.state_dict().items())}
+        """The state dict to write: every parameter once, by its GPT name, sorted."""
+        return {name: tensor for layer in self.layers() for name, tensor in layer.items()}
+
+    def model(self) -> GPT:
+        """A ``GPT`` of the step's shape holding its weights, in eval mode (built on the meta
+        device: the weights read are its parameters, not a copy)."""
+        with torch.device("meta"):
+            model = GPT(GPTConfig.from_spec(self.shape))
+        model.load_state_dict(self.weights(), assign=True)
+        return model.eval()
+
+    @property
+    def what(self) -> str:
+        return f"step {self.step} of run {self.run_id!r}"
 
 
-def consolidate(store: Store, run_id: str, *, step: int | None = None) -> Consolidated:
-    """The run's newest committed step (or ``step``) as a plain model. Refused (``UsageError``)
-    for an unknown run, a run with nothing committed and a step that is not committed; a checkpoint
-    that fails verification raises ``CheckpointError`` and the store's failures ``StoreError``."""
+@contextlib.contextmanager
+def consolidate(store: Store, run_id: str, *, step: int | None = None) -> Iterator[Consolidated]:
+    """The run's newest committed step (or ``step``) as a plain model, while the ``with`` lasts
+    (its files are in a temporary directory). Refused (``UsageError``) for an unknown run, a run
+    with nothing committed and a step that is not committed; a checkpoint that fails verification
+    or does not fit the run's model raises ``CheckpointError`` and the store's failures
+    ``StoreError``."""
     record = runstore.read_run_record(store, run_id)
     if record is None:
         raise UsageError(f"no run named {run_id!r} in the store {store.uri}", field="RUN")
     spec = _spec(record.spec, run_id)
     step = _committed_step(store, run_id, step)
     manifest = runstore.verify_checkpoint(store, run_id, step)
-    shape, scheme = _saved_by(manifest, spec, f"step {step} of run {run_id!r}")
+    what = f"step {step} of run {run_id!r}"
+    shape, scheme = _saved_by(manifest, spec, what)
+    losses = [r["loss"] for r in runstore.read_metrics(store, run_id) if r["step"] == step]
     with tempfile.TemporaryDirectory(prefix="infractl-export-") as tmp:
         _download(store, run_id, manifest, Path(tmp))
-        weights = _read_model(Path(tmp), f"step {step} of run {run_id!r}")
-    model = GPT(GPTConfig.from_spec(shape))
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as exc:  # a missing, unexpected or misshapen parameter
-        raise CheckpointError(
-            f"step {step} of run {run_id!r} does not fit the run's model ({_first_line(exc)})"
-        ) from None
-    losses = [r["loss"] for r in runstore.read_metrics(store, run_id) if r["step"] == step]
-    return Consolidated(
-        run_id=run_id,
-        step=step,
-        shape=shape,
-        scheme=scheme,
-        manifest=manifest,
-        model=model.eval(),
-        loss=losses[0] if losses else None,
-        checkpoint=store.location(checkpoint_prefix(run_id, step)),
-    )
+        yield Consolidated(
+            run_id=run_id,
+            step=step,
+            shape=shape,
+            scheme=scheme,
+            manifest=manifest,
+            loss=losses[0] if losses else None,
+            checkpoint=store.location(checkpoint_prefix(run_id, step)),
+            files=Path(tmp),
+            tensors=_model_tensors(Path(tmp), shape, what),
+        )
 
 
 def _saved_by(manifest: Manifest, spec: RunSpec, what: str) -> tuple[ModelSpec, str]:
@@ -140,29 +169,54 @@ def _download(store: Store, run_id: str, manifest: Manifest, dest: Path) -> None
         runstore.fetch_checkpoint_file(store, run_id, manifest.step, entry, dest / entry.key, tag="export")
 
 
-def _read_model(directory: Path, what: str) -> dict[str, torch.Tensor]:
-    """The model's tensors of the DCP checkpoint in ``directory``, whole, by parameter name."""
-    reader = FileSystemReader(directory)
+def _model_tensors(directory: Path, shape: ModelSpec, what: str) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in the DCP checkpoint in ``directory``, by GPT name: exactly the
+    parameters of a ``GPT`` of ``shape``, each of its shape (``CheckpointError`` otherwise)."""
     prefix = f"{_MODEL_KEY}."
     try:
-        metadata = reader.read_metadata()
-        templates = {
-            key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
-        }
-        if not templates:
-            raise CheckpointError(f"{what} holds no model weights")
-        # Only the keys asked for are read: the optimizer's state and the RNGs stay on disk.
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # DCP raises several types for a checkpoint it cannot read
+        raise CheckpointError(f"{what} cannot be read: {type(exc).__name__}: {_first_line(exc)}") from None
+    found = {
+        key[len(prefix) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not found:
+        raise CheckpointError(f"{what} holds no model weights")
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in GPT(GPTConfig.from_spec(shape)).named_parameters()}
+    problems = [f"missing {n}" for n in sorted(expected.keys() - found.keys())]
+    problems += [f"unexpected {n}" for n in sorted(found.keys() - expected.keys())]
+    problems += [
+        f"{n} is {tuple(found[n].size)}, not {expected[n]}"
+        for n in sorted(expected.keys() & found.keys())
+        if tuple(found[n].size) != expected[n]
+    ]
+    if problems:
+        raise CheckpointError(f"{what} does not fit the run's model ({'; '.join(problems[:3])})")
+    return found
+
+
+def _read_model(directory: Path, tensors: dict[str, TensorStorageMetadata], what: str) -> dict[str, torch.Tensor]:
+    """``tensors`` of the DCP checkpoint in ``directory``, whole, by GPT name."""
+    templates = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in tensors.items()}
+    try:
+        # Only the keys asked for are read: the rest of the model, the optimizer's state and the
+        # RNGs stay on disk.
         with warnings.catch_warnings():
             # "...assuming the intent is to load in a single process": it is, no_dist says so.
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            load({_MODEL_KEY: templates}, storage_reader=reader, no_dist=True)
-    except CheckpointError:
-        raise
+            load({_MODEL_KEY: templates}, storage_reader=FileSystemReader(directory), no_dist=True)
     except Exception as exc:  # DCP raises several types for a checkpoint it cannot read
         raise CheckpointError(f"{what} cannot be read: {type(exc).__name__}: {_first_line(exc)}") from None
     return templates
+
+
+def _layer(name: str) -> str:
+    """The layer parameter ``name`` belongs to: ``blocks.<i>`` for a block's, else itself."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else name
 
 
 def description_path(out: Path) -> Path:
@@ -187,7 +241,8 @@ def check_destination(out: Path, *, force: bool) -> None:
 
 
 def export(model: Consolidated, out: Path, *, fmt: Format) -> dict[str, Any]:
-    """Write the weights to ``out`` and the description to ``FILE.json``; return the description.
+    """Write the weights to ``out``, one layer at a time (the module docstring), and the
+    description to ``FILE.json``; return the description.
 
     Each is written to a temporary file in the same directory and renamed into place, the
     weights first: ``out`` is never half written, and a JSON always describes a whole file
@@ -197,14 +252,10 @@ def export(model: Consolidated, out: Path, *, fmt: Format) -> dict[str, Any]:
     tmp_weights = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp_json = out.with_name(f".{described.name}.{os.getpid()}.tmp")
     try:
-        weights = model.weights()
         if fmt == "safetensors":
-            save_file(weights, tmp_weights, metadata={"format": "pt"})  # "pt": transformers' key for torch tensors
+            _write_safetensors(model, tmp_weights)
         else:
-            # Through a file object: given a path, torch names the archive's folder after the
-            # (temporary) file name, and the same weights would give different bytes.
-            with tmp_weights.open("wb") as f:
-                torch.save(weights, f)
+            _write_torch(model, tmp_weights)
         description = _describe(model, file=out.name, fmt=fmt, sha256=file_sha256(tmp_weights))
         description["bytes"] = tmp_weights.stat().st_size
         tmp_json.write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
@@ -216,6 +267,56 @@ def export(model: Consolidated, out: Path, *, fmt: Format) -> dict[str, Any]:
         tmp_weights.unlink(missing_ok=True)
         tmp_json.unlink(missing_ok=True)
     return description
+
+
+#: safetensors' names of the dtypes a checkpoint's tensors may have.
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+def _write_safetensors(model: Consolidated, path: Path) -> None:
+    """The safetensors file of ``model``'s weights (github.com/huggingface/safetensors: an 8-byte
+    little-endian header length, a JSON header giving each tensor's dtype, shape and byte range,
+    padded with spaces to 8 bytes, then the tensors' bytes), sorted by name, one layer in memory
+    at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers' key for torch tensors
+    offset = 0
+    for name in sorted(model.tensors):
+        meta = model.tensors[name]
+        size = math.prod(meta.size) * meta.properties.dtype.itemsize
+        dtype = _SAFETENSORS_DTYPES[meta.properties.dtype]
+        header[name] = {"dtype": dtype, "shape": list(meta.size), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for layer in model.layers():
+            for tensor in layer.values():
+                f.write(_raw(tensor).data)
+
+
+def _write_torch(model: Consolidated, path: Path) -> None:
+    """``torch.save`` of ``model``'s state dict, sorted by name: each layer is written to files
+    of its own as it is read, and the state dict saved maps them (``torch.from_file``), so the
+    weights are paged in from disk as they are written rather than held."""
+    with tempfile.TemporaryDirectory(prefix="infractl-export-", dir=path.parent) as tmp:
+        mapped: dict[str, torch.Tensor] = {}
+        for layer in model.layers():
+            for name, tensor in layer.items():
+                spilled = Path(tmp) / name
+                _raw(tensor).tofile(spilled)
+                flat = torch.from_file(str(spilled), shared=False, size=tensor.numel(), dtype=tensor.dtype)
+                mapped[name] = flat.view(tensor.shape)
+        # Through a file object: given a path, torch names the archive's folder after the
+        # (temporary) file name, and the same weights would give different bytes.
+        with path.open("wb") as f:
+            torch.save(mapped, f)
+
+
+def _raw(tensor: torch.Tensor) -> numpy.ndarray[Any, numpy.dtype[numpy.uint8]]:
+    """``tensor``'s bytes in memory order, without a copy (numpy has no bfloat16: as bytes)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _describe(model: Consolidated, *, file: str, fmt: Format, sha256: str) -> dict[str, Any]:
@@ -230,7 +331,7 @@ def _describe(model: Consolidated, *, file: str, fmt: Format, sha256: str) -> di
         "loss": model.loss,
         "tokens_seen": extra.get("tokens_seen"),
         "model": {"architecture": "trainer.model.GPT", **model.shape.model_dump(mode="json"), "vocab_size": VOCAB_SIZE},
-        "parameters": sum(p.numel() for p in model.model.parameters()),
+        "parameters": sum(math.prod(meta.size) for meta in model.tensors.values()),
         "tokenizer": "bytes: one token per byte of the UTF-8 text, ids 0-255",
         "dataset_version": extra.get("dataset_version"),
         "config_hash": extra.get("config_hash"),
