@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, InfraError, Interrupted, UsageError
 from infractl.image import registry
 from infractl.output import Output
+from infractl.planning.plan import format_bytes
 from infractl.providers.base import NodeControl, ServerHost
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
@@ -306,6 +308,11 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     if 0 < configured.changed <= _NAMED_CHANGES:
         out.info("ansible: changed " + "; ".join(configured.changed_tasks))
 
+    device = provider.device(spec, os.environ)
+    out.info(
+        f"devices: {device.name}, {format_bytes(device.memory_bytes)} per rank "
+        "(`infractl train` refuses a run whose plan does not fit them)"
+    )
     state.write(
         {
             "name": spec.name,
@@ -314,6 +321,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
             "infractl_version": __version__,
             "rendezvous": {"host": host, "port": port},
             "nodes": [n.record() for n in provisioned],
+            "device": asdict(device),
         }
         | ({"registry": {"host": served.host, "port": served.port}, "image": pulled} if served is not None else {})
     )

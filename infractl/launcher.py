@@ -21,6 +21,8 @@ from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
+from infractl.planning.devices import Device
+from infractl.planning.plan import refuse_unless_fits
 from infractl.providers import NodeControl
 from infractl.providers.base import IMAGE_PYTHON
 from infractl.runstore import Attempt, Rejoin, RunRecord
@@ -78,7 +80,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     """
     cluster = state.read()
     nodes = cluster["nodes"]
-    _check_fits(state, spec, run_file, nodes)
+    _check_fits(state, spec, run_file, cluster)
     store = store_for(state)
     store.ping()  # an unreachable store fails here, before the dataset is hashed
     version = dataset_version(spec.data)
@@ -108,8 +110,10 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     )
 
 
-def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, nodes: list[dict[str, Any]]) -> None:
-    """The run fits the cluster: enough nodes, a layout every world size can run, not running yet."""
+def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, cluster: dict[str, Any]) -> None:
+    """The run fits the cluster: enough nodes, a layout every world size can run, memory enough on
+    the devices ``up`` recorded (the plan's budget, infractl/planning/plan.py), not running yet."""
+    nodes = cluster["nodes"]
     if spec.nodes.min > len(nodes):
         raise UsageError(
             f"{spec.nodes.min} exceeds the {len(nodes)} node(s) of cluster {state.name!r}",
@@ -125,6 +129,15 @@ def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, nodes: list[
         ],
         file=str(run_file),
     )
+    if "device" in cluster:  # what `up` recorded; a cluster brought up before it recorded one has none
+        refuse_unless_fits(
+            spec,
+            Device(**cluster["device"]),
+            processes=processes,
+            nodes=(spec.nodes.min, spec.nodes.max),
+            cluster=state.name,
+            file=str(run_file),
+        )
     if spec.name in runs.running(state):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; see `infractl status` and `infractl logs`"

@@ -10,13 +10,16 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from infractl import configure
 from infractl.config import load_cluster
 from infractl.infra import Node, SshLogin
+from infractl.planning.devices import CATALOG, Device
 from infractl.providers import aws
+from infractl.providers.base import provider_named
 from infractl.state import ClusterState
 
 from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
@@ -326,3 +329,24 @@ def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None
     gpu_play = tasks[tasks.index(next(t for t in tasks if t.startswith("play #2 (gpu)"))) :]
     roles = {task.split(" : ")[0] for task in gpu_play if " : " in task}
     assert roles == {"gpu_preflight", "container_runtime", "trainer_image", "nccl_env", "nccl_health"}
+
+
+def test_train_sizes_runs_against_the_smallest_device_of_the_node_groups(cli: Cli) -> None:
+    import yaml
+
+    example = yaml.safe_load(EXAMPLE.read_text())
+    provider = provider_named("aws")
+
+    def device(groups: dict[str, Any], **fields: Any) -> Device:
+        config = example | {"nodes": sum(g["nodes"] for g in groups.values()), **fields}
+        config["aws"] = example["aws"] | {"node_groups": groups}
+        path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
+        return provider.device(load_cluster(path), {})
+
+    assert provider.device(load_cluster(EXAMPLE), {}) == CATALOG["h100-80gb"]
+    p4d = {"instance_type": "p4d.24xlarge", "nodes": 1}
+    assert device({"a": p4d, "b": {"instance_type": "p5.48xlarge", "nodes": 1}}) == CATALOG["a100-40gb"]
+    assert device({"a": {"instance_type": "g5.12xlarge", "nodes": 2}}) == Device("NVIDIA A10G", 24 * 10**9, None, True)
+    # A CPU type's memory is shared by its ranks.
+    cpu = device({"a": {"instance_type": "c7i.4xlarge", "nodes": 2}}, processes_per_node=2)
+    assert cpu == Device("cpu (c7i.4xlarge)", 16 << 30, None, False)

@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 
 from infractl import proc, runstore
-from infractl.config import RunSpec
+from infractl.config import RunSpec, load_run
 from infractl.drill import recovery
 from infractl.handover.reference import RUNBOOKS
 from infractl.handover.runbooks import render_runbooks, section
+from infractl.planning.plan import format_bytes, run_budget
 from infractl.runs import Attention, RunState, attention
 from infractl.runstore import Manifest, RunRecord, StepRecord
 from infractl.state import ClusterState, write_private
 from infractl.store import FileStore, Store
 from trainer.engine import CORRUPT_ENV
 
-from conftest import Cli, module_cluster, wait_for_commit, write
+from conftest import Cli, module_cluster, one_line, wait_for_commit, write
 from runbook_steps import (
     HUNG_JOB_LOGS,
     HUNG_JOB_WITHIN_S,
@@ -333,7 +334,30 @@ watchdog: {step_timeout_s: 8}
 """
 #: Devices of 68 MiB, emulated on the CPU nodes (trainer/held.py): the run's plain ddp holds 72 MiB
 #: in its forward there (81 MiB by the plan); with activation checkpointing the plan says 64 MiB.
+#: Set in the agents' environment after `up`, which recorded this machine's memory: smaller
+#: devices than the cluster was provisioned with, which `train`'s check cannot see.
 SMALL_DEVICES = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("runbooks")
+def test_train_refuses_a_run_its_plan_does_not_fit_before_anything_starts(cluster: Cli) -> None:
+    """What the plan can see never gets as far as the out-of-memory runbook: a 48 x 8192 model
+    needs more per device, at its smallest world, than the devices `up` recorded (this machine's
+    memory shared by the two ranks), and `train` says by how much, starting nothing."""
+    run = write(cluster.cwd / "huge.yaml", "name: huge\nmodel: {layers: 48, hidden: 8192, heads: 64, seq_len: 2048}\n"
+                                           "batch_size: 16\nnodes: {min: 2, max: 2}\n")  # fmt: skip
+    line = one_line(cluster("train", str(run), expect=2).stderr)
+    recorded = ClusterState("local", cluster.home / "local").read()["device"]
+    budget = run_budget(load_run(run), world_size=2, max_world_size=2, cuda=False)
+    shortfall = format_bytes(budget.total - recorded["memory_bytes"])
+    assert (
+        f"huge.yaml: run 'huge' does not fit the devices of cluster 'local': as configured (ddp) it needs "
+        f"{format_bytes(budget.total)} per device on its smallest world (2 node(s) x 1 process(es), "
+        f"nodes.min), {shortfall} more than the {format_bytes(recorded['memory_bytes'])} of a cpu device;" in line
+    )
+    assert FileStore(cluster.home / "local" / "store").list("runs/huge") == []
+    assert "huge" not in cluster("status", "--json").stdout
 
 
 @pytest.mark.e2e
@@ -341,8 +365,9 @@ SMALL_DEVICES = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
 def test_out_of_memory_runbook_changes_the_run_to_a_way_that_fits_and_it_completes_from_its_last_commit(
     cluster: Cli,
 ) -> None:
-    """The run trained to a commit, then moved to nodes with smaller devices: every rank runs out
-    of memory in its first step's forward, the restart too, and the run fails. The runbook
+    """The run trained to a commit, then moved to nodes with smaller devices than `up` recorded
+    (``SMALL_DEVICES``): every rank runs out of memory in its first step's forward, the restart
+    too, and the run fails. The runbook
     changes its config to the first way that fits and launches it again, on the same devices."""
     store = start(cluster, SQUEEZED)
     cluster("stop", "--run", "squeezed")  # a preemption: the step it was on is committed

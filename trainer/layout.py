@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infractl.config import RunSpec, split_batch
+from infractl.config import RunSpec, micro_batch, split_batch
 from trainer.distributed import DistEnv
 
 __all__ = ["Layout"]
@@ -61,11 +61,8 @@ class Layout:
         pp_rank, rest = divmod(rank, dp * parallel.tp)
         dp_rank, tp_rank = divmod(rest, parallel.tp)
         shares = split_batch(spec.batch_size, dp)
-        if parallel.pp > 1:
-            micro_batch, accumulation = shares[0] // parallel.n_microbatches, 1
-        else:
-            micro_batch = math.ceil(spec.batch_size / max(dp, max_world_size // parallel.model_ranks))
-            accumulation = math.ceil(shares[0] / micro_batch)
+        largest = micro_batch(spec, world_size=world_size, max_world_size=max_world_size)
+        accumulation = 1 if parallel.pp > 1 else math.ceil(shares[0] / largest)
         return cls(
             world_size=world_size,
             dp=dp,
@@ -77,7 +74,7 @@ class Layout:
             stages=parallel.stages,
             batch_size=spec.batch_size,
             share=shares[dp_rank],
-            micro_batch=micro_batch,
+            micro_batch=largest,
             accumulation=accumulation,
         )
 

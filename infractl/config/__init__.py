@@ -19,7 +19,7 @@ from infractl.config.cluster import (
     parse_cluster,
     register_provider,
 )
-from infractl.config.layout import check_layout, split_batch
+from infractl.config.layout import check_layout, micro_batch, split_batch
 from infractl.config.loader import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_CONFIG_NODES
 from infractl.config.run import (
     DP_SHORTHANDS,
@@ -74,6 +74,7 @@ __all__ = [
     "load_cluster",
     "load_run",
     "load_run_json",
+    "micro_batch",
     "parse_cluster",
     "parse_step_window",
     "register_provider",

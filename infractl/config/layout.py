@@ -3,12 +3,13 @@ data-parallel ranks, and whether a run's ``parallel`` layout runs on each world 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from infractl.config.run import RunSpec
 from infractl.errors import ConfigError
 
-__all__ = ["check_layout", "split_batch"]
+__all__ = ["check_layout", "micro_batch", "split_batch"]
 
 
 def split_batch(batch_size: int, parts: int) -> list[int]:
@@ -18,6 +19,18 @@ def split_batch(batch_size: int, parts: int) -> list[int]:
         raise ValueError("parts must be at least 1")
     base, extra = divmod(batch_size, parts)
     return [base + (i < extra) for i in range(parts)]
+
+
+def micro_batch(spec: RunSpec, *, world_size: int, max_world_size: int) -> int:
+    """Samples in a rank's largest forward/backward pass on a world of ``world_size`` ranks, for a
+    run that may grow to ``max_world_size``: a pipeline's micro-batch (its share of the batch over
+    ``parallel.microbatches``), else sized for the largest world, so that a smaller one
+    accumulates more passes of the same size instead of larger ones."""
+    parallel = spec.parallel
+    dp = parallel.dp_degree(world_size)
+    if parallel.pp > 1:
+        return split_batch(spec.batch_size, dp)[0] // parallel.n_microbatches
+    return math.ceil(spec.batch_size / max(dp, max_world_size // parallel.model_ranks))
 
 
 def check_layout(spec: RunSpec, worlds: Iterable[tuple[int, str]], *, file: str) -> None:

@@ -16,7 +16,7 @@ import psutil
 
 from infractl.errors import UsageError
 
-__all__ = ["Device", "CATALOG", "EMULATED_MEMORY_ENV", "device", "emulated_memory"]
+__all__ = ["Device", "CATALOG", "EMULATED_MEMORY_ENV", "device", "emulated_memory", "shared_cpu"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,12 @@ def device(name: str, environ: Mapping[str, str] | None = None) -> Device:
     if name not in CATALOG:
         raise UsageError(f"unknown device {name!r} (one of: cpu, {', '.join(CATALOG)})", field="--device")
     return CATALOG[name]
+
+
+def shared_cpu(ranks: int, environ: Mapping[str, str]) -> Device:
+    """The device of each of ``ranks`` training processes that share this machine: its memory
+    split evenly between them, or the emulated device ``environ`` sets (one per process)."""
+    chosen = device("cpu", environ)
+    if chosen.name == "cpu":
+        return Device("cpu", chosen.memory_bytes // ranks, None, False)
+    return chosen

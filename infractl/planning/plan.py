@@ -25,13 +25,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from infractl.config import RunSpec
+from infractl.config import RunSpec, micro_batch
 from infractl.errors import UsageError
 from infractl.planning import memory
-from infractl.planning.devices import Device
+from infractl.planning.devices import CATALOG, Device
 from infractl.planning.memory import Budget, ModelSplit
 
-__all__ = ["Option", "Plan", "plan"]
+__all__ = ["Option", "Plan", "format_bytes", "plan", "refuse_unless_fits", "run_budget"]
 
 Precision = Literal["fp32", "bf16"]
 
@@ -205,3 +205,59 @@ def plan(spec: RunSpec, device: Device, *, devices_per_node: int, max_nodes: int
     fewest = min((o.devices for o in runnable if o.devices is not None), default=None)
     recommended = next((o for o in runnable if o.devices == fewest), None)
     return Plan(spec.name, device, devices_per_node, max_nodes, memory.parameters(spec.model), options, recommended)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches: ``1.50 GiB``, ``68.00 MiB``, ``12 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def run_budget(spec: RunSpec, *, world_size: int, max_world_size: int, cuda: bool) -> Budget:
+    """Bytes per device of ``spec`` as it is configured (its layout, precision and activation
+    checkpointing) on a world of ``world_size`` ranks, its micro-batch sized for
+    ``max_world_size`` as the trainer sizes it."""
+    parallel = spec.parallel
+    return memory.budget(
+        spec.model,
+        scheme=parallel.scheme,
+        ranks=parallel.dp_degree(world_size),
+        micro_batch=micro_batch(spec, world_size=world_size, max_world_size=max_world_size),
+        precision=spec.mixed_precision,
+        checkpointing=spec.activation_checkpointing,
+        cuda=cuda,
+        split=ModelSplit(
+            tp=parallel.tp,
+            pp=parallel.pp,
+            held=memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule),
+        ),
+    )
+
+
+def refuse_unless_fits(
+    spec: RunSpec, device: Device, *, processes: int, nodes: tuple[int, int], cluster: str, file: str
+) -> None:
+    """``UsageError`` with the shortfall unless ``spec``, as configured, fits ``device`` at its
+    smallest world: ``nodes`` (the fewest and the most it may run on) of ``processes`` ranks. The
+    smallest world holds the most per device (larger shards; a pipeline's larger micro-batches),
+    and an elastic run shrinks to it when nodes fail."""
+    fewest, most = nodes
+    budget = run_budget(spec, world_size=fewest * processes, max_world_size=most * processes, cuda=device.cuda)
+    if budget.total <= device.memory_bytes:
+        return
+    way = " + ".join(
+        [spec.parallel.label]
+        + ["activation checkpointing"] * spec.activation_checkpointing
+        + ["bf16"] * (spec.mixed_precision == "bf16")
+    )
+    sized = f" --device {device.name}" if device.name in CATALOG else ""
+    raise UsageError(
+        f"run {spec.name!r} does not fit the devices of cluster {cluster!r}: as configured ({way}) it needs "
+        f"{format_bytes(budget.total)} per device on its smallest world ({fewest} node(s) x {processes} "
+        f"process(es), nodes.min), {format_bytes(budget.total - device.memory_bytes)} more than the "
+        f"{format_bytes(device.memory_bytes)} of a {device.name} device; `infractl plan {file}{sized} "
+        f"--gpus-per-node {processes} --max-nodes {most}` shows the ways that fit (--apply writes the first)",
+        file=file,
+    )

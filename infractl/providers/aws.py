@@ -39,6 +39,7 @@ from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.errors import ConfigError, InfraError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings, SshLogin
+from infractl.planning.devices import CATALOG, Device
 from infractl.providers.base import (
     DOCKER,
     IMAGE_PYTHON,
@@ -1113,6 +1114,25 @@ class Aws(Provider):
             "resources": planned_resources(variables),
             "cost": hourly_cost(variables),
         }
+
+    def device(self, spec: ClusterSpec, environ: Mapping[str, str]) -> Device:
+        """The smallest device of the node groups' instance types: one GPU (instances.json's
+        ``planner_device``, else its ``gpu_memory_gib`` GB), or on a CPU type the instance's memory
+        shared by its ranks."""
+        aws = spec.settings(AwsSpec)
+        assert aws is not None
+        table = instance_types()
+        found = []
+        for group in aws.node_groups.values():
+            entry = table[group.instance_type]
+            if entry["gpus"] == 0:
+                memory = entry["memory_gib"] * (1 << 30) // spec.processes_per_node
+                found.append(Device(f"cpu ({group.instance_type})", memory, None, False))
+            elif entry["planner_device"] is not None:
+                found.append(CATALOG[entry["planner_device"]])
+            else:
+                found.append(Device(entry["gpu_model"], entry["gpu_memory_gib"] * 10**9, None, True))
+        return min(found, key=lambda d: d.memory_bytes)
 
     def root_settings(self, spec: ClusterSpec, state: ClusterState) -> RootSettings:
         """The root module around infra/aws: the provider (region, the cluster's tag on everything

@@ -28,6 +28,7 @@ from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig, register_provider
 from infractl.errors import InfractlError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings
+from infractl.planning.devices import Device, shared_cpu
 from infractl.proc import NodeProcess
 from infractl.state import ClusterState, Orphan, write_private
 
@@ -94,6 +95,12 @@ class Provider(ABC):
         """What the root module that calls ``infra/<provider>/`` adds (provider and backend blocks,
         outputs, the Terraform CLI configuration): nothing where the module needs no provider."""
         return RootSettings()
+
+    def device(self, spec: ClusterSpec, environ: Mapping[str, str]) -> Device:
+        """The device each rank of the cluster trains on, as ``up`` provisions it (``train`` refuses
+        a run that does not fit it). Here: nodes on this machine, whose ranks share its memory,
+        or the emulated device ``$INFRACTL_DEVICE_MEMORY`` in ``environ`` sets."""
+        return shared_cpu(spec.nodes * spec.processes_per_node, environ)
 
     def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
         """The nodes of an apply, as the control plane reaches them (the module's inventory, where
