@@ -96,14 +96,17 @@ class PeakSampler:
 def _recomputed_block_bytes(trainer: Trainer, saved: SavedTensors) -> int:
     """Under activation checkpointing: what one block saves when the backward pass recomputes
     it, less its input (kept anyway). One block's forward with checkpointing off, on a fresh
-    input of the step's shape; under fsdp every rank runs it (it gathers the block's weights)."""
+    input of the step's shape (under tensor parallel, this rank's share of the tokens); under
+    fsdp every rank runs it (it gathers the block's weights)."""
     model = trainer.model.module if isinstance(trainer.model, DistributedDataParallel) else trainer.model
     assert isinstance(model, GPT)
     block = next(iter(model.blocks.values()))  # a later pipeline stage has no block "0"
     spec = trainer.spec
     micro = trainer.layout.micro_batch
+    # Under tensor parallel a block takes this rank's share of the tokens (sequence parallel).
+    tokens = spec.model.seq_len // trainer.layout.tp
     # Not a leaf: a leaf that requires grad is a weight to the pack hook.
-    leaf = torch.zeros(micro, spec.model.seq_len, spec.model.hidden, device=trainer.device, requires_grad=True)
+    leaf = torch.zeros(micro, tokens, spec.model.hidden, device=trainer.device, requires_grad=True)
     x = leaf.clone()
     state = checkpoint.state(block)
     state.enable_hook = False

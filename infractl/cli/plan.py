@@ -106,7 +106,9 @@ def plan_command(
     if explain:
         parts.append(_explain(result, spec))
     parts.append(_advice(result))
-    shown = result.to_dict()
+    shown = result.to_dict() | {"peak_band": memory.PEAK_BAND.to_dict()}
+    assert result.recommended is not None and shown["recommended"] is not None
+    shown["recommended"]["peak_bound_bytes"] = memory.PEAK_BAND.bound(result.recommended.budget)
     if apply:
         shown["applied"], said = _apply(run_file, spec, result)
         parts.append(said)
@@ -166,15 +168,24 @@ def _measure(
         if result.device == "cuda"
         else "peak: growth of the ranks' resident memory; predicted: the total less the fragmentation margin"
     )
-    out.result(
-        result.to_dict(), Group(table, Text(f"{peak}; kept in the store as {runstore.plan_measured_key(spec.name)}"))
+    said = f"{peak}; kept in the store as {runstore.plan_measured_key(spec.name)}; {_band()}"
+    out.result(result.to_dict() | {"peak_band": memory.PEAK_BAND.to_dict()}, Group(table, Text(said)))
+
+
+def _band() -> str:
+    """The peak's measured error band, in words (memory.PEAK_BAND)."""
+    band = memory.PEAK_BAND
+    return (
+        f"the peaks of {band.runs} runs the planner was not tuned on measured {-band.low:.1%} below to "
+        f"{band.high:.1%} above its prediction, the fragmentation margin aside (`{band.command}`: {band.measured_on})"
     )
 
 
 def _table(result: Plan) -> Table:
     table = Table(
         title=f"{result.run}: {result.parameters:,} parameters; {result.device.name}, "
-        f"{_size(result.device.memory_bytes)} per device (--json or --explain: every component)"
+        f"{_size(result.device.memory_bytes)} per device (--json or --explain: every component)",
+        caption=f"per device: the step's peak, a bound: {_band()}",
     )
     for col in ("way to train", "parallel:", "fewest devices", "nodes", "per device", "of which activations"):
         table.add_column(col, justify="right" if col in ("fewest devices", "nodes") or "per" in col else "left")
@@ -207,10 +218,12 @@ def _advice(result: Plan) -> Text:
         settings.append("activation_checkpointing: true")
     if rec.precision == "bf16":
         settings.append("mixed_precision: bf16")
+    band = memory.PEAK_BAND
     return Text(
-        f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): {_size(rec.budget.total)} per "
-        f"device of {_size(result.device.memory_bytes)}; in run.yaml: {', '.join(settings)}; asynchronous "
-        f"checkpoint staging needs {_size(result.staging_host_bytes(rec))} of host memory per node"
+        f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): at most "
+        f"{_size(band.bound(rec.budget))} per device of {_size(result.device.memory_bytes)} (measured peaks: "
+        f"{band.low:+.1%} to {band.high:+.1%} of the prediction); in run.yaml: {', '.join(settings)}; "
+        f"asynchronous checkpoint staging needs {_size(result.staging_host_bytes(rec))} of host memory per node"
     )
 
 

@@ -30,10 +30,28 @@ block's operations (flash attention on CPU and GPU: no s×s score matrix is kept
 plus each norm's mean and reciprocal deviation (4·b·s values) and the attention's log-sum-exp
 (b·a·s values), 4 bytes each. Activation checkpointing keeps only each block's input (b·s·h·r)
 and recomputes one block at a time in the backward pass (its saves but its input, once more).
-The head keeps the final norm's input and output and the log-softmax (b·s·V values of 4 bytes),
-and the backward pass holds the logits' gradient. Under bf16, autocast keeps a bf16 copy of
-every matrix a linear layer uses (12h² per block and the tied V·h embedding) until the backward
-pass.
+The head keeps the final norm's input and output and the log-softmax (b·s·V values of 4 bytes).
+Under bf16, autocast keeps a bf16 copy of every matrix a linear layer uses (12h² per block and
+the tied V·h embedding) until the backward pass.
+
+The step's peak is not every component at once; what it holds was read off single-process
+traces of the step (``torch.profiler`` with ``profile_memory``, every allocation with its
+running total):
+
+- the backward pass starts at the head, holding every save (A) and its transient T: the logits
+  the step holds until its pass ends (b·s·V values, 2 bytes under bf16, else 4) and the loss's two
+  fp32 gradients, cross-entropy's and log-softmax's (8·b·s·V bytes). Under activation
+  checkpointing the recomputed block counted in A is not held yet then, and a recomputed block's
+  MLP backward holds, beyond the saves counted and less the head's saves freed by then, 12·b·s·h
+  bytes (fp32: the gradient entering the block, 4, GELU's output and input gradients, 16 each,
+  less GELU's output freed, 16, and the head's norm outputs, 8; 12.0 to 12.5 measured) or
+  7·b·s·h (bf16: 6.2 to 6.8 measured): T is the larger of the two moments;
+- gradients are made as the saves are freed: at its first block the backward pass holds nearly
+  all of them (G), the logits, that block's saves and its transient; AdamW's update (per tensor)
+  then holds two temporaries the size of the largest tensor it updates (E, the larger of the two).
+  The components are counted whole, and the ``overlap`` term takes off what the step never holds
+  at once: max(A + T, G + E) − (A + T + G). A pipeline stage runs backward passes between its
+  forwards and accumulates gradients across them: it keeps the sum.
 
 Tensor parallel over t ranks (parallel.tp) splits each block's q/k/v, attention output and MLP
 (their weights, the column-split biases, and the activations they save, the attention's
@@ -51,15 +69,35 @@ instead of DDP's buckets, and fsdp shards over the data-parallel ranks only; Ψ�
 share of the parameters.
 
 A fragmentation margin (10% of what is allocated and freed during a step: activations and
-temporaries) and the runtime's reserve (the CUDA context and NCCL buffers on a GPU; libtorch's
-thread pools and workspaces on the CPU) complete the budget. Asynchronous checkpoint staging
-costs host memory: each rank's share of the weights and optimizer state, once more.
+temporaries) and the runtime's reserve complete the budget. On a GPU the reserve is the CUDA
+context and NCCL's buffers (1 GiB). On the CPU it is what a rank's process holds besides its
+tensors, which only measurement tells: the peak `plan --measure` records (trainer/memprobe.py)
+less the tensors counted above, on 2 ranks of runs so small (1 to 12 blocks, 32 wide, 16 tokens)
+that their tensors take under 2 MiB:
+
+    34 MiB        every run: its data (4 MiB of stdlib text), Python's and libtorch's runtime (32.1
+                  MiB measured for ddp, fp32, 1 block), and MKL's matrix-multiply buffers, which
+                  grow with the matrices (0.3 MiB at 16 wide, 2.5 MiB at 256, single process)
+    ⅛ MiB/block   each block's modules, hooks and small tensors (32.8 MiB at 6 blocks, 33.6 at 12)
+    8 MiB         bf16: oneDNN makes a bf16 matrix kernel per shape and keeps it (6.6 MiB more
+                  than fp32 measured; 5.2 to 8.6 MiB over shapes up to 256 wide, single process)
+    2.5 MiB + 0.3 MiB/block   fsdp: FSDP2's per-parameter state and DTensor's caches (2.6 MiB more
+                  than ddp at 1 block, 5.8 at 12)
+    2.5 MiB + ⅛ MiB/block     tensor parallel: DTensor's caches (2.5 MiB more than ddp at 1 block,
+                  3.8 at 12)
+    1.5 MiB       pipeline parallel: its schedule and torch.distributed.pipelining (1.2 MiB more)
+
+These are this build's (torch 2.13, CPU) and this machine's; a different libtorch or CPU moves
+them. ``PEAK_BAND`` is the error band of the peak measured over runs the planner was not tuned
+on. Asynchronous checkpoint staging costs host memory: each rank's share of the weights and
+optimizer state, once more.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from infractl.config import ModelSpec
 
@@ -70,6 +108,8 @@ __all__ = [
     "RUNNABLE",
     "Budget",
     "ModelSplit",
+    "PEAK_BAND",
+    "PeakBand",
     "Term",
     "parameters",
     "block_parameters",
@@ -93,13 +133,22 @@ _BLOCK_BYTES = {"fp32": 14 * _FP32, "bf16": 28}
 _NORM_OUT_BYTES = {"fp32": 2 * _FP32, "bf16": 2 * _BF16}
 #: Bytes per b·s·h of the final norm's output: fp32, or the bf16 copy autocast hands the head.
 _HEAD_NORM_BYTES = {"fp32": _FP32, "bf16": _BF16}
+#: Bytes per b·s·h a recomputed block's MLP backward holds beyond what is counted apart (the
+#: module docstring): 12 derived for fp32 (12.0 to 12.5 measured), 6.2 to 6.8 measured for bf16.
+_RECOMPUTED_BACKWARD_BYTES = {"fp32": 12, "bf16": 7}
 _FRAGMENTATION = 0.10
 #: What the runtime takes on a GPU before any tensor: the CUDA context and NCCL's buffers.
 CUDA_RESERVE_BYTES = 1 << 30
-#: What libtorch takes on the CPU beyond the tensors once a step has run (thread pools, kernel
-#: workspaces): 31 MiB of anonymous memory measured by `infractl plan --measure` for a 1-layer,
-#: 64-wide model whose tensors take 2 MiB.
-CPU_RESERVE_BYTES = 32 << 20
+_MIB = 1 << 20
+#: What every rank's process holds on the CPU besides its tensors once a step has run; the other
+#: terms of the CPU's reserve add to it (the module docstring says how each was measured).
+CPU_RESERVE_BYTES = 34 * _MIB
+_CPU_BLOCK_BYTES = _MIB // 8
+_CPU_BF16_BYTES = 8 * _MIB
+_CPU_FSDP_BYTES = 5 * _MIB // 2
+_CPU_FSDP_BLOCK_BYTES = 3 * _MIB // 10
+_CPU_TP_BYTES = 5 * _MIB // 2
+_CPU_PP_BYTES = 3 * _MIB // 2
 
 
 def block_parameters(hidden: int) -> int:
@@ -147,6 +196,9 @@ class Budget:
     temporary: int
     fragmentation: int
     reserve: int
+    overlap: int = 0
+    """Bytes the components above count that the step never holds at once (gradients are made
+    as the backward pass frees the saves); the total leaves them out."""
 
     @property
     def model_states(self) -> int:
@@ -154,6 +206,7 @@ class Budget:
 
     @property
     def total(self) -> int:
+        """The step's peak: every component, less what it never holds at once."""
         return (
             self.parameters
             + self.gradients
@@ -162,10 +215,45 @@ class Budget:
             + self.temporary
             + self.fragmentation
             + self.reserve
+            - self.overlap
         )
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self) | {"total": self.total}
+
+
+@dataclass(frozen=True)
+class PeakBand:
+    """How far the peaks measured on runs the planner was not tuned on fell from its prediction,
+    (measured − predicted) / predicted, and the command that measured them. The prediction is
+    the budget's total less its fragmentation margin (what `plan --measure` compares)."""
+
+    low: float
+    median: float
+    high: float
+    runs: int
+    command: str
+    measured_on: str
+
+    def bound(self, budget: Budget) -> int:
+        """The most a step with ``budget`` was measured to need: its total, or its prediction
+        raised by the band's highest error when that is more."""
+        return max(budget.total, math.ceil((budget.total - budget.fragmentation) * (1 + self.high)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: The band of `python bench/planner_vs_peers.py --sweep 24 --seed 1` (its seeds 2 to 5: README,
+#: Sizing memory).
+PEAK_BAND = PeakBand(
+    low=-0.106,
+    median=-0.062,
+    high=0.015,
+    runs=24,
+    command="python bench/planner_vs_peers.py --sweep 24 --seed 1",
+    measured_on="2 CPU ranks (torch 2.13), `plan --measure`'s probe of each run",
+)
 
 
 @dataclass(frozen=True)
@@ -195,17 +283,33 @@ class ModelSplit:
 _WHOLE = ModelSplit()
 
 
+def _residual_bytes(scheme: Scheme, precision: str) -> int:
+    """Bytes of a residual-stream value: fsdp gathers its weights in bf16, so under bf16 the
+    embeddings' output and the residual stream are bf16; autocast keeps them fp32."""
+    return _BF16 if precision == "bf16" and scheme == "fsdp" else _FP32
+
+
+def _block_saves(model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, tp: int) -> tuple[int, int]:
+    """What one block saves on a rank (see the module docstring), and of that its input, the
+    share of the residual stream activation checkpointing keeps."""
+    b, s, h, a = micro_batch, model.seq_len, model.hidden, model.heads
+    r = _residual_bytes(scheme, precision)
+    norms = _NORM_OUT_BYTES[precision]
+    # Under tensor parallel only the norms' outputs stay whole (see the module docstring).
+    parted = 2 * r + _BLOCK_BYTES[precision] - norms
+    per_layer = norms * b * s * h + parted * b * s * h // tp + _FP32 * (4 * b * s + b * a * s) // tp
+    return per_layer, r * b * s * h // tp
+
+
 def _activation_terms(
     model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, checkpointing: bool, split: ModelSplit
 ) -> list[Term]:
     b, s, h, a, t = micro_batch, model.seq_len, model.hidden, model.heads, split.tp
     L = model.layers // split.pp
-    # fsdp gathers its weights in bf16, so the embeddings' output and the residual stream are bf16.
-    r = _BF16 if precision == "bf16" and scheme == "fsdp" else _FP32
+    r = _residual_bytes(scheme, precision)
     norms = _NORM_OUT_BYTES[precision]
-    # Under tensor parallel only the norms' outputs stay whole (see the module docstring).
     parted = 2 * r + _BLOCK_BYTES[precision] - norms
-    per_layer = norms * b * s * h + parted * b * s * h // t + _FP32 * (4 * b * s + b * a * s) // t
+    per_layer, kept = _block_saves(model, scheme=scheme, micro_batch=b, precision=precision, tp=t)
     if t == 1:
         layer_formula = (
             f"{norms + parted}·b·s·h + 4·(4·b·s + b·a·s) = {norms + parted}·{b}·{s}·{h} + 4·(4·{b}·{s} + {b}·{a}·{s})"
@@ -215,7 +319,6 @@ def _activation_terms(
             f"{norms}·b·s·h + {parted}·b·s·h/t + 4·(4·b·s + b·a·s)/t = "
             f"{norms}·{b}·{s}·{h} + {parted}·{b}·{s}·{h}/{t} + 4·(4·{b}·{s} + {b}·{a}·{s})/{t}"
         )
-    kept = r * b * s * h // t  # a block's input: a share of the residual stream under tensor parallel
     kept_formula, kept_numbers = f"{r}·b·s·h", f"{r}·{b}·{s}·{h}"
     if t > 1:
         kept_formula, kept_numbers = f"{kept_formula}/t", f"{kept_numbers}/{t}"
@@ -311,6 +414,100 @@ def _buffer_terms(model: ModelSpec, *, scheme: Scheme, ranks: int, precision: st
     return found
 
 
+def _backward_term(
+    model: ModelSpec, *, scheme: Scheme, micro_batch: int, precision: str, checkpointing: bool, tp: int
+) -> Term:
+    """The backward pass's transient tensors at its peak, beyond the saves and gradients counted
+    apart (see the module docstring): the head's backward, or, under activation checkpointing,
+    the larger of that and a recomputed block's backward."""
+    b, s, h = micro_batch, model.seq_len, model.hidden
+    logits = _BF16 if precision == "bf16" else _FP32
+    head = (logits + 2 * _FP32) * b * s * VOCAB
+    head_formula = f"({logits} + 8)·b·s·V"
+    head_numbers = f"({logits} + 8)·{b}·{s}·{VOCAB}"
+    if not checkpointing:
+        return Term(
+            "temporary",
+            "the head's backward: the logits the step holds, the loss's two fp32 gradients",
+            f"{head_formula} = {head_numbers}",
+            head,
+        )
+    per_layer, kept = _block_saves(model, scheme=scheme, micro_batch=b, precision=precision, tp=tp)
+    recomputed = per_layer - kept
+    c = _RECOMPUTED_BACKWARD_BYTES[precision]
+    block = c * b * s * h // tp
+    parted = "/t" if tp > 1 else ""
+    return Term(
+        "temporary",
+        "the backward pass's larger moment: the head's (which holds no recomputed block yet) or a "
+        "recomputed block's MLP backward",
+        f"max({head_formula} − recomputed block, {c}·b·s·h{parted}) = max({head:,} − {recomputed:,}, {block:,})",
+        max(head - recomputed, block),
+    )
+
+
+def _overlap_term(
+    model: ModelSpec, found: list[Term], *, scheme: Scheme, ranks: int, micro_batch: int, precision: str, tp: int
+) -> Term:
+    """What the sum of ``found`` counts that the step never holds at once (see the module
+    docstring): the backward pass starts with the saves and its transient and no gradients, and
+    reaches its first block holding nearly all of them; AdamW's update follows."""
+    b, s, h = micro_batch, model.seq_len, model.hidden
+    saves = sum(t.bytes for t in found if t.component == "activations")
+    # Only the backward pass's own transient: the scheme's buffers and autocast's copies are held at either end.
+    transient = found[-1].bytes
+    gradients = sum(t.bytes for t in found if t.component == "gradients")
+    per_layer, _ = _block_saves(model, scheme=scheme, micro_batch=b, precision=precision, tp=tp)
+    logits = (_BF16 if precision == "bf16" else _FP32) * b * s * VOCAB
+    first_block = logits + per_layer + _RECOMPUTED_BACKWARD_BYTES[precision] * b * s * h // tp
+    # AdamW (per tensor) holds two temporaries the size of the largest tensor it updates: the
+    # tied embedding or the MLP's up projection (split by tensor parallel, sharded by fsdp).
+    largest = max(VOCAB * h, 4 * h * h // tp) // (ranks if scheme == "fsdp" else 1)
+    end = max(first_block, 2 * _FP32 * largest)
+    start = saves + transient
+    return Term(
+        "overlap",
+        "the step never holds the above at once: the backward pass starts with the saves and its "
+        "transient (A + T); at its first block it holds the gradients (G), the logits, that block's "
+        "saves and transient, and AdamW's update two temporaries of its largest tensor (E, the larger)",
+        f"max(A + T, G + E) − (A + T + G) = max({start:,}, {gradients:,} + {end:,}) − ({start:,} + {gradients:,})",
+        max(start, gradients + end) - start - gradients,
+    )
+
+
+def _cpu_reserve_terms(model: ModelSpec, *, scheme: Scheme, precision: str, split: ModelSplit) -> list[Term]:
+    """What a rank's process holds on the CPU besides the tensors (see the module docstring)."""
+    blocks = model.layers // split.pp
+    found = [
+        Term("reserve", "the trainer's process: its data, libtorch's runtime, MKL's matrix buffers", "34 MiB",
+             CPU_RESERVE_BYTES),
+        Term("reserve", "each block's modules and hooks", f"L·⅛ MiB = {blocks}·⅛ MiB", blocks * _CPU_BLOCK_BYTES),
+    ]  # fmt: skip
+    if precision == "bf16":
+        found.append(Term("reserve", "oneDNN's bf16 matrix kernels, made and kept per shape", "8 MiB", _CPU_BF16_BYTES))
+    if scheme == "fsdp":
+        found.append(
+            Term(
+                "reserve",
+                "FSDP2's state and DTensor's caches",
+                f"2.5 MiB + L·0.3 MiB = 2.5 MiB + {blocks}·0.3 MiB",
+                _CPU_FSDP_BYTES + blocks * _CPU_FSDP_BLOCK_BYTES,
+            )
+        )
+    if split.tp > 1:
+        found.append(
+            Term(
+                "reserve",
+                "DTensor's caches for the tensor-parallel plan",
+                f"2.5 MiB + L·⅛ MiB = 2.5 MiB + {blocks}·⅛ MiB",
+                _CPU_TP_BYTES + blocks * _CPU_BLOCK_BYTES,
+            )
+        )
+    if split.pp > 1:
+        found.append(Term("reserve", "the pipeline's schedule and what it imports", "1.5 MiB", _CPU_PP_BYTES))
+    return found
+
+
 def terms(
     model: ModelSpec,
     *,
@@ -331,8 +528,14 @@ def terms(
     found += _activation_terms(
         model, scheme=scheme, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing, split=split
     )
-    b, s = micro_batch, model.seq_len
-    found.append(Term("temporary", "the logits' gradient", f"4·b·s·V = 4·{b}·{s}·{VOCAB}", _FP32 * b * s * VOCAB))
+    found.append(
+        _backward_term(
+            model, scheme=scheme, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing, tp=split.tp
+        )
+    )
+    if split.pp == 1:  # a pipeline stage's backward passes run between its forwards: the sum is its bound
+        found.append(_overlap_term(model, found, scheme=scheme, ranks=n, micro_batch=micro_batch, precision=precision,
+                                   tp=split.tp))  # fmt: skip
     dynamic = sum(t.bytes for t in found if t.component in ("activations", "temporary"))
     found.append(
         Term(
@@ -345,7 +548,7 @@ def terms(
     if cuda:
         found.append(Term("reserve", "CUDA context and NCCL buffers", "1 GiB", CUDA_RESERVE_BYTES))
     else:
-        found.append(Term("reserve", "libtorch's CPU runtime (thread pools, workspaces)", "32 MiB", CPU_RESERVE_BYTES))
+        found += _cpu_reserve_terms(model, scheme=scheme, precision=precision, split=split)
     return found
 
 
@@ -372,9 +575,11 @@ def budget(
         cuda=cuda,
         split=split,
     )
-    totals = {
-        f: 0 for f in ("parameters", "gradients", "optimizer", "activations", "temporary", "fragmentation", "reserve")
-    }
+    totals = dict.fromkeys(
+        ("parameters", "gradients", "optimizer", "activations", "temporary", "fragmentation", "reserve", "overlap"), 0
+    )
     for term in found:
         totals[term.component] += term.bytes
+    # The overlap term adds what the sum over-counts as a negative number; the Budget keeps it positive.
+    totals["overlap"] = -totals["overlap"]
     return Budget(**totals)
