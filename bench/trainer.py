@@ -135,7 +135,7 @@ def step_time(
     every_step = spec.model_copy(update={"log_every": 1})
     no_replicas = RunSpec.model_validate(spec.model_dump() | {"checkpoint": {"every": steps, "replicate_every": 0}})
     # From the first log step after warm-up to the last log step before the final one.
-    window = (spec.log_every, steps - spec.log_every)
+    window = (spec.log_every, (steps - 1) // spec.log_every * spec.log_every)
     # The default interval may exceed the measured steps: a replica's cost is measured with four
     # of them in the window, then spread over the default interval.
     dense = max(1, (window[1] - window[0]) // 4)
@@ -319,7 +319,9 @@ def main() -> None:
                 tmp,
                 model=model,
                 batch_size=args.batch_size,
-                steps=30 if args.quick else 60,
+                # --quick: the fewest steps with a window (the run's first log steps, 10 and 20) and
+                # the step after it, whose end closes the window.
+                steps=21 if args.quick else 60,
                 world=args.world,
                 precision="bf16" if args.bf16 else "fp32",
                 repeats=args.repeats or (1 if args.quick else 3),
@@ -327,10 +329,12 @@ def main() -> None:
         }
         results["step_time"]["mfu"] = mfu(results["step_time"])
         if not args.only_step_time:
+            # --quick: two saves each way, so that an async save still meets one in flight.
             results["checkpoint"] = checkpoint_blocking(
-                tmp, layers=layers * 2, hidden=hidden * 2, saves=3 if args.quick else 5, world=args.world
+                tmp, layers=layers * 2, hidden=hidden * 2, saves=2 if args.quick else 5, world=args.world
             )
-            results["upload"] = upload_throughput(tmp, mib=32 if args.quick else 128, repeats=2 if args.quick else 3)
+            # --quick: 16 MiB still goes multipart through boto3 (above its 8 MiB threshold).
+            results["upload"] = upload_throughput(tmp, mib=16 if args.quick else 128, repeats=2 if args.quick else 3)
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
