@@ -54,6 +54,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher import api as launcher_api
 
+from infractl import no_collection_at_exit
 from infractl.log import get_logger
 from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
 from trainer import rendezvous, replicas
@@ -155,6 +156,7 @@ def _options(argv: list[str]) -> tuple[str, float | None]:
 
 
 def main() -> None:
+    no_collection_at_exit()
     # torchrun builds its agent from this module attribute (torch.distributed.launcher.api.launch_agent).
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
     torchrun.config_from_args = _warm_config

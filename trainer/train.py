@@ -46,6 +46,7 @@ import structlog
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from infractl import no_collection_at_exit
 from infractl.config import RunSpec, check_layout, load_run_json
 from infractl.errors import UsageError
 from infractl.log import get_logger, setup
@@ -96,6 +97,7 @@ def _steps(value: str) -> int:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
+    no_collection_at_exit()
     args = _parser().parse_args(argv)
     env = DistEnv.from_environ()
     # Every rank logs at info; which events each rank logs is decided per event (module doc).

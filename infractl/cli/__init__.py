@@ -9,7 +9,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from typer._click import exceptions as click_errors
 
-from infractl import __version__
+from infractl import __version__, no_collection_at_exit
 from infractl.cli import (
     access,
     bench,
@@ -61,6 +61,9 @@ def _root(
     set_debug(debug)
 
 
+# Every invocation imports every command module (Typer reads each command's signature for its
+# help), so a module imports at its top what registering its commands needs; what only some of
+# its commands need, they import themselves.
 for module in (cluster, train, observe, plan, bench, profile, model, bundle, data, image, schema, drill, access):
     module.register(app)
 
@@ -96,6 +99,7 @@ def main() -> None:
     """Run the CLI. Every way out is one line on stderr (and one JSON object on stdout with
     ``--json``) and an exit code: 0 done, 1 failed while working, 2 refused (nothing changed),
     70 a bug in infractl, 130 interrupted. ``--debug`` re-raises with the traceback."""
+    no_collection_at_exit()
     argv = sys.argv[1:]
     # Until a command made its Output (it parsed its options), guess --json from the words.
     parsing = Output(json_mode="--json" in (argv[: argv.index("--")] if "--" in argv else argv))
