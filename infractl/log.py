@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import structlog
+if TYPE_CHECKING:  # structlog is imported where a logger is made: every CLI command imports this module
+    import structlog
 
 __all__ = ["LogFormat", "setup", "get_logger", "LOG_FORMAT_ENV"]
 
@@ -19,6 +20,8 @@ LOG_FORMAT_ENV = "INFRACTL_LOG_FORMAT"
 
 def setup(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
     """Route structlog to stderr as console lines or JSON lines (``fmt`` or $INFRACTL_LOG_FORMAT)."""
+    import structlog
+
     fmt = fmt or os.environ.get(LOG_FORMAT_ENV, "console")  # type: ignore[assignment]
     renderer: structlog.typing.Processor
     if fmt == "json":
@@ -41,4 +44,6 @@ def setup(fmt: LogFormat | None = None, *, level: int = logging.INFO) -> None:
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    import structlog
+
     return structlog.get_logger(name)  # type: ignore[no-any-return]

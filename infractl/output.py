@@ -17,11 +17,13 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, RenderableType
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
+
+if TYPE_CHECKING:  # rich.progress is imported where a bar is drawn: every CLI command imports this module
+    from rich.progress import Progress
 
 __all__ = ["Output", "StepProgress", "printable"]
 
@@ -117,6 +119,8 @@ class Output:
         if self.json_mode or not self.err.is_terminal:
             yield StepProgress(self, None, None, total)
             return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
         progress = Progress(
             TextColumn("{task.description}", style="bold", markup=False),
             BarColumn(),

@@ -13,7 +13,6 @@ JSON, one ``NodeProcess`` per process, so the control plane sees every node the 
 
 from __future__ import annotations
 
-import argparse
 import grp
 import json
 import os
@@ -312,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     - ``monitor --cluster DIR --run R [--node N]``: a JSON line for every change of the run's
       processes (a list) and ``null`` heartbeats, until its stdin closes.
     """
+    import argparse  # imported here: every CLI command imports this module, only the node side parses with it
+
     parser = argparse.ArgumentParser(prog="python -m infractl.proc", description="A node's processes, as JSON.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("list", "monitor", "kill"):

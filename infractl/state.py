@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infractl.config import NAME_PATTERN, ClusterSpec, default_cluster, load_cluster, parse_cluster
+from infractl.config import NAME_PATTERN, ClusterSpec, default_cluster_name, load_cluster, parse_cluster
 from infractl.errors import ConfigError, InfractlError, LockedError, StateError, UsageError
 
 __all__ = [
@@ -283,7 +283,7 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     """Interpret ``-c/--cluster``: a cluster.yaml path, the name of a cluster in the state root, or
     nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any."""
     if option is None:
-        name = default_cluster().name
+        name = default_cluster_name()
         return ClusterState(name, home() / name), None
     path = Path(option)
     if path.suffix in (".yaml", ".yml") or _is_file(path):

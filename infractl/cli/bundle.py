@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, output
-from infractl.handover import bundle
 from infractl.state import resolve_cluster, write_private
 
 __all__ = ["register"]
@@ -28,6 +27,8 @@ def bundle_command(
     """Write the cluster's handover: topology, configs, baseline metrics and plots, the reference of
     every field and option, and one index.html that links them. Written whole or not at all;
     regenerating from the same cluster and store gives the same bytes."""
+    from infractl.handover import bundle
+
     result = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     where = out if out is not None else Path("handover") / state.name

@@ -15,7 +15,6 @@ from rich.table import Table
 from rich.text import Text
 
 from infractl import cluster, providers, runs, runstore
-from infractl import gc as garbage
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster, load_cluster
 from infractl.errors import InfractlError, StateError, StoreError
@@ -127,6 +126,8 @@ def gc(
     and the access roles' groups; with --account, what the cloud account holds of clusters whose state is
     gone. Exit 1 when something could not be removed.
     """
+    from infractl import gc as garbage
+
     out = output(json_mode)
     found = garbage.find(load_cluster(Path(account)) if account is not None else None)
     lines = [f"cluster {s.name!r} at {s.dir}: its `up` never finished" for s in found.interrupted]

@@ -13,7 +13,6 @@ from infractl import drill as drills
 from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, finite_option, name_option, output
 from infractl.cluster import store_for
-from infractl.drill import chaos
 from infractl.output import Output
 from infractl.runstore import ChaosRecord, DrillRecord
 from infractl.state import resolve_cluster
@@ -194,6 +193,8 @@ def chaos_command(
     """A seeded series of random faults (kind, node, moment) against a running run; each is
     recovered from before the next. Then the finished run's losses and weights are compared with
     an uninterrupted reference run: bitwise while the world size never changed, within 1e-5 after."""
+    from infractl.drill import chaos
+
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     names = [k.strip() for value in kinds or [] for k in value.split(",") if k.strip()]

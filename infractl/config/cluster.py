@@ -29,12 +29,13 @@ __all__ = [
     "RuntimeSpec",
     "cluster_model",
     "default_cluster",
+    "default_cluster_name",
     "load_cluster",
     "parse_cluster",
     "register_provider",
 ]
 
-#: The package whose modules are the providers: importing it registers every one (see
+#: The package whose modules are the providers: its ``register_every()`` registers every one (see
 #: ``register_provider``). Imported by name the first time the table is needed, so this module
 #: depends on no provider.
 _PROVIDERS_PACKAGE = "infractl.providers"
@@ -111,7 +112,7 @@ def register_provider(config: ProviderConfig) -> None:
 
 def _providers() -> dict[str, ProviderConfig]:
     """Every provider by name, the default one first."""
-    importlib.import_module(_PROVIDERS_PACKAGE)
+    importlib.import_module(_PROVIDERS_PACKAGE).register_every()
     return dict(sorted(_REGISTRY.items(), key=lambda item: not item[1].default))
 
 
@@ -203,3 +204,9 @@ def load_cluster(path: Path) -> ClusterSpec:
 def default_cluster() -> ClusterSpec:
     """The built-in cluster: the default provider's, 2 nodes x 1 process."""
     return cluster_model().model_validate({})
+
+
+def default_cluster_name() -> str:
+    """The built-in cluster's name (its provider's), with no spec validated: every command run
+    without -c/--cluster asks it first."""
+    return _default(_providers()).name

@@ -9,12 +9,14 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from infractl.errors import ConfigError
+
+if TYPE_CHECKING:  # PyYAML is imported where a file is parsed: every CLI command imports this module
+    import yaml
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "load", "read_text", "rewrite", "validate"]
 
@@ -42,8 +44,11 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-# libyaml when PyYAML has it (about 20x faster), else the pure-Python loader: same documents.
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+def _loader() -> Any:
+    """libyaml's loader when PyYAML has it (about 20x faster), else the pure-Python one: same documents."""
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def read_text(path: Path, what: str) -> str:
@@ -86,11 +91,13 @@ def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
 def _check_shape(text: str, path: Path) -> None:
     """Refuse nesting deeper than MAX_CONFIG_DEPTH and more than MAX_CONFIG_NODES values once
     aliases are expanded, from the parser's event stream (iterative: nothing is built yet)."""
+    import yaml
+
     frames: list[tuple[str | None, int]] = []  # (anchor, values so far) per open collection
     sizes: dict[str, int] = {}  # anchor -> values it expands to
     total = 0
     try:
-        for event in yaml.parse(text, Loader=_LOADER):
+        for event in yaml.parse(text, Loader=_loader()):
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 if len(frames) >= MAX_CONFIG_DEPTH:
                     line = event.start_mark.line + 1 if event.start_mark else "?"
@@ -125,10 +132,12 @@ def _check_shape(text: str, path: Path) -> None:
 def load(path: Path, model: type[_M], what: str) -> _M:
     """The config file at ``path`` as ``model``: refused, with one ``ConfigError`` naming the file and
     the field, when it is too big, nested too deep, not YAML or not valid; ``what`` names the kind of file."""
+    import yaml
+
     text = read_text(path, what)
     _check_shape(text, path)
     try:
-        raw = yaml.load(text, Loader=_LOADER)
+        raw = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as exc:
         raise _yaml_error(path, exc) from None
     if raw is None:
@@ -165,6 +174,8 @@ def rewrite(path: Path, model: type[_M], what: str, changes: dict[str, Any]) -> 
     is replaced, a field the file lacks is appended, comments and the other fields stay as they
     are. Nothing is written unless the result loads (``ConfigError`` naming the file otherwise);
     the file is replaced atomically, keeping its mode."""
+    import yaml
+
     text = read_text(path, what)
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
@@ -184,7 +195,7 @@ def rewrite(path: Path, model: type[_M], what: str, changes: dict[str, Any]) -> 
     new = "".join(lines)
     _check_shape(new, path)
     try:
-        raw = yaml.load(new, Loader=_LOADER)
+        raw = yaml.load(new, Loader=_loader())
     except yaml.YAMLError as exc:
         raise _yaml_error(path, exc) from None
     if not isinstance(raw, dict) or any(raw.get(k) != v for k, v in changes.items()):

@@ -18,7 +18,9 @@ class Spec(BaseModel):
 
     # No NaN or infinity in a number, no control character in a string (names, paths, URIs,
     # versions: none of them has one, and a NUL byte would only fail later, deep in the OS).
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, str_max_length=4096)
+    # A model's validator is built the first time it validates, not at import: every command
+    # imports every model and validates few of them (``--help`` none).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, str_max_length=4096, defer_build=True)
 
     @field_validator("*", mode="after")
     @classmethod

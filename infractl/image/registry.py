@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import ssl
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +141,11 @@ def node_reference(registry: Registry, image: str) -> str:
 
 def _holds(registry: Registry, reference: str, via: str) -> bool:
     """Whether the registry (reached at ``via``) already serves the manifest ``reference`` names."""
+    # Imported here: every CLI command imports this module, and only ``publish`` asks the registry.
+    import ssl
+    import urllib.error
+    import urllib.request
+
     path, _, digest = reference.removeprefix(f"{registry.address}/").partition("@")
     request = urllib.request.Request(
         f"https://{via}/v2/{path}/manifests/{digest}",

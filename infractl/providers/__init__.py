@@ -11,11 +11,13 @@ drills never branch on the provider themselves, and nothing outside this package
 ``base.py`` is the interface (``Provider``, ``NodeControl``, ``Watch``); ``remote.py`` is node
 control over SSH, for providers whose nodes are other machines. Adding a provider is one module
 here that implements ``Provider`` and calls ``register`` (plus its Terraform module in
-``infra/<name>/`` and its tests); importing this package imports every module in it.
+``infra/<name>/`` and its tests); ``register_every`` imports every module in it, the first time a
+provider or cluster.yaml's table of them is needed.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -23,16 +25,18 @@ from infractl.infra import Node
 from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, every_provider, provider_named
 from infractl.state import ClusterState
 
-__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of"]
+__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of", "register_every"]
 
 
 def get(name: str) -> Provider:
     """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
+    register_every()
     return provider_named(name)
 
 
 def every() -> list[Provider]:
     """Every provider infractl has."""
+    register_every()
     return every_provider()
 
 
@@ -47,5 +51,10 @@ def control(state: ClusterState) -> NodeControl:
     return get(str(record["spec"]["provider"])).control(state, [Node.from_record(n) for n in record["nodes"]])
 
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+@functools.cache
+def register_every() -> None:
+    """Import every provider module: each registers itself and its cluster.yaml section. Not on
+    import: every command imports this package, and ``--help`` or a command refused at its options
+    never needs a provider."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")

@@ -18,7 +18,6 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,6 +374,8 @@ class NodeControl(ABC):
         names = list(nodes)
         if len(names) <= 1:
             return [act(n) for n in names]
+        from concurrent.futures import ThreadPoolExecutor  # imported here: every CLI command imports this module
+
         with ThreadPoolExecutor(max_workers=len(names)) as pool:
             return list(pool.map(act, names))
 
