@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Group, RenderableType
@@ -20,18 +20,11 @@ from infractl.errors import UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
 from infractl.planning import memory, probe
-from infractl.planning.devices import CATALOG, Device, device
-from infractl.planning.plan import Plan, plan
+from infractl.planning.devices import CATALOG, device, shared_cpu
+from infractl.planning.plan import Plan, format_bytes, plan
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n} B"
 
 
 _MeasureOpt = Annotated[
@@ -89,19 +82,11 @@ def plan_command(
     for given, name in ((steps, "--steps"), (cluster_opt, "--cluster")):
         if given is not None:
             raise UsageError("only with --measure (planning alone starts nothing)", field=name)
-    chosen = device(device_name or "cpu", os.environ)
-    if chosen.name == "cpu":
-        chosen = Device("cpu", chosen.memory_bytes // gpus_per_node, None, False)
+    name = device_name or "cpu"
+    chosen = shared_cpu(gpus_per_node, os.environ) if name == "cpu" else device(name)
     result = plan(spec, chosen, devices_per_node=gpus_per_node, max_nodes=max_nodes)
     if result.recommended is None:
-        closest = min((o for o in result.options if o.runnable), key=lambda o: o.shortfall)
-        raise UsageError(
-            f"run {spec.name!r} fits on no {chosen.name} within {max_nodes} node(s) of {gpus_per_node}: the closest, "
-            f"{closest.label} on {closest.tried} device(s) (the most that split batch_size {spec.batch_size}), "
-            f"needs {_size(closest.budget.total)} per device, {_size(closest.shortfall)} more than its "
-            f"{_size(chosen.memory_bytes)}",
-            field="--max-nodes",
-        )
+        _refuse_nowhere(result, spec)
     parts: list[RenderableType] = [_table(result)]
     if explain:
         parts.append(_explain(result, spec))
@@ -115,6 +100,18 @@ def plan_command(
     out.result(shown, Group(*parts))
 
 
+def _refuse_nowhere(result: Plan, spec: RunSpec) -> NoReturn:
+    """Refuse a run that fits on none of ``result``'s devices, naming the way that came closest."""
+    closest = min((o for o in result.options if o.runnable), key=lambda o: o.shortfall)
+    raise UsageError(
+        f"run {spec.name!r} fits on no {result.device.name} within {result.max_nodes} node(s) of "
+        f"{result.devices_per_node}: the closest, {closest.label} on {closest.tried} device(s) (the most that split "
+        f"batch_size {spec.batch_size}), needs {format_bytes(closest.budget.total)} per device, "
+        f"{format_bytes(closest.shortfall)} more than its {format_bytes(result.device.memory_bytes)}",
+        field="--max-nodes",
+    )
+
+
 def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any], Text]:
     """Write into ``run_file`` the settings of the first way, in the recommendation's order, that
     fits the run's smallest world (``nodes.min`` nodes of ``devices_per_node``: an elastic run
@@ -126,7 +123,7 @@ def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any],
     if way is None:
         raise UsageError(
             f"no way to train run {spec.name!r} fits its smallest world, nodes.min {spec.nodes.min} x "
-            f"{result.devices_per_node} device(s) of {_size(result.device.memory_bytes)}: raise nodes.min, or "
+            f"{result.devices_per_node} device(s) of {format_bytes(result.device.memory_bytes)}: raise nodes.min, or "
             "lower batch_size",
             field="--apply",
         )
@@ -159,8 +156,8 @@ def _measure(
     for component in probe.COMPONENTS:
         table.add_row(
             component,
-            _size(result.predicted[component]),
-            _size(result.measured[component]),
+            format_bytes(result.predicted[component]),
+            format_bytes(result.measured[component]),
             f"{result.error(component):+.1%}",
         )
     peak = (
@@ -184,7 +181,7 @@ def _band() -> str:
 def _table(result: Plan) -> Table:
     table = Table(
         title=f"{result.run}: {result.parameters:,} parameters; {result.device.name}, "
-        f"{_size(result.device.memory_bytes)} per device (--json or --explain: every component)",
+        f"{format_bytes(result.device.memory_bytes)} per device (--json or --explain: every component)",
         caption=f"per device: the step's peak, a bound: {_band()}",
     )
     for col in ("way to train", "parallel:", "fewest devices", "nodes", "per device", "of which activations"):
@@ -195,8 +192,8 @@ def _table(result: Plan) -> Table:
             "not run" if o.parallel is None else _flow(o.parallel),
             str(o.devices) if o.devices else "-",
             str(o.nodes) if o.nodes else "-",
-            _size(o.budget.total),
-            _size(o.budget.activations),
+            format_bytes(o.budget.total),
+            format_bytes(o.budget.activations),
         )
     return table
 
@@ -221,9 +218,10 @@ def _advice(result: Plan) -> Text:
     band = memory.PEAK_BAND
     return Text(
         f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): at most "
-        f"{_size(band.bound(rec.budget))} per device of {_size(result.device.memory_bytes)} (measured peaks: "
-        f"{band.low:+.1%} to {band.high:+.1%} of the prediction); in run.yaml: {', '.join(settings)}; "
-        f"asynchronous checkpoint staging needs {_size(result.staging_host_bytes(rec))} of host memory per node"
+        f"{format_bytes(band.bound(rec.budget))} per device of {format_bytes(result.device.memory_bytes)} "
+        f"(measured peaks: {band.low:+.1%} to {band.high:+.1%} of the prediction); in run.yaml: "
+        f"{', '.join(settings)}; asynchronous checkpoint staging needs "
+        f"{format_bytes(result.staging_host_bytes(rec))} of host memory per node"
     )
 
 
@@ -254,8 +252,8 @@ def _explain(result: Plan, spec: RunSpec) -> Text:
         cuda=result.device.cuda,
         split=split,
     ):
-        lines.append(f"  {term.component:<13} {term.what}: {term.formula} = {_size(term.bytes)}")
-    lines.append(f"  total {_size(rec.budget.total)} per device")
+        lines.append(f"  {term.component:<13} {term.what}: {term.formula} = {format_bytes(term.bytes)}")
+    lines.append(f"  total {format_bytes(rec.budget.total)} per device")
     return Text("\n".join(lines))
 
 
