@@ -166,7 +166,7 @@ def _measure(
         else "peak: growth of the ranks' resident memory; predicted: the total less the fragmentation margin"
     )
     said = f"{peak}; kept in the store as {runstore.plan_measured_key(spec.name)}; {_band()}"
-    out.result(result.to_dict() | {"peak_band": memory.PEAK_BAND.to_dict()}, Group(table, Text(said)))
+    out.result(result.to_dict(), Group(table, Text(said)))
 
 
 def _band() -> str:
