@@ -19,6 +19,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, InfraError, Interrupted, UsageError
 from infractl.image import registry
 from infractl.output import Output
+from infractl.planning.devices import Device
 from infractl.planning.plan import format_bytes
 from infractl.providers.base import NodeControl, ServerHost
 from infractl.state import ClusterState
@@ -27,6 +28,7 @@ from infractl.store import Store, StoreUnavailable, open_store
 __all__ = [
     "UpResult",
     "TeardownResult",
+    "device_line",
     "preflight",
     "up",
     "teardown",
@@ -283,6 +285,14 @@ def _roles(nodes: NodeControl, image: str | None) -> str:
     return roles
 
 
+def device_line(device: Device) -> str:
+    """How ``up`` (and its dry run) names the device each rank trains on."""
+    return (
+        f"devices: {device.name}, {format_bytes(device.memory_bytes)} per rank "
+        "(`infractl train` refuses a run whose plan does not fit them)"
+    )
+
+
 def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
     """Provision and configure the cluster (``store`` from ``preflight``); running it again on an
     unchanged cluster changes nothing."""
@@ -309,10 +319,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
         out.info("ansible: changed " + "; ".join(configured.changed_tasks))
 
     device = provider.device(spec, os.environ)
-    out.info(
-        f"devices: {device.name}, {format_bytes(device.memory_bytes)} per rank "
-        "(`infractl train` refuses a run whose plan does not fit them)"
-    )
+    out.info(device_line(device))
     state.write(
         {
             "name": spec.name,

@@ -129,15 +129,18 @@ def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, cluster: dic
         ],
         file=str(run_file),
     )
-    if "device" in cluster:  # what `up` recorded; a cluster brought up before it recorded one has none
-        refuse_unless_fits(
-            spec,
-            Device(**cluster["device"]),
-            processes=processes,
-            nodes=(spec.nodes.min, spec.nodes.max),
-            cluster=state.name,
-            file=str(run_file),
-        )
+    # What `up` recorded; a cluster brought up before `up` recorded one is sized as `up` would now.
+    device = (
+        Device(**cluster["device"]) if "device" in cluster else providers.of(state).device(state.spec(), os.environ)
+    )
+    refuse_unless_fits(
+        spec,
+        device,
+        processes=processes,
+        nodes=(spec.nodes.min, spec.nodes.max),
+        cluster=state.name,
+        file=str(run_file),
+    )
     if spec.name in runs.running(state):
         raise UsageError(
             f"run {spec.name!r} is already running on cluster {state.name!r}; see `infractl status` and `infractl logs`"

@@ -69,16 +69,20 @@ def test_dry_run_prints_the_modules_resources_and_the_cost_without_credentials(c
         abs=1e-3,
     )
     assert cost["total"] < cost["total_on_demand"]
+    # The device `train` sizes runs against: a p5's H100, as `up` will record it.
+    assert plan["device"]["name"] == "h100-80gb" and plan["device"]["cuda"] is True
     assert not cli.home.exists(), "a dry run leaves no state"
 
     human = cli("up", "--dry-run", "-c", str(EXAMPLE), env=NO_CREDENTIALS | {"COLUMNS": "300"}).stdout
     assert f"{len(plan['resources'])} resource(s) would be created:" in human
     assert f"total {cost['total']:,.2f}/h" in human and "nothing was created or changed" in human
+    assert "devices: h100-80gb, 74.51 GiB per rank" in human
 
 
 def test_dry_run_of_the_local_provider_lists_its_nodes(cli: Cli) -> None:
     plan = json.loads(cli("up", "--dry-run", "--json").stdout)
     assert plan["resources"] == ["terraform_data.node[0]", "terraform_data.node[1]"] and plan["cost"] is None
+    assert plan["device"]["name"] == "cpu" and plan["device"]["cuda"] is False  # this machine, shared by its ranks
     assert not cli.home.exists()
 
 

@@ -221,17 +221,15 @@ def test_the_emulated_device_raises_cudas_exception_part_way_through_the_forward
     model = GPT(GPTConfig(**spec.model.model_dump()))
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, memory.VOCAB, (32, spec.model.seq_len))
-    fits = EmulatedDevice(model, optimizer, 80 << 20)
+    planned = memory.budget(spec.model, scheme="ddp", ranks=2, micro_batch=32, precision="fp32", cuda=False)
+    fits = EmulatedDevice(model, optimizer, capacity=80 << 20, reserve=planned.reserve)
     with fits.watching():
         token_loss(model(tokens), tokens).backward()
-    # What it counted is the plan's: the process's reserve (the plan adds its blocks' share), parameters and
-    # gradients, and the activations.
-    planned = memory.budget(spec.model, scheme="ddp", ranks=2, micro_batch=32, precision="fp32", cuda=False)
-    assert fits.resident == memory.CPU_RESERVE_BYTES + planned.parameters + planned.gradients
-    assert planned.reserve > memory.CPU_RESERVE_BYTES
+    # What it counted is the plan's: the runtime's reserve, parameters and gradients, and the activations.
+    assert fits.resident == planned.reserve + planned.parameters + planned.gradients
     assert abs(fits.saved - planned.activations) < 0.02 * planned.activations
     optimizer.step()  # AdamW's state: held from the next step on
-    squeezed = EmulatedDevice(model, optimizer, 68 << 20)
+    squeezed = EmulatedDevice(model, optimizer, capacity=68 << 20, reserve=planned.reserve)
     with pytest.raises(torch.OutOfMemoryError, match="tried to allocate .* the device's capacity is 68.00 MiB"):
         with squeezed.watching():
             token_loss(model(tokens), tokens)

@@ -333,7 +333,7 @@ max_restarts: 1
 watchdog: {step_timeout_s: 8}
 """
 #: Devices of 68 MiB, emulated on the CPU nodes (trainer/held.py): the run's plain ddp holds 72 MiB
-#: in its forward there (81 MiB by the plan); with activation checkpointing the plan says 64 MiB.
+#: in its forward there (91 MiB by the plan); with activation checkpointing the plan says 65 MiB.
 #: Set in the agents' environment after `up`, which recorded this machine's memory: smaller
 #: devices than the cluster was provisioned with, which `train`'s check cannot see.
 SMALL_DEVICES = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
@@ -358,6 +358,14 @@ def test_train_refuses_a_run_its_plan_does_not_fit_before_anything_starts(cluste
     )
     assert FileStore(cluster.home / "local" / "store").list("runs/huge") == []
     assert "huge" not in cluster("status", "--json").stdout
+    # A cluster brought up before `up` recorded its device is sized as `up` would size it now.
+    state = ClusterState("local", cluster.home / "local")
+    record = state.read()
+    state.write({k: v for k, v in record.items() if k != "device"})
+    try:
+        assert one_line(cluster("train", str(run), expect=2).stderr) == line
+    finally:
+        state.write(record)
 
 
 @pytest.mark.e2e

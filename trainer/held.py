@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from infractl.planning.devices import EMULATED_MEMORY_ENV, emulated_memory
-from infractl.planning.memory import CPU_RESERVE_BYTES
 from trainer.parallelize import local_tensor
 
 __all__ = ["EmulatedDevice", "SavedTensors", "optimizer_bytes", "tensor_bytes"]
@@ -101,24 +100,26 @@ class SavedTensors:
 
 
 class EmulatedDevice(SavedTensors):
-    """A CPU rank's device of ``capacity`` bytes (the module docstring)."""
+    """A CPU rank's device of ``capacity`` bytes (the module docstring), of which the runtime
+    holds ``reserve`` (the planner's reserve for the run)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, capacity: int) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, capacity: int, reserve: int) -> None:
         super().__init__(model)
         self.model = model
         self.optimizer = optimizer
         self.capacity = capacity
+        self.reserve = reserve
         self.resident = 0  # the reserve, parameters, gradients and optimizer state, taken when a step starts
 
     @classmethod
-    def from_environ(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> EmulatedDevice | None:
+    def from_environ(cls, model: nn.Module, optimizer: torch.optim.Optimizer, *, reserve: int) -> EmulatedDevice | None:
         capacity = emulated_memory(os.environ)
-        return None if capacity is None else cls(model, optimizer, capacity)
+        return None if capacity is None else cls(model, optimizer, capacity=capacity, reserve=reserve)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
         params = list(self.model.parameters())
-        self.resident = CPU_RESERVE_BYTES + sum(tensor_bytes(p) for p in params)
+        self.resident = self.reserve + sum(tensor_bytes(p) for p in params)
         self.resident += sum(tensor_bytes(p) for p in params if p.requires_grad)
         self.resident += optimizer_bytes(self.optimizer)
         with super().watching():

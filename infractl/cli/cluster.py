@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -43,8 +44,11 @@ def up(
     if spec is None:
         spec = state.spec() if state.was_started() else default_cluster()
     if dry_run:
-        plan = providers.get(spec.provider).dry_run(spec, state)
-        out.result(plan, Group(*(Text(line) for line in _dry_run_lines(spec.name, plan))))
+        provider = providers.get(spec.provider)
+        device = provider.device(spec, os.environ)
+        plan = provider.dry_run(spec, state) | {"device": asdict(device)}
+        lines = [*_dry_run_lines(spec.name, plan), cluster.device_line(device)]
+        out.result(plan, Group(*(Text(line) for line in lines)))
         return
     store = cluster.preflight(state, spec)
     with state.lock("up"), cluster.interruptible(state):

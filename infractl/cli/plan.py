@@ -21,7 +21,7 @@ from infractl.log import LogFormat
 from infractl.output import Output
 from infractl.planning import memory, probe
 from infractl.planning.devices import CATALOG, device, shared_cpu
-from infractl.planning.plan import Plan, format_bytes, plan
+from infractl.planning.plan import Plan, format_bytes, plan, way_label
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -146,10 +146,10 @@ def _measure(
     state, _ = resolve_cluster(cluster_opt)
     out.info(f"measuring run {spec.name!r} on cluster {state.name!r}: {steps} step(s) on every node")
     result = probe.run_probe(state, spec, run_file, steps=steps, log_format=log_format)
+    way = way_label(spec.parallel.label, checkpointing=spec.activation_checkpointing, precision=spec.mixed_precision)
     table = Table(
-        title=f"{spec.name}: {spec.parallel.label}, {spec.mixed_precision}"
-        f"{', activation checkpointing' if spec.activation_checkpointing else ''}; "
-        f"{result.world_size} rank(s) on {result.device}, per device (the largest of any rank)"
+        title=f"{spec.name}: {way}; {result.world_size} rank(s) on {result.device}, "
+        "per device (the largest of any rank)"
     )
     for col in ("component", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "component" else "right")

@@ -55,10 +55,7 @@ class Option:
 
     @property
     def label(self) -> str:
-        extras = [
-            x for x, on in (("activation checkpointing", self.checkpointing), ("bf16", self.precision == "bf16")) if on
-        ]
-        return " + ".join([self.scheme, *extras])
+        return way_label(self.scheme, checkpointing=self.checkpointing, precision=self.precision)
 
     @property
     def parallel(self) -> str | dict[str, int] | None:
@@ -215,16 +212,22 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def run_budget(spec: RunSpec, *, world_size: int, max_world_size: int, cuda: bool) -> Budget:
+def way_label(layout: str, *, checkpointing: bool, precision: str) -> str:
+    """How a run trains, in one phrase: ``fsdp + activation checkpointing + bf16``."""
+    extras = [x for x, on in (("activation checkpointing", checkpointing), ("bf16", precision == "bf16")) if on]
+    return " + ".join([layout, *extras])
+
+
+def spec_budget(spec: RunSpec, *, ranks: int, micro_batch: int, cuda: bool) -> Budget:
     """Bytes per device of ``spec`` as it is configured (its layout, precision and activation
-    checkpointing) on a world of ``world_size`` ranks, its micro-batch sized for
-    ``max_world_size`` as the trainer sizes it."""
+    checkpointing) with ``ranks`` data-parallel ranks, each running ``micro_batch`` sequences
+    per forward pass."""
     parallel = spec.parallel
     return memory.budget(
         spec.model,
         scheme=parallel.scheme,
-        ranks=parallel.dp_degree(world_size),
-        micro_batch=micro_batch(spec, world_size=world_size, max_world_size=max_world_size),
+        ranks=ranks,
+        micro_batch=micro_batch,
         precision=spec.mixed_precision,
         checkpointing=spec.activation_checkpointing,
         cuda=cuda,
@@ -233,6 +236,17 @@ def run_budget(spec: RunSpec, *, world_size: int, max_world_size: int, cuda: boo
             pp=parallel.pp,
             held=memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule),
         ),
+    )
+
+
+def run_budget(spec: RunSpec, *, world_size: int, max_world_size: int, cuda: bool) -> Budget:
+    """:func:`spec_budget` on a world of ``world_size`` ranks, the micro-batch sized for
+    ``max_world_size`` as the trainer sizes it."""
+    return spec_budget(
+        spec,
+        ranks=spec.parallel.dp_degree(world_size),
+        micro_batch=micro_batch(spec, world_size=world_size, max_world_size=max_world_size),
+        cuda=cuda,
     )
 
 
@@ -247,11 +261,7 @@ def refuse_unless_fits(
     budget = run_budget(spec, world_size=fewest * processes, max_world_size=most * processes, cuda=device.cuda)
     if budget.total <= device.memory_bytes:
         return
-    way = " + ".join(
-        [spec.parallel.label]
-        + ["activation checkpointing"] * spec.activation_checkpointing
-        + ["bf16"] * (spec.mixed_precision == "bf16")
-    )
+    way = way_label(spec.parallel.label, checkpointing=spec.activation_checkpointing, precision=spec.mixed_precision)
     sized = f" --device {device.name}" if device.name in CATALOG else ""
     raise UsageError(
         f"run {spec.name!r} does not fit the devices of cluster {cluster!r}: as configured ({way}) it needs "

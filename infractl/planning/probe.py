@@ -21,7 +21,7 @@ from infractl.cluster import store_for
 from infractl.config import RunSpec, derive_run
 from infractl.errors import TrainingError
 from infractl.log import LogFormat
-from infractl.planning import memory
+from infractl.planning import plan
 from infractl.state import ClusterState
 from infractl.store import Store
 
@@ -81,22 +81,7 @@ def compare(spec: RunSpec, reports: list[dict[str, Any]], *, steps: int) -> Comp
     first = reports[0]
     world = int(first["world_size"])
     cuda = first["device"] == "cuda"
-    parallel = spec.parallel
-    split = memory.ModelSplit(
-        tp=parallel.tp,
-        pp=parallel.pp,
-        held=memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule),
-    )
-    budget = memory.budget(
-        spec.model,
-        scheme=parallel.scheme,
-        ranks=int(first["dp"]),
-        micro_batch=int(first["micro_batch"]),
-        precision=spec.mixed_precision,
-        checkpointing=spec.activation_checkpointing,
-        cuda=cuda,
-        split=split,
-    )
+    budget = plan.spec_budget(spec, ranks=int(first["dp"]), micro_batch=int(first["micro_batch"]), cuda=cuda)
     unseen = budget.fragmentation + (budget.reserve if cuda else 0)
     predicted = {c: getattr(budget, c) for c in COMPONENTS[:-1]} | {"peak": budget.total - unseen}
     measured = {c: max(int(r[c]) for r in reports) for c in COMPONENTS}
