@@ -1,13 +1,14 @@
 """Under torchrun: what a rank's start-up costs in host memory, and the initial weights it made::
 
     torchrun --nproc-per-node=N tests/startup_memory.py --spec SPEC.json --store URI --run-id RUN \\
-        --workdir DIR --out FILE
+        --workdir DIR --out FILE [--train]
 
 Every rank builds the run's ``Trainer`` (its layout's model, built on the meta device and
 materialized shard by shard) while a sampler records the peak of its anonymous resident memory
 (trainer/memprobe.py), then compares every parameter, whole (an all-gather per DTensor), with the
 value a model built whole in one process has for the run's seed. Each rank writes
-``FILE.rank<r>.json``: ``{"baseline", "peak", "model_bytes", "mismatched"}``.
+``FILE.rank<r>.json``: ``{"baseline", "peak", "model_bytes", "held", "mismatched"}``. With
+``--train`` the ranks then train the run and checkpoint it as its spec says.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def _startup(args: argparse.Namespace, env: DistEnv, device: torch.device) -> No
             name for name, value in whole.items() if not torch.equal(value, reference[name.removeprefix("module.")])
         ),
     }
-    trainer.checkpointer.close()
+    if args.train:
+        trainer.train()
+    else:
+        trainer.checkpointer.close()
     args.out.with_name(f"{args.out.name}.rank{env.rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
-    torchrun_script.run(_startup)
+    torchrun_script.run(_startup, switches=["--train"])
