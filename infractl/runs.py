@@ -30,6 +30,7 @@ __all__ = [
     "running_run",
     "latest_run",
     "cluster_runs",
+    "full_world",
     "run_state",
 ]
 
@@ -123,6 +124,12 @@ class Attention:
     runbook: str
 
 
+def full_world(nodes_max: int, nodes: int, processes_per_node: int) -> int:
+    """The ranks a run trains on when nothing is missing: its ``nodes.max`` nodes, or all the
+    ``nodes`` it runs on when they are fewer, of ``processes_per_node`` ranks each."""
+    return min(nodes_max, nodes) * processes_per_node
+
+
 def attention(
     spec: RunSpec,
     state: RunState,
@@ -151,12 +158,12 @@ def attention(
         return None
     # A missing node comes first: the survivors may wait for it in the rendezvous (a stall too).
     full_nodes = min(spec.nodes.max, cluster_nodes)
-    full_world = full_nodes * processes_per_node
+    world = full_world(spec.nodes.max, cluster_nodes, processes_per_node)
     lost, cut = ("connection-loss", f"; {', '.join(unreachable)} unreachable") if unreachable else ("node-failure", "")
     if live_nodes < full_nodes:
         return Attention("degraded", f"running on {live_nodes} of {full_nodes} nodes{cut}", lost)
-    if newest is not None and newest["world_size"] < full_world:
-        return Attention("degraded", f"world size {newest['world_size']} of {full_world}{cut}", lost)
+    if newest is not None and newest["world_size"] < world:
+        return Attention("degraded", f"world size {newest['world_size']} of {world}{cut}", lost)
     step_time = newest["step_time_s"] if newest else 0.0
     limit = spec.watchdog.step_timeout_s + spec.log_every * step_time + _METRICS_DELAY_S
     # A step of an earlier attempt says nothing of this one: count from the later of the two.

@@ -9,7 +9,7 @@ tools="" prebuild="" run_cache="" checks="" checks_log=""
 # Removing never changes the run's verdict.
 cleanup() {
   if [ -n "$tools" ]; then kill "$tools" 2>/dev/null || true; fi
-  if [ -n "$checks" ]; then kill "$checks" 2>/dev/null || true; fi
+  if [ -n "$checks" ]; then kill -- "-$checks" 2>/dev/null || true; fi
   if [ -n "$prebuild" ]; then
     # A build still running (a run of a few tests ends before it) writes into the cache until its
     # processes are gone: removing it before then fails on files that keep appearing.
@@ -55,12 +55,12 @@ fi
 cd "$repo"
 # Lint, format check and type check run beside the tests' start (15 s of CPU on a fresh clone);
 # what they said is printed after the tests when one of them failed, and the command fails then.
+# In a process group of their own, so that a run ended early stops the check that is running too.
 checks_log="$(mktemp -t infractl-checks.XXXXXX)"
-(
+(exec setsid bash -c '
   ruff check infractl trainer tests bench scripts playbooks setup.py &&
     ruff format --check infractl trainer tests bench scripts playbooks setup.py &&
-    mypy
-) >"$checks_log" 2>&1 &
+    mypy' >"$checks_log" 2>&1) &
 checks=$!
 # loadgroup: the tests of a module that share one cluster (xdist_group) run on one worker.
 # 3 workers on CI's 2 cores: an end-to-end test spends much of its time waiting (on a fault's

@@ -39,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel
 from infractl.config import RunSpec
 from infractl.dataset import open_dataset, version_mismatch
 from infractl.log import get_logger
-from infractl.planning.plan import spec_budget
 from infractl.runstore import Manifest, SaveReason, StepRecord
 from infractl.store import Store
 from trainer.checkpoint import Checkpointer
@@ -134,12 +133,8 @@ class Trainer:
         self.parallel = _build_model(spec, env, self.layout, device)
         self.model = self.parallel.module
         self.optimizer = build_optimizer(self.model, lr=spec.lr, shard_state=spec.parallel.dp_shard == "zero1")
-        # A CPU rank may rehearse a device's memory limit (trainer/held.py), of which the runtime
-        # holds what the planner says it holds on the CPU for this run.
-        reserve = spec_budget(spec, ranks=self.layout.dp, micro_batch=self.layout.micro_batch, cuda=False).reserve
-        self.emulated = (
-            EmulatedDevice.from_environ(self.model, self.optimizer, reserve=reserve) if device.type == "cpu" else None
-        )
+        # A CPU rank may rehearse a device's memory limit (trainer/held.py).
+        self.emulated = EmulatedDevice.from_environ(self.model, self.optimizer, spec, self.layout, device)
         self.progress = TrainState(scheduler=build_scheduler(self.optimizer, total_steps=spec.steps))
         self.checkpointer = Checkpointer(
             store,

@@ -30,7 +30,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from infractl.config import RunSpec
 from infractl.planning.devices import EMULATED_MEMORY_ENV, emulated_memory
+from infractl.planning.plan import spec_budget
+from trainer.layout import Layout
 from trainer.parallelize import local_tensor
 
 __all__ = ["EmulatedDevice", "SavedTensors", "optimizer_bytes", "tensor_bytes"]
@@ -112,9 +115,16 @@ class EmulatedDevice(SavedTensors):
         self.resident = 0  # the reserve, parameters, gradients and optimizer state, taken when a step starts
 
     @classmethod
-    def from_environ(cls, model: nn.Module, optimizer: torch.optim.Optimizer, *, reserve: int) -> EmulatedDevice | None:
-        capacity = emulated_memory(os.environ)
-        return None if capacity is None else cls(model, optimizer, capacity=capacity, reserve=reserve)
+    def from_environ(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, layout: Layout, device: torch.device
+    ) -> EmulatedDevice | None:
+        """The device ``$INFRACTL_DEVICE_MEMORY`` sets for a CPU rank, if it does, of which the
+        runtime holds what the planner says it holds on the CPU for ``spec`` on this layout."""
+        capacity = emulated_memory(os.environ) if device.type == "cpu" else None
+        if capacity is None:
+            return None
+        reserve = spec_budget(spec, ranks=layout.dp, micro_batch=layout.micro_batch, cuda=False).reserve
+        return cls(model, optimizer, capacity=capacity, reserve=reserve)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:

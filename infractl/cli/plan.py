@@ -19,7 +19,7 @@ from infractl.config.loader import rewrite, validate
 from infractl.errors import UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
-from infractl.planning import memory, probe
+from infractl.planning import memory
 from infractl.planning.devices import CATALOG, device, shared_cpu
 from infractl.planning.plan import Plan, format_bytes, plan, way_label
 from infractl.state import resolve_cluster
@@ -143,6 +143,8 @@ def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any],
 def _measure(
     spec: RunSpec, run_file: Path, *, steps: int, cluster_opt: str | None, log_format: LogFormat, out: Output
 ) -> None:
+    from infractl.planning import probe  # the launcher and the cluster's modules: only --measure needs them
+
     state, _ = resolve_cluster(cluster_opt)
     out.info(f"measuring run {spec.name!r} on cluster {state.name!r}: {steps} step(s) on every node")
     result = probe.run_probe(state, spec, run_file, steps=steps, log_format=log_format)

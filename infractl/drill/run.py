@@ -120,8 +120,8 @@ def _wait_started(drill: Drill) -> None:
     record = runstore.read_run_record(drill.store, run_id)
     started = record.last_attempt.started if record is not None and record.last_attempt is not None else 0.0
     running = [*drill.target.survivors, *([drill.target.node] if drill.target.node else [])]
-    full = min(len(running), int(drill.target.spec["nodes"]["max"])) * max(
-        drill.nodes.node(n).processes for n in running
+    full = runs.full_world(
+        int(drill.target.spec["nodes"]["max"]), len(running), max(drill.nodes.node(n).processes for n in running)
     )
     said = ""
     while True:

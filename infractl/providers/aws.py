@@ -731,27 +731,16 @@ def _release_stale_lock(settings: AwsSpec, cluster: str) -> list[str]:
     ]
 
 
-def _bucket_exists(bucket: str, region: str, endpoint_url: str | None) -> bool:
-    """Whether ``bucket`` exists and these credentials may use it."""
+def _s3_answers(operation: str, bucket: str, region: str, endpoint_url: str | None) -> bool:
+    """Whether S3 answers ``operation`` on ``bucket`` without an error: ``head_bucket``, the bucket
+    exists and these credentials may use it; ``get_bucket_lifecycle_configuration``, it has
+    lifecycle rules."""
     import boto3
     from botocore.exceptions import ClientError
 
+    client = boto3.client("s3", region_name=region, endpoint_url=endpoint_url)
     try:
-        boto3.client("s3", region_name=region, endpoint_url=endpoint_url).head_bucket(Bucket=bucket)
-    except ClientError:
-        return False
-    return True
-
-
-def _has_lifecycle_rules(bucket: str, region: str, endpoint_url: str | None) -> bool:
-    """Whether ``bucket`` has a lifecycle configuration."""
-    import boto3
-    from botocore.exceptions import ClientError
-
-    try:
-        boto3.client("s3", region_name=region, endpoint_url=endpoint_url).get_bucket_lifecycle_configuration(
-            Bucket=bucket
-        )
+        getattr(client, operation)(Bucket=bucket)
     except ClientError:
         return False
     return True
@@ -1163,13 +1152,13 @@ class Aws(Provider):
             "provider": {"aws": provider},
         }
         bucket = urlsplit(spec.store or "").netloc
-        if aws.create_bucket and _bucket_exists(bucket, aws.region, aws.endpoint_url):
+        if aws.create_bucket and _s3_answers("head_bucket", bucket, aws.region, aws.endpoint_url):
             # A bucket an earlier teardown kept (see before_destroy) is taken back, not created again;
             # for a bucket already in the state the import is a no-op. So are its lifecycle rules when
             # it has them: made again, the AWS provider waits about a minute for them to settle (it
             # reads them until three reads agree), where an import reads them once.
             taken = ["aws_s3_bucket"]
-            if _has_lifecycle_rules(bucket, aws.region, aws.endpoint_url):
+            if _s3_answers("get_bucket_lifecycle_configuration", bucket, aws.region, aws.endpoint_url):
                 taken.append("aws_s3_bucket_lifecycle_configuration")
             blocks["import"] = [{"to": f"module.cluster.{kind}.this[0]", "id": bucket} for kind in taken]
         cli_config = ""
@@ -1286,7 +1275,11 @@ class Aws(Provider):
         settings = AwsSpec.model_validate(record["spec"][self.name])
         deleted = reap(record["name"], settings.region, endpoint_url=settings.endpoint_url)
         bucket = urlsplit(record["store"]).netloc
-        if purge and settings.create_bucket and _bucket_exists(bucket, settings.region, settings.endpoint_url):
+        if (
+            purge
+            and settings.create_bucket
+            and _s3_answers("head_bucket", bucket, settings.region, settings.endpoint_url)
+        ):
             import boto3
 
             boto3.client("s3", region_name=settings.region, endpoint_url=settings.endpoint_url).delete_bucket(
