@@ -19,10 +19,11 @@ from trainer import memprobe
 def main(store_uri: str, run_id: str, out: Path) -> None:
     store = open_store(store_uri)
     report = {"baseline": memprobe.start()}
-    for fmt in FORMATS:
-        with memprobe.PeakSampler() as sampler, consolidate(store, run_id) as model:
-            export(model, out / f"model.{fmt}", fmt=fmt)
-        report[fmt] = sampler.peak
+    with consolidate(store, run_id) as model:  # downloaded and checked once, then read by each export
+        for fmt in FORMATS:
+            with memprobe.PeakSampler() as sampler:
+                export(model, out / f"model.{fmt}", fmt=fmt)
+            report[fmt] = sampler.peak
     print(json.dumps(report))
 
 

@@ -72,7 +72,8 @@ def startup(tmp_path: Path, parallel: Any, model: ModelSpec, *, train: bool = Fa
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     if train:
-        manifest = runstore.read_manifest(open_store(store.as_uri()), "tiny", 1)
+        saved = open_store(store.as_uri())
+        manifest = runstore.read_manifest(saved, "tiny", 1)
         assert manifest is not None
         record = RunRecord(
             run_id="tiny",
@@ -80,7 +81,7 @@ def startup(tmp_path: Path, parallel: Any, model: ModelSpec, *, train: bool = Fa
             dataset_version=manifest.extra["dataset_version"],
             spec=spec.model_dump(mode="json"),
         )
-        runstore.write_run_record(open_store(store.as_uri()), record)
+        runstore.write_run_record(saved, record)
     reports = [json.loads(out.with_name(f"{out.name}.rank{rank}.json").read_text()) for rank in (0, 1)]
     return Started(reports, store.as_uri())
 

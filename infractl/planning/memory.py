@@ -248,7 +248,7 @@ class PeakBand:
         return asdict(self)
 
 
-#: The band of `python bench/planner_vs_peers.py --sweep 24 --seed 1` (its seeds 2 to 5: README,
+#: The band of `python bench/planner_vs_peers.py --sweep 24 --seed 1` (seeds 2 to 6 beside it: README,
 #: Sizing memory).
 PEAK_BAND = PeakBand(
     low=-0.1053,
