@@ -237,7 +237,7 @@ def interruptible(state: ClusterState) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        proc.kill(proc.find(state.dir, node=configure.ANSIBLE_NODE))
+        proc.kill_all(state.dir, node=configure.ANSIBLE_NODE, timeout=20)
         raise Interrupted(
             f"interrupted: `infractl up -c {state.name}` again picks up where this one stopped; "
             f"`infractl teardown -c {state.name}` removes what it made"
@@ -413,9 +413,8 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
         out.info(f"cluster {state.name!r}: its `up` never finished; destroying what its Terraform state holds")
         stopped, _ = provider.servers(state).stop()
         # What the interrupted `up` left running on this machine (Ansible, in a session of its own).
-        left = proc.find(state.dir)
-        proc.kill(left)
-        stopped += len(left)
+        killed, _ = proc.kill_all(state.dir, timeout=20)
+        stopped += killed
         _destroy(state, provider, record, out, purge=purge)
         # What the interrupted apply made after Terraform last saved its state: the state never held it.
         if reaped := provider.reap(state, record, purge=purge):

@@ -47,6 +47,8 @@ __all__ = [
 # How often each agent looks at its workers (seconds; torchrun's default is 0.1): a failed worker
 # is noticed within it, and each look also asks the rendezvous whether a node waits to join.
 _MONITOR_S = 0.25
+# Seconds an exited agent's helpers get to notice it (they go within a second when nothing is late).
+_HELPERS_GONE_S = 15.0
 
 
 @dataclass
@@ -287,8 +289,11 @@ def launch(
     return Launch(spec.name, number, plan.resume_from, plan.nodes, agents, nodes)
 
 
-def finish(plan: LaunchPlan, spec: RunSpec, exit_codes: dict[str, int]) -> Attempt:
-    """Record how the attempt a foreground ``train`` followed ended (every agent has exited)."""
+def finish(plan: LaunchPlan, spec: RunSpec, started: Launch, exit_codes: dict[str, int]) -> Attempt:
+    """Record how the attempt a foreground ``train`` followed ended (every agent has exited), once
+    what the agents started for themselves (the fork server, the resource tracker) has gone too:
+    they notice their agent's exit a moment later, and until then the run counts as running."""
+    started.control.wait_gone(timeout=_HELPERS_GONE_S, run=spec.name)
     attempt = plan.record.attempts[-1]
     attempt.ended = time.time()
     attempt.exit_codes = exit_codes
@@ -327,7 +332,7 @@ def run_to_end(
             for name, agent in started.agents.items():
                 if name not in exit_codes and (rc := agent.poll()) is not None:
                     exit_codes[name] = rc
-        return finish(plan, spec, exit_codes)
+        return finish(plan, spec, started, exit_codes)
 
 
 def _start_agent(
@@ -468,13 +473,14 @@ def stop(state: ClusterState, *, run: str | None = None, save: bool = True) -> S
         control.signal([p for p in left if p.agent], signal.SIGTERM)
         # The agents' own shutdown is the grace period; their exit and the save's commit get a little more.
         left = control.wait_gone(timeout=grace_s + 15, run=run)
+    killed = 0
     if left:
-        control.signal(left, signal.SIGKILL)
-        if alive := control.wait_gone(timeout=30, run=run):
+        killed, alive = control.stop_all(timeout=30, run=run)
+        if alive:
             raise StateError(f"run {run!r}: {len(alive)} process(es) survived SIGKILL on {alive[0].node}")
     return Stopped(
         run_id=run,
         nodes=sorted(live),
-        killed=len(left),
+        killed=killed,
         last_committed_step=runstore.latest_committed_step(store, run),
     )

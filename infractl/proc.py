@@ -16,6 +16,7 @@ from __future__ import annotations
 import grp
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from infractl.errors import InfractlError
+
 __all__ = [
     "AGENT_MODULE",
     "CLUSTER_ENV",
@@ -37,9 +40,12 @@ __all__ = [
     "NodeProcess",
     "group_exists",
     "run",
+    "last_line",
+    "remove_tree",
     "spawn",
     "find",
     "kill",
+    "kill_all",
     "wait_gone",
     "listing",
     "marked",
@@ -75,6 +81,23 @@ def run(argv: list[str], *, timeout: float = 120, input: str | None = None) -> s
         stdin=None if input is not None else subprocess.DEVNULL,
         check=False,
     )
+
+
+def last_line(stderr: str) -> str:
+    """What a failed command said last: its reason, for the one-line error that names it."""
+    return (stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def remove_tree(path: Path) -> None:
+    """Unmount what is still mounted below ``path`` (deepest first: an image store's overlay, a
+    container's run root), then remove it; ``InfractlError`` when something of it stays."""
+    with open("/proc/self/mountinfo") as mounts:
+        points = [line.split()[4] for line in mounts]
+    for point in sorted((p for p in points if p.startswith(f"{path}/")), reverse=True):
+        run(["umount", "-l", point])
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        raise InfractlError(f"cannot remove {path}")
 
 
 def group_exists(name: str) -> bool:
@@ -146,6 +169,24 @@ def kill(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
             proc.send_signal(sig)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+
+
+def kill_all(
+    cluster_dir: Path, *, timeout: float, node: str | None = None, run: str | None = None
+) -> tuple[int, list[psutil.Process]]:
+    """SIGKILL the matching processes until none is left or ``timeout`` seconds passed, listing
+    them again each time: a process that was forking when it was killed leaves a child that no
+    earlier listing held (Ansible's workers start a shell per task). Return how many were
+    signalled and those still alive."""
+    deadline = time.monotonic() + timeout
+    signalled: set[int] = set()
+    while True:
+        alive = find(cluster_dir, node=node, run=run)
+        if not alive or time.monotonic() >= deadline:
+            return len(signalled), alive
+        kill(alive)
+        signalled.update(p.pid for p in alive)
+        time.sleep(0.2)
 
 
 def wait_gone(

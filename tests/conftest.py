@@ -182,7 +182,7 @@ def cli(tmp_path: Path) -> Cli:
     # A failed test must not leak node processes: kill whatever its clusters still run, by PID.
     if runner.home.is_dir():
         for cluster_dir in runner.home.iterdir():
-            proc.kill(proc.find(cluster_dir))
+            proc.kill_all(cluster_dir, timeout=30)
 
 
 @contextlib.contextmanager

@@ -166,8 +166,7 @@ def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cl
     assert record is not None and record.last_attempt is not None
     record.last_attempt.rejoins = [runstore.Rejoin(node="node-1", time=0.0, pid=0)] * 3
     runstore.write_run_record(store, record)
-    proc.kill(proc.find(cluster.home / "local", node="node-1", run="budget"))
-    assert proc.wait_gone(cluster.home / "local", node="node-1", run="budget", timeout=30) == []
+    assert proc.kill_all(cluster.home / "local", node="node-1", run="budget", timeout=30)[1] == []
     refused = cluster("rejoin", "node-1", expect=2).stderr
     assert "node 'node-1' has already rejoined attempt 1 of run 'budget' 3 time(s) (max_restarts: 3)" in refused
 

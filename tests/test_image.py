@@ -20,6 +20,7 @@ import pytest
 
 import infractl
 from infractl.image import registry
+from infractl.providers.base import ContainerEngine
 
 from conftest import BuiltImage, Cli
 
@@ -69,20 +70,22 @@ def test_the_image_runs_the_trainer_as_its_user_with_the_pinned_torch(cpu_image:
     # name (scripts/test.sh makes one with mktemp) may spell with capitals: a reference may not.
     layout = tmp_path / "layout"
     layout.symlink_to(cpu_image.layout)
-    loaded = subprocess.run([*engine, "pull", "--quiet", f"oci:{layout}"], capture_output=True, text=True)
-    assert loaded.returncode == 0, loaded.stderr
     script = (
         "import getpass, sys, torch, infractl, infractl.proc, trainer.agent; "
         "print(getpass.getuser(), sys.executable, torch.__version__, infractl.__version__)"
     )
-    ran = subprocess.run(
-        [*engine, "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "file", "run", "--rm",
-         "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096",
-         loaded.stdout.strip(), "python", "-c", script],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    subprocess.run([*engine, "system", "reset", "--force"], capture_output=True)
-    shutil.rmtree(runroot, ignore_errors=True)
+    try:
+        loaded = subprocess.run([*engine, "pull", "--quiet", f"oci:{layout}"], capture_output=True, text=True)
+        assert loaded.returncode == 0, loaded.stderr
+        ran = subprocess.run(
+            [*engine, "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "file", "run", "--rm",
+             "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096",
+             loaded.stdout.strip(), "python", "-c", script],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        # As teardown removes a node's store: the overlay driver's mount of it included.
+        ContainerEngine(argv=tuple(engine), home=tmp_path / "s", runroot=runroot).remove_store()
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.split() == ["trainer", "/opt/venv/bin/python", "2.13.0+cpu", infractl.__version__]
 

@@ -71,8 +71,7 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
     store = start(cluster, RUN.format(name="lost", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
-    proc.kill(proc.find(node_dir, node="node-1"))
-    assert proc.wait_gone(node_dir, node="node-1", timeout=30) == []
+    assert proc.kill_all(node_dir, node="node-1", timeout=30)[1] == []
     cluster("bundle", "--run", "lost")
     # status points the degraded run at its section of the runbook the bundle just wrote.
     runbook = cluster.cwd / "handover" / "local" / "runbooks" / "node-failure.md"
@@ -107,8 +106,7 @@ def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_
     store = start(cluster, RUN.format(name="orphan", steps=steps))
     node_dir = cluster.home / "local"
     fault_time = time.time()
-    proc.kill(proc.find(node_dir, run="orphan"))  # every node: no agent is left to resume it
-    assert proc.wait_gone(node_dir, run="orphan", timeout=30) == []
+    assert proc.kill_all(node_dir, run="orphan", timeout=30)[1] == []  # every node: no agent is left to resume it
     committed = runstore.latest_committed_step(store, "orphan")
     assert committed is not None
     # Handed over: written to one folder, copied to the ops team's share, the original deleted.
@@ -299,8 +297,7 @@ def test_full_restart_runbook_recreates_the_cluster_and_the_run_completes_from_i
     node_dir = cluster.home / "local"
     fault_time = time.time()
     # Every process of the cluster dies, the rendezvous server with the nodes' agents and workers.
-    proc.kill(proc.find(node_dir))
-    assert proc.wait_gone(node_dir, timeout=30) == []
+    assert proc.kill_all(node_dir, timeout=30)[1] == []
     committed = runstore.latest_committed_step(store, "everything")
     cluster("bundle", "--run", "everything")
     runbook = cluster.cwd / "handover" / "local" / "runbooks" / "full-restart.md"

@@ -363,5 +363,4 @@ def test_bench_refuses_while_a_run_trains(cluster: Cli) -> None:
         result = cluster("bench", str(QUICKSTART), "--nodes", "1", expect=2)
         assert "run(s) elastic running on cluster 'local'; a bench needs the cluster idle" in one_line(result.stderr)
     finally:
-        proc.kill(proc.find(cluster.home / "local", run="elastic"))
-        assert proc.wait_gone(cluster.home / "local", run="elastic", timeout=30) == []
+        assert proc.kill_all(cluster.home / "local", run="elastic", timeout=30)[1] == []

@@ -88,7 +88,7 @@ def installed(tmp_path: Path) -> Iterator[Installed]:
     cli = InstalledCli(tmp_path / "work", program=[str(venv / "bin" / "infractl")])
     yield Installed(cli, site)
     # A failed test must not leak node processes: kill whatever its cluster still runs, by PID.
-    proc.kill(proc.find(cli.home / "wheel"))
+    proc.kill_all(cli.home / "wheel", timeout=30)
 
 
 def test_the_installed_wheel_brings_a_cluster_up_trains_hands_over_and_tears_down(installed: Installed) -> None:

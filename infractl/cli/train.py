@@ -118,7 +118,7 @@ def _follow(started: launcher.Launch, spec: RunSpec, plan: launcher.LaunchPlan, 
                     tokens_per_s=latest.get("tokens_per_s"),
                     world_size=latest.get("world_size"),
                 )
-    attempt = launcher.finish(plan, spec, exit_codes)
+    attempt = launcher.finish(plan, spec, started, exit_codes)
     if attempt.outcome != "completed":
         failed = sorted(n for n, rc in exit_codes.items() if rc != 0) or sorted(exit_codes)
         raise TrainingError(

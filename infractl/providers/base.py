@@ -236,6 +236,28 @@ class ContainerEngine:
             *(f"--volume={path}:{path}" for path in volumes),
         ]
 
+    def remove_store(self) -> None:
+        """Every container and image of the engine's own store (run from this machine, which holds
+        it), then the store and the run root; ``InfractlError`` when the engine cannot. The engine
+        unmounts what it mounted; what a reset cut short left mounted is unmounted here."""
+        assert self.home is not None, "an engine with a system-wide store keeps it"
+        for attempt in range(_RESET_ATTEMPTS):
+            # A container killed a moment ago may still be removing its files from the run root
+            # ("directory not empty"): the next attempt finds it gone.
+            done = proc.run([*self.argv, "system", "reset", "--force"], timeout=120)
+            if done.returncode == 0:
+                break
+            time.sleep(2 * (attempt + 1))
+        if done.returncode != 0:
+            raise InfractlError(f"could not remove its containers and images: {proc.last_line(done.stderr)}")
+        proc.remove_tree(self.home)
+        if self.runroot is not None:
+            proc.remove_tree(self.runroot)
+
+
+# How many times an engine's `system reset` runs before the removal of its store gives up.
+_RESET_ATTEMPTS = 3
+
 
 #: A GPU host's engine: Docker's daemon, with its system-wide store.
 DOCKER = ContainerEngine(argv=("/usr/bin/docker",), home=None, certs_dir=Path("/etc/docker/certs.d"))
@@ -331,9 +353,8 @@ class LocalServers(ServerHost):
     def stop(self) -> tuple[int, list[str]]:
         """Everything left on this machine with the cluster's marker: the servers, and anything of
         a node that did not answer (on providers whose nodes are this machine)."""
-        own = proc.find(self.state.dir)
-        proc.kill(own)
-        return len(own), [str(p.pid) for p in proc.wait_gone(self.state.dir, timeout=20)]
+        stopped, alive = proc.kill_all(self.state.dir, timeout=20)
+        return stopped, [str(p.pid) for p in alive]
 
 
 def free_port(host: str) -> int:
@@ -465,11 +486,19 @@ class NodeControl(ABC):
                 return alive
             time.sleep(poll_s)
 
-    def stop_all(self, *, timeout: float) -> tuple[int, list[NodeProcess]]:
-        """SIGKILL every process of the cluster on every node; (how many, those that survived)."""
-        victims = self.processes()
-        self.signal(victims, signal.SIGKILL)
-        return len(victims), self.wait_gone(timeout=timeout) if victims else []
+    def stop_all(self, *, timeout: float, run: str | None = None) -> tuple[int, list[NodeProcess]]:
+        """SIGKILL every process of the cluster (or of ``run``) on every node, listing them again
+        until none is left (a process forking as it was killed leaves a child no listing held) or
+        ``timeout`` seconds passed; (how many were signalled, those that survived)."""
+        deadline = time.monotonic() + timeout
+        signalled: set[tuple[str, int, float]] = set()
+        while True:
+            alive = self.processes(run=run)
+            if not alive or time.monotonic() >= deadline:
+                return len(signalled), alive
+            self.signal(alive, signal.SIGKILL)
+            signalled.update(p.key for p in alive)
+            time.sleep(0.2)
 
     # -- faults ---------------------------------------------------------------------------------
 

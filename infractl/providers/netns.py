@@ -32,7 +32,6 @@ import shlex
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,8 +71,6 @@ _NAMESPACE = re.compile(r"infractl-(?P<id>[0-9a-f]{6})-\d+")
 _INTERFACE = re.compile(r"ix[bv](?P<id>[0-9a-f]{6})(-\d+)?")
 _RUNROOT = re.compile(r"(?P<id>[0-9a-f]{6})-.+")
 _SSHD_CONFIG = re.compile(r"-f (?P<dir>\S+)/ssh/nodes/")
-# How many times teardown runs a node's `podman system reset` before it gives up.
-_RESET_ATTEMPTS = 3
 # The most processes a container may have (RLIMIT_NPROC) that runc accepted on this machine.
 _MAX_NPROC = 32768
 # A default subnet is one of the /24s of 10.200.0.0/13, picked by the state directory's hash.
@@ -127,11 +124,6 @@ def _ip_json(*args: str) -> list[dict[str, Any]]:
 def _namespaces(state: ClusterState) -> list[str]:
     """The cluster's namespaces that exist on this machine now."""
     return sorted(e["name"] for e in _ip_json("netns", "list") if e["name"].startswith(f"infractl-{state.short_id}-"))
-
-
-def _last_line(stderr: str) -> str:
-    """What a failed command said last (the reason, for ip, tc and unshare)."""
-    return (stderr.strip().splitlines() or ["no output"])[-1]
 
 
 class Netns(Provider):
@@ -197,7 +189,7 @@ class Netns(Provider):
             )
         probe = proc.run(["unshare", "--net", "true"], timeout=30)
         if probe.returncode != 0:
-            why = _last_line(probe.stderr)
+            why = proc.last_line(probe.stderr)
             raise UsageError(f"provider netns: this machine cannot create network namespaces ({why})", field="provider")
         _check_subnet_free(spec, state)
         self._check_store_reachable(spec, state)
@@ -302,22 +294,10 @@ class NetnsNodes(SshNodes):
         homes = [name for name in self.nodes if _container_home(self.state, name).exists()]
 
         def remove(name: str) -> None:
-            engine = self.containers(name)
-            assert engine.home is not None
-            for attempt in range(_RESET_ATTEMPTS):
-                # A container killed a moment ago may still be removing its files from the run root
-                # ("directory not empty"): the next attempt finds it gone.
-                done = proc.run([*engine.argv, "system", "reset", "--force"], timeout=120)
-                if done.returncode == 0:
-                    break
-                time.sleep(2 * (attempt + 1))
-            if done.returncode != 0:
-                raise InfractlError(
-                    f"{name}: could not remove its containers and images: {_last_line(done.stderr)}; run teardown again"
-                )
-            shutil.rmtree(engine.home, ignore_errors=True)
-            if engine.runroot is not None:
-                shutil.rmtree(engine.runroot, ignore_errors=True)
+            try:
+                self.containers(name).remove_store()
+            except InfractlError as exc:
+                raise InfractlError(f"{name}: {exc.message}; run teardown again") from None
 
         self.each(homes, remove)
         return homes
@@ -363,7 +343,7 @@ class NetnsNodes(SshNodes):
         make, _ = self._link_commands(node, fault, latency_ms)
         done = proc.run(make, timeout=30)
         if done.returncode != 0:
-            why = _last_line(done.stderr)
+            why = proc.last_line(done.stderr)
             hint = NETEM_HINT if fault == "delay" else ""
             raise UsageError(f"cannot make a {fault!r} fault on {node}'s link: {why}{hint}", field="--kind")
         namespace = str(self.node(node).namespace)
@@ -373,7 +353,7 @@ class NetnsNodes(SshNodes):
         _, undo = self._link_commands(node, fault, 0)
         done = proc.run(undo, timeout=30)
         if done.returncode != 0:
-            why = _last_line(done.stderr)
+            why = proc.last_line(done.stderr)
             raise InfractlError(
                 f"could not restore {node}'s link after a {fault!r} fault: {why}; run {shlex.join(undo)}"
             )
@@ -459,7 +439,7 @@ def _made(named_for: Callable[[str], bool], of_dir: Callable[[Path], bool]) -> l
     ]
     runroots = sorted(_RUNROOTS.iterdir()) if _RUNROOTS.is_dir() else []
     found += [
-        Orphan("container run root", str(path), functools.partial(_delete_runroot, path))
+        Orphan("container run root", str(path), functools.partial(proc.remove_tree, path))
         for path in runroots
         if (match := _RUNROOT.fullmatch(path.name)) and named_for(match["id"])
     ]
@@ -480,21 +460,10 @@ def _delete_link(name: str) -> None:
         _ip_or_raise(["ip", "link", "del", name])
 
 
-def _delete_runroot(path: Path) -> None:
-    """Unmount what is still mounted below it (deepest first), then remove it."""
-    with open("/proc/self/mountinfo") as mounts:
-        points = [line.split()[4] for line in mounts]
-    for point in sorted((p for p in points if p.startswith(f"{path}/")), reverse=True):
-        proc.run(["umount", "-l", point])
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        raise InfractlError(f"cannot remove {path}")
-
-
 def _ip_or_raise(argv: list[str]) -> None:
     done = proc.run(argv)
     if done.returncode != 0:
-        raise InfractlError(f"{shlex.join(argv)} failed: {_last_line(done.stderr)}")
+        raise InfractlError(f"{shlex.join(argv)} failed: {proc.last_line(done.stderr)}")
 
 
 register(

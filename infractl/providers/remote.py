@@ -120,7 +120,7 @@ class SshNodes(NodeControl):
         )
         done = self._ask(node, command, input=text)
         if done.returncode != 0:
-            raise InfractlError(f"cannot write {path} on {node}: {_last_line(done.stderr)}")
+            raise InfractlError(f"cannot write {path} on {node}: {proc.last_line(done.stderr)}")
 
     def _read(self, node: str, command: str, path: Path) -> str | None:
         quoted = shlex.quote(str(path))
@@ -128,7 +128,7 @@ class SshNodes(NodeControl):
         if done.returncode == 3:
             return None
         if done.returncode != 0:
-            raise InfractlError(f"cannot read {path} on {node}: {_last_line(done.stderr)}")
+            raise InfractlError(f"cannot read {path} on {node}: {proc.last_line(done.stderr)}")
         return done.stdout
 
     def read_file(self, node: str, path: Path) -> str | None:
@@ -274,7 +274,7 @@ class SshNodes(NodeControl):
             self._ask(node, undo)  # whatever part of it was made
             hint = NETEM_HINT if fault == "delay" else ""
             raise UsageError(
-                f"cannot make a {fault!r} fault on {node}: {_last_line(done.stderr)}{hint}", field="--kind"
+                f"cannot make a {fault!r} fault on {node}: {proc.last_line(done.stderr)}{hint}", field="--kind"
             )
         return {"link": fault, "node": node} | ({"latency_ms": latency_ms} if fault == "delay" else {})
 
@@ -283,7 +283,7 @@ class SshNodes(NodeControl):
         done = self._ask(node, undo)
         if done.returncode != 0:
             raise InfractlError(
-                f"could not restore {node}'s link after a {fault!r} fault: {_last_line(done.stderr)}; run on the "
+                f"could not restore {node}'s link after a {fault!r} fault: {proc.last_line(done.stderr)}; run on the "
                 f"node: {undo}"
             )
 
@@ -442,7 +442,7 @@ class RemoteServers(ServerHost):
             )
         started = self._shell(f"mkdir -p {shlex.quote(str(log.parent))} && {command}")
         if started.returncode != 0:
-            raise InfractlError(f"the {name} server did not start on {where}: {_last_line(started.stderr)}")
+            raise InfractlError(f"the {name} server did not start on {where}: {proc.last_line(started.stderr)}")
         deadline = time.monotonic() + SERVER_START_S
         while (probe := self._probe(name, host, port)) != 0:
             if time.monotonic() > deadline:
@@ -469,7 +469,7 @@ class RemoteServers(ServerHost):
             while not port_open("127.0.0.1", local):
                 if tunnel.poll() is not None or time.monotonic() > deadline:
                     said = tunnel.stderr.read().decode() if tunnel.stderr and tunnel.poll() is not None else ""
-                    raise InfractlError(f"no SSH tunnel to {host}:{port} through {address}: {_last_line(said)}")
+                    raise InfractlError(f"no SSH tunnel to {host}:{port} through {address}: {proc.last_line(said)}")
                 time.sleep(0.1)
             yield "127.0.0.1", local
         finally:
@@ -490,7 +490,7 @@ class RemoteServers(ServerHost):
             f"{engine} image inspect {quoted} >/dev/null 2>&1 || {engine} pull --quiet {quoted}", timeout=900
         )
         if pulled.returncode != 0:
-            raise InfractlError(f"{self._name} could not pull {reference}: {_last_line(pulled.stderr)}")
+            raise InfractlError(f"{self._name} could not pull {reference}: {proc.last_line(pulled.stderr)}")
 
     def stop(self) -> tuple[int, list[str]]:
         """The servers' containers and processes; nothing to do when the host does not answer (it
@@ -508,7 +508,3 @@ class RemoteServers(ServerHost):
         if done.returncode != 0:
             return 0, []
         return int((done.stdout.split() or ["0"])[-1]), []
-
-
-def _last_line(stderr: str) -> str:
-    return (stderr.strip().splitlines() or ["no output"])[-1]
