@@ -17,10 +17,11 @@ RUN.yaml --device D --gpus-per-node 8 --max-nodes N` runs) and printed as a mark
   degrees and micro-batch, with activation checkpointing of every block as published (selective
   checkpointing, which the trainer does not have, as the range from every block to none).
 
-The planner sizes the global batch as one forward/backward pass per data-parallel rank (the
-trainer accumulates gradients only on fewer nodes than ``nodes.max``), so a published run that
-accumulates gradients is sized with a micro-batch that many times larger; "their layout" sizes
-the published micro-batch. Our model family is the trainer's byte-level GPT (vocabulary 256,
+The runs here leave run.yaml's ``micro_batch`` unset, as a team that has not chosen one would:
+the planner sizes each rank's share of the global batch as one forward/backward pass, and
+accumulates gradients (the largest passes that fit) only when no way fits a whole share, which
+is what it finds on the published devices where they are fewer than its recommendation; "their
+layout" sizes the published micro-batch. Our model family is the trainer's byte-level GPT (vocabulary 256,
 LayerNorm, GELU MLP of 4h, multi-head attention, tied embeddings, learned positions, fp32 weights
 and AdamW state under bf16 autocast); each configuration's ``differs`` says what the published
 model has instead.
@@ -282,6 +283,7 @@ def _option(option: Option) -> dict[str, Any]:
         "devices": option.tried,
         "nodes": option.nodes,
         "micro_batch": option.micro_batch,
+        "accumulation": option.accumulation,
         "fits": option.devices is not None,
         "budget": option.budget.to_dict(),
         "shortfall_bytes": option.shortfall,
@@ -373,6 +375,11 @@ def _plan_cell(r: dict[str, Any]) -> str:
         cell += (
             f"; on their {theirs['devices']}: micro-batch {theirs['micro_batch']}, {theirs['way']} needs "
             f"{_gib(theirs['budget']['total'])}, does not fit"
+        )
+    elif theirs["devices"] != rec["devices"]:
+        cell += (
+            f"; on their {theirs['devices']}: {theirs['way']}, {theirs['accumulation']} passes of micro-batch "
+            f"{theirs['micro_batch']}: {_gib(theirs['budget']['total'])}"
         )
     return cell
 

@@ -101,3 +101,7 @@ def test_published_configurations_are_planned(tmp_path: Path) -> None:
         assert recommended["fits"] and recommended["parallel"], r
         assert 0 < recommended["budget"]["total"] <= r["device_memory_bytes"], r
         assert r["published_layout"]["budget"]["total"] > 0 and r["sources"], r
+        # On the published devices too, accumulating gradients where one pass a step does not fit.
+        theirs = r["on_published_devices"]
+        assert theirs["fits"] and theirs["devices"] <= r["published"]["devices"], r
+        assert theirs["accumulation"] == 1 or theirs["way"].endswith("+ gradient accumulation"), r

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from infractl.cli.schema import write_schemas
-from infractl.config import RunSpec, cluster_model, default_cluster, load_cluster, load_run
+from infractl.config import RunSpec, cluster_model, default_cluster, even_passes, load_cluster, load_run, micro_batch
 from infractl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +44,19 @@ def test_nested_unknown_field_is_named(tmp_path: Path) -> None:
 def test_cross_field_rule_is_explained(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nodes: min \(3\) must not exceed max \(2\)"):
         load_run(_write(tmp_path, "name: r\nnodes: {min: 3, max: 2}\n"))
+
+
+def test_a_micro_batch_caps_each_pass_at_every_world_size_and_not_a_pipelines(tmp_path: Path) -> None:
+    spec = load_run(_write(tmp_path, "name: r\nbatch_size: 48\nmicro_batch: 20\nnodes: {min: 1, max: 2}\n"))
+    # Two ranks' shares of 24 take 2 passes of 12 each; one rank's 48 then takes 4 of the same size.
+    assert [micro_batch(spec, world_size=n, max_world_size=2) for n in (2, 1)] == [12, 12]
+    assert even_passes(48, 20) == 16 and even_passes(8, 20) == 8 and even_passes(8, None) == 8
+    with pytest.raises(
+        ConfigError, match=r"run.yaml: micro_batch: cannot be set with pipeline stages \(parallel.pp: 2\)"
+    ):
+        load_run(_write(tmp_path, "name: r\nmicro_batch: 2\nparallel: {pp: 2}\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml: micro_batch: Input should be greater than or equal to 1"):
+        load_run(_write(tmp_path, "name: r\nmicro_batch: 0\n"))
 
 
 def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:

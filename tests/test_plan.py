@@ -5,6 +5,7 @@ ranks measured."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -17,7 +18,10 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from infractl.config import ModelSpec, load_run
+from infractl.errors import UsageError
 from infractl.planning import memory
+from infractl.planning.devices import Device
+from infractl.planning.plan import refuse_unless_fits
 from infractl.store import FileStore
 from trainer.held import EmulatedDevice
 from trainer.model import GPT, GPTConfig, token_loss
@@ -145,6 +149,31 @@ def test_plan_shards_before_it_adds_devices(cli: Cli) -> None:
     assert rec["budget"]["total"] <= plan["device_memory_bytes"]
 
 
+def test_a_run_no_way_fits_in_one_pass_is_recommended_gradient_accumulation(cli: Cli) -> None:
+    # MPT-70B's shape and global batch on 64 H100s (their layout accumulates 4 passes of 8): one pass of
+    # each rank's 32 sequences fits no way; fsdp with checkpointing and bf16 fits 2 passes of 16.
+    run = write(cli.cwd / "mpt.yaml", "name: mpt\nmodel: {layers: 80, hidden: 8192, heads: 64, seq_len: 2048}\n"
+                                      "batch_size: 2048\n")  # fmt: skip
+    args = ["plan", str(run), "--device", "h100-80gb", "--gpus-per-node", "8", "--max-nodes", "8"]
+    plan = json.loads(cli(*args, "--json").stdout)
+    rec = plan["recommended"]
+    assert (rec["scheme"], rec["devices"], rec["micro_batch"], rec["accumulation"]) == ("fsdp", 64, 16, 2), rec
+    assert rec["activation_checkpointing"] and rec["mixed_precision"] == "bf16"
+    assert rec["budget"]["total"] <= plan["device_memory_bytes"]
+    whole = [o for o in plan["options"] if o["accumulation"] == 1]
+    assert whole and all(o["devices"] is None for o in whole)
+    advice = cli(*args).stdout
+    assert (
+        "fsdp + activation checkpointing + bf16 + gradient accumulation on 64 device(s), 8 node(s) in 2 passes"
+        in advice
+    )
+    assert "mixed_precision: bf16, micro_batch: 16;" in advice
+    # With run.yaml's own micro-batch (theirs), every way is sized with it: fsdp fits in one pass of 8 fewer devices.
+    capped = write(cli.cwd / "capped.yaml", run.read_text() + "micro_batch: 8\n")
+    rec = json.loads(cli(*args[:1], str(capped), *args[2:], "--json").stdout)["recommended"]
+    assert rec["micro_batch"] == 8 and not rec["scheme"].endswith("accumulation") and rec["devices"] <= 64, rec
+
+
 def test_a_run_that_fits_nowhere_names_the_smallest_shortfall(cli: Cli) -> None:
     run = write(cli.cwd / "big.yaml", BIG)
     result = cli("plan", str(run), "--device", "h100-80gb", "--gpus-per-node", "8", "--max-nodes", "2", expect=2)
@@ -206,13 +235,44 @@ def test_apply_writes_the_first_way_that_fits_the_smallest_world_and_keeps_the_r
     refused = cli(*plan, "--apply", env={"INFRACTL_DEVICE_MEMORY": str(30 << 20)}, expect=2).stderr
     assert refused.startswith("error: --max-nodes: run 'squeezed' fits on no cpu (emulated) within 2 node(s)")
     assert run.read_text() == before
-    # An elastic run may go on with one node, whose rank then holds twice the activations: no way fits that.
+    # An elastic run may go on with one node, whose rank then takes the whole batch: no way fits it in one
+    # pass, checkpointed ddp fits it in two of 32 (run.yaml's micro_batch), as the trainer accumulates.
     elastic = write(cli.cwd / "elastic.yaml", SQUEEZED.replace("{min: 2,", "{min: 1,"))
-    refused = cli("plan", str(elastic), "--max-nodes", "2", "--apply", env=EMULATED_68_MIB, expect=2).stderr
-    assert refused.startswith("error: --apply: no way to train run 'squeezed' fits its smallest world, nodes.min 1 x 1")
-    assert elastic.read_text() == SQUEEZED.replace("{min: 2,", "{min: 1,")
+    applied = json.loads(cli("plan", str(elastic), "--max-nodes", "2", "--apply", "--json", env=EMULATED_68_MIB).stdout)
+    assert applied["applied"] == {
+        "way": "ddp + activation checkpointing + gradient accumulation",
+        "changed": {"parallel": "ddp", "activation_checkpointing": True, "micro_batch": 32},
+    }
+    assert elastic.read_text() == (
+        SQUEEZED.replace("{min: 2,", "{min: 1,").replace("parallel:\n  dp: 2\n", "parallel: ddp\n")
+        + "activation_checkpointing: true\nmicro_batch: 32\n"
+    )
+    # Weights that only fit sharded over two devices fit one in no pass however small: refused, the file as it was.
+    weighty = "name: weighty\nmodel: {layers: 4, hidden: 512, heads: 8, seq_len: 64}\nbatch_size: 8\nnodes: {max: 2}\n"
+    single = write(cli.cwd / "weighty.yaml", weighty)
+    env = {"INFRACTL_DEVICE_MEMORY": str(180 << 20)}
+    assert (
+        json.loads(cli("plan", str(single), "--max-nodes", "2", "--json", env=env).stdout)["recommended"]["devices"]
+        == 2
+    )
+    refused = cli("plan", str(single), "--max-nodes", "2", "--apply", env=env, expect=2).stderr
+    assert refused.startswith("error: --apply: no way to train run 'weighty' fits its smallest world, nodes.min 1 x 1")
+    assert single.read_text() == weighty
     refused = cli(*plan, env={"INFRACTL_DEVICE_MEMORY": "68MiB"}, expect=2).stderr
     assert refused.strip() == "error: $INFRACTL_DEVICE_MEMORY: must be a positive number of bytes, got '68MiB'"
+
+
+def test_trains_check_sizes_the_passes_run_yaml_caps(tmp_path: Path) -> None:
+    # What the elastic case above writes: one node's 64 sequences in 2 passes of 32 fit 68 MiB, one pass does not.
+    whole = load_run(
+        write(tmp_path / "whole.yaml", SQUEEZED.replace("parallel:\n  dp: 2\n", "activation_checkpointing: true\n"))
+    )
+    device = Device("cpu (emulated)", 68 << 20, peak_bf16_flops=None, cuda=False)
+    fits = functools.partial(refuse_unless_fits, device=device, processes=1, cluster="c", file="run.yaml")
+    with pytest.raises(UsageError, match="does not fit the devices of cluster 'c'"):
+        fits(whole, nodes=(1, 1))
+    fits(whole.model_copy(update={"micro_batch": 32}), nodes=(1, 1))
+    fits(whole, nodes=(1, 2))  # sized for two nodes, one node takes 2 passes of the same size
 
 
 def test_the_emulated_device_raises_cudas_exception_part_way_through_the_forward() -> None:

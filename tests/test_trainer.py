@@ -467,18 +467,22 @@ def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path)
         assert not [p for p in (tmp_path / node).rglob("*") if p.is_file()]
 
 
-def test_a_batch_the_world_size_does_not_divide_trains_like_one_rank(tmp_path: Path) -> None:
-    # 9 samples over 2 ranks: shares of 5 and 4, each pass weighted by its share of the batch.
+def test_an_uneven_batch_and_a_micro_batch_cap_train_like_one_rank_in_one_pass(tmp_path: Path) -> None:
+    # 9 samples over 2 ranks: shares of 5 and 4, each pass weighted by its share of the batch. Capped
+    # at 4 a pass (run.yaml's micro_batch), one rank takes its 9 in 3 passes of 3, gradients accumulated.
     spec = tiny_spec(batch_size=9, deterministic=True)
-    (tmp_path / "two").mkdir()
-    (tmp_path / "one").mkdir()
+    for folder in ("two", "one", "capped"):
+        (tmp_path / folder).mkdir()
     ok(torchrun(tmp_path / "two", spec))
     ok(torchrun(tmp_path / "one", spec, nproc=1))
+    ok(torchrun(tmp_path / "capped", tiny_spec(batch_size=9, deterministic=True, micro_batch=4), nproc=1))
 
-    two, one = (read_metrics(store_of(tmp_path / d), "tiny") for d in ("two", "one"))
+    two, one, capped = (read_metrics(store_of(tmp_path / d), "tiny") for d in ("two", "one", "capped"))
     assert {(r["world_size"], r["micro_batch"], r["accumulation"]) for r in two} == {(2, 5, 1)}
     assert {(r["world_size"], r["micro_batch"], r["accumulation"]) for r in one} == {(1, 9, 1)}
+    assert {(r["world_size"], r["micro_batch"], r["accumulation"]) for r in capped} == {(1, 3, 3)}
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["loss"] for r in capped] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
 def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refused(

@@ -21,7 +21,7 @@ from infractl.log import LogFormat
 from infractl.output import Output
 from infractl.planning import memory
 from infractl.planning.devices import CATALOG, device, shared_cpu
-from infractl.planning.plan import Plan, format_bytes, plan, way_label
+from infractl.planning.plan import Plan, accumulating, best_accumulating, format_bytes, plan, way_label
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -39,7 +39,8 @@ _ApplyOpt = Annotated[
     typer.Option(
         "--apply",
         help="Write the settings of the first way that fits the run's nodes.min nodes (parallel, "
-        "activation_checkpointing, mixed_precision) into RUN.yaml; its other lines and comments stay.",
+        "activation_checkpointing, mixed_precision, and micro_batch where it must accumulate gradients) into "
+        "RUN.yaml; its other lines and comments stay.",
     ),
 ]
 
@@ -120,6 +121,9 @@ def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any],
     the fewest devices."""
     smallest = spec.nodes.min * result.devices_per_node
     way = next((o for o in result.options if o.parallel is not None and (o.devices or smallest + 1) <= smallest), None)
+    if way is None or way.accumulates:
+        # Nothing fits it a whole share per pass: the way whose passes are largest on it, accumulating.
+        way = best_accumulating(accumulating(spec, result.device, per_node=result.devices_per_node, most=smallest))
     if way is None:
         raise UsageError(
             f"no way to train run {spec.name!r} fits its smallest world, nodes.min {spec.nodes.min} x "
@@ -127,8 +131,7 @@ def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any],
             "lower batch_size",
             field="--apply",
         )
-    assert way.parallel is not None
-    wanted = {"parallel": way.parallel, "activation_checkpointing": way.checkpointing, "mixed_precision": way.precision}
+    wanted = way.settings
     now = spec.model_dump(mode="json")
     proposed = validate(RunSpec, now | wanted, run_file).model_dump(mode="json")
     changed = {k: v for k, v in wanted.items() if proposed[k] != now[k]}
@@ -186,40 +189,42 @@ def _table(result: Plan) -> Table:
         f"{format_bytes(result.device.memory_bytes)} per device (--json or --explain: every component)",
         caption=f"per device: the step's peak, a bound: {_band()}",
     )
-    for col in ("way to train", "parallel:", "fewest devices", "nodes", "per device", "of which activations"):
-        table.add_column(col, justify="right" if col in ("fewest devices", "nodes") or "per" in col else "left")
+    columns = ("way to train", "parallel:", "fewest devices", "nodes", "per pass", "per device", "of which activations")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("way to train", "parallel:") else "right")
     for o in result.options:
         table.add_row(
             o.label,
             "not run" if o.parallel is None else _flow(o.parallel),
             str(o.devices) if o.devices else "-",
             str(o.nodes) if o.nodes else "-",
+            str(o.micro_batch) + (f" ({o.accumulation} passes)" if o.accumulation > 1 else ""),
             format_bytes(o.budget.total),
             format_bytes(o.budget.activations),
         )
     return table
 
 
-def _flow(value: bool | str | dict[str, int]) -> str:
-    """``value`` as run.yaml would spell it inline: ``ddp``, ``{tp: 2}``, ``true``."""
+def _flow(value: bool | int | str | dict[str, int] | None) -> str:
+    """``value`` as run.yaml would spell it inline: ``ddp``, ``{tp: 2}``, ``true``, ``4``, ``null``."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, str):
-        return value
+    if isinstance(value, int | str):
+        return str(value)
     return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
 
 
 def _advice(result: Plan) -> Text:
     rec = result.recommended
     assert rec is not None and rec.parallel is not None
-    settings = [f"parallel: {_flow(rec.parallel)}"]
-    if rec.checkpointing:
-        settings.append("activation_checkpointing: true")
-    if rec.precision == "bf16":
-        settings.append("mixed_precision: bf16")
+    defaults = {"activation_checkpointing": False, "mixed_precision": "fp32", "micro_batch": None}
+    settings = [f"{k}: {_flow(v)}" for k, v in rec.settings.items() if k not in defaults or v != defaults[k]]
+    passes = f" in {rec.accumulation} passes of {rec.micro_batch} sequence(s) a step" if rec.accumulates else ""
     band = memory.PEAK_BAND
     return Text(
-        f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s): at most "
+        f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s){passes}: at most "
         f"{format_bytes(band.bound(rec.budget))} per device of {format_bytes(result.device.memory_bytes)} "
         f"(measured peaks: {band.low:+.1%} to {band.high:+.1%} of the prediction); in run.yaml: "
         f"{', '.join(settings)}; asynchronous checkpoint staging needs "
@@ -234,10 +239,11 @@ def _explain(result: Plan, spec: RunSpec) -> Text:
     model, split = spec.model, rec.split
     dp = rec.devices // (split.tp * split.pp)
     where = f"N = {dp} device(s)"
+    passes = f" ({rec.accumulation} passes a step)" if rec.accumulation > 1 else ""
     if split.meshed:
         where = f"{rec.devices} device(s), N = {dp} data-parallel x t = {split.tp} tensor x p = {split.pp} pipeline"
     lines = [
-        f"{rec.label} on {where}: micro batch b = {rec.micro_batch}, s = {model.seq_len}, "
+        f"{rec.label} on {where}: micro batch b = {rec.micro_batch}{passes}, s = {model.seq_len}, "
         f"h = {model.hidden}, a = {model.heads}, L = {model.layers}, V = {memory.VOCAB}",
         f"parameters Ψ = V·h + s·h + L·(12h² + 13h) + 2h = {result.parameters:,}",
     ]

@@ -20,7 +20,7 @@ from infractl.config.cluster import (
     parse_cluster,
     register_provider,
 )
-from infractl.config.layout import check_layout, micro_batch, split_batch
+from infractl.config.layout import check_layout, even_passes, micro_batch, split_batch
 from infractl.config.loader import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_CONFIG_NODES
 from infractl.config.run import (
     DP_SHORTHANDS,
@@ -68,6 +68,7 @@ __all__ = [
     "Spec",
     "WatchdogSpec",
     "check_layout",
+    "even_passes",
     "cluster_model",
     "default_cluster",
     "default_cluster_name",

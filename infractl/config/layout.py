@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from infractl.config.run import RunSpec
 from infractl.errors import ConfigError
 
-__all__ = ["check_layout", "micro_batch", "split_batch"]
+__all__ = ["check_layout", "even_passes", "micro_batch", "split_batch"]
 
 
 def split_batch(batch_size: int, parts: int) -> list[int]:
@@ -25,12 +25,23 @@ def micro_batch(spec: RunSpec, *, world_size: int, max_world_size: int) -> int:
     """Samples in a rank's largest forward/backward pass on a world of ``world_size`` ranks, for a
     run that may grow to ``max_world_size``: a pipeline's micro-batch (its share of the batch over
     ``parallel.microbatches``), else sized for the largest world, so that a smaller one
-    accumulates more passes of the same size instead of larger ones."""
+    accumulates more passes of the same size instead of larger ones. ``micro_batch`` in run.yaml
+    caps it: a share larger than the cap takes as few passes as keep under it, as even as can be
+    (a share of 48 under a cap of 20 takes 3 passes of 16)."""
     parallel = spec.parallel
     dp = parallel.dp_degree(world_size)
     if parallel.pp > 1:
         return split_batch(spec.batch_size, dp)[0] // parallel.n_microbatches
-    return math.ceil(spec.batch_size / max(dp, max_world_size // parallel.model_ranks))
+    share = math.ceil(spec.batch_size / max(dp, max_world_size // parallel.model_ranks))
+    return even_passes(share, spec.micro_batch)
+
+
+def even_passes(share: int, cap: int | None) -> int:
+    """The largest pass of ``share`` samples split as evenly as can be into the fewest passes of
+    at most ``cap`` samples (None: one pass)."""
+    if cap is None or share <= cap:
+        return share
+    return math.ceil(share / math.ceil(share / cap))
 
 
 def check_layout(spec: RunSpec, worlds: Iterable[tuple[int, str]], *, file: str) -> None:

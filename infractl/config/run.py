@@ -390,6 +390,17 @@ class RunSpec(Spec):
     batch_size: int = Field(
         16, ge=1, le=1 << 20, description="Global batch size (samples per step, all ranks together)."
     )
+    micro_batch: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description=(
+            "The most samples a data-parallel rank puts through one forward/backward pass: a larger share of the "
+            "batch is taken in several passes whose gradients add up (gradient accumulation), so activations are "
+            "sized by it while the global batch stays. Unset: a rank's share on `nodes.max` nodes. Not with "
+            "pipeline stages (`parallel.microbatches` splits their batch)."
+        ),
+    )
     steps: int = Field(50, ge=1, le=10**9, description="Optimizer steps to train.")
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate (AdamW, linear warm-up then cosine decay).")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed for weights, data order and every RNG.")
@@ -486,6 +497,12 @@ class RunSpec(Spec):
             raise field_error(
                 "parallel.pp",
                 f"{parallel.stages} stage(s) ({parallel.pp_schedule}) must split model.layers ({model.layers}) evenly",
+            )
+        if self.micro_batch is not None and parallel.pp > 1:
+            raise field_error(
+                "micro_batch",
+                f"cannot be set with pipeline stages (parallel.pp: {parallel.pp}): set parallel.microbatches, "
+                "which splits each rank's share of the batch into the pipeline's micro-batches",
             )
         if isinstance(parallel.dp, int) and self.batch_size < parallel.dp:
             raise field_error(

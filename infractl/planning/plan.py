@@ -16,22 +16,38 @@ checkpointing and bf16 before more devices; tensor parallel when one layer does 
 pipeline stages when the depth does not. Among the ways that fit on the fewest devices, the
 first in that order is recommended (only ways the trainer runs), with the run.yaml settings
 that select it.
+
+Each pass holds a rank's whole share of the batch unless run.yaml's ``micro_batch`` caps it. When
+no way the trainer runs fits within the devices that way, gradient accumulation is the last
+resort: every such way but a pipeline's is sized with the largest passes that fit (fewer
+sequences per pass hold fewer activations; the global batch stays), and the one whose passes
+are largest is recommended, with the ``micro_batch`` that selects it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from infractl.config import RunSpec, micro_batch
+from infractl.config import RunSpec, even_passes, micro_batch
 from infractl.errors import UsageError
 from infractl.planning import memory
 from infractl.planning.devices import CATALOG, Device
 from infractl.planning.memory import Budget, ModelSplit
 
-__all__ = ["Option", "Plan", "format_bytes", "plan", "refuse_unless_fits", "run_budget"]
+__all__ = [
+    "Option",
+    "Plan",
+    "accumulating",
+    "best_accumulating",
+    "format_bytes",
+    "plan",
+    "refuse_unless_fits",
+    "run_budget",
+]
 
 Precision = Literal["fp32", "bf16"]
 
@@ -52,10 +68,34 @@ class Option:
     shortfall: int  # bytes the budget exceeds a device by at the most devices tried (0 when it fits)
     tried: int  # the device count ``budget`` is for
     micro_batch: int  # sequences per forward pass at ``tried`` devices
+    share: int  # sequences per data-parallel rank and step at ``tried`` devices
+    accumulates: bool = False
+    """Searched with gradient accumulation: the largest micro-batch that fits (run.yaml's ``micro_batch``)."""
 
     @property
     def label(self) -> str:
-        return way_label(self.scheme, checkpointing=self.checkpointing, precision=self.precision)
+        label = way_label(self.scheme, checkpointing=self.checkpointing, precision=self.precision)
+        return f"{label} + gradient accumulation" if self.accumulates else label
+
+    @property
+    def accumulation(self) -> int:
+        """Forward/backward passes per optimizer step (a pipeline's micro-batches are one step's)."""
+        return 1 if self.split.pp > 1 else math.ceil(self.share / self.micro_batch)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The run.yaml fields that select this way (``parallel`` is set: the trainer runs it).
+        ``micro_batch``: this way's when it accumulates, unset for a pipeline (its micro-batches
+        are ``parallel.microbatches``), else as run.yaml has it (the search sized that)."""
+        assert self.parallel is not None
+        found: dict[str, Any] = {
+            "parallel": self.parallel,
+            "activation_checkpointing": self.checkpointing,
+            "mixed_precision": self.precision,
+        }
+        if self.accumulates or self.split.pp > 1:
+            found["micro_batch"] = self.micro_batch if self.accumulates else None
+        return found
 
     @property
     def parallel(self) -> str | dict[str, int] | None:
@@ -78,6 +118,8 @@ class Option:
             "nodes": self.nodes,
             "budget": self.budget.to_dict(),
             "shortfall_bytes": self.shortfall,
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
         }
 
 
@@ -124,37 +166,26 @@ class _Way:
     precision: Precision
 
 
-def _search(spec: RunSpec, device: Device, way: _Way, *, per_node: int, most: int) -> Option | None:
-    """The fewest devices (at most ``most``) ``way`` fits on; None when no device count splits
-    the global batch into its equal micro-batches."""
-    split = way.split
-    copy = split.tp * split.pp  # ranks per copy of the model
-    last: tuple[int, int, Budget] | None = None
-    for dp in range(1, most // copy + 1):
-        if spec.batch_size % (dp * split.pp):
-            continue
-        micro = spec.batch_size // (dp * split.pp)  # a pipeline's pp micro-batches of each share
-        b = memory.budget(
-            spec.model,
-            scheme=way.data_parallel,
-            ranks=dp,
-            micro_batch=micro,
-            precision=way.precision,
-            checkpointing=way.checkpointing,
-            cuda=device.cuda,
-            split=split,
-        )
-        last = (dp * copy, micro, b)
-        if b.total <= device.memory_bytes:
-            break
-    if last is None:
-        return None
-    n, micro, b = last
+def _budget(spec: RunSpec, way: _Way, *, dp: int, micro: int, cuda: bool) -> Budget:
+    return memory.budget(
+        spec.model,
+        scheme=way.data_parallel,
+        ranks=dp,
+        micro_batch=micro,
+        precision=way.precision,
+        checkpointing=way.checkpointing,
+        cuda=cuda,
+        split=way.split,
+    )
+
+
+def _option(way: _Way, device: Device, *, per_node: int, n: int, micro: int, share: int, b: Budget) -> Option:
+    """``way`` sized on ``n`` devices: it fits on them if ``b`` fits one."""
     fits = b.total <= device.memory_bytes
     return Option(
         way.scheme,
         way.data_parallel,
-        split,
+        way.split,
         way.checkpointing,
         way.precision,
         way.data_parallel in memory.RUNNABLE,
@@ -164,7 +195,78 @@ def _search(spec: RunSpec, device: Device, way: _Way, *, per_node: int, most: in
         0 if fits else b.total - device.memory_bytes,
         n,
         micro,
+        share,
     )
+
+
+def _search(spec: RunSpec, device: Device, way: _Way, *, per_node: int, most: int) -> Option | None:
+    """The fewest devices (at most ``most``) ``way`` fits on, each pass of run.yaml's micro-batch
+    (a pipeline's: its share over pp); None when no device count splits the global batch into
+    its equal micro-batches."""
+    split = way.split
+    copy = split.tp * split.pp  # ranks per copy of the model
+    last: Option | None = None
+    for dp in range(1, most // copy + 1):
+        if spec.batch_size % (dp * split.pp):
+            continue
+        share = spec.batch_size // dp
+        # A pipeline's pp micro-batches of each share; else the share in passes of run.yaml's micro_batch.
+        micro = share // split.pp if split.pp > 1 else even_passes(share, spec.micro_batch)
+        b = _budget(spec, way, dp=dp, micro=micro, cuda=device.cuda)
+        last = _option(way, device, per_node=per_node, n=dp * copy, micro=micro, share=share, b=b)
+        if last.devices is not None:
+            break
+    return last
+
+
+def accumulating(spec: RunSpec, device: Device, *, per_node: int, most: int) -> list[Option]:
+    """Every runnable way but a pipeline's, with gradient accumulation: on the device count (at
+    most ``most``) where its largest micro-batch that fits is largest (the fewest devices of
+    those), that micro-batch, in passes as even as can be; ways that fit on none even one
+    sequence a pass are left out. For a run no way fits whole: fewer sequences a pass hold fewer
+    activations, and the global batch stays."""
+    found = []
+    for way in _ways(spec, per_node=per_node, most=most):
+        if way.split.pp > 1 or way.data_parallel not in memory.RUNNABLE:
+            continue
+        best: Option | None = None
+        for dp in range(1, most // way.split.tp + 1):
+            if spec.batch_size % dp:
+                continue
+            share = spec.batch_size // dp
+            largest = _largest_fitting(spec, device, way, dp=dp, share=share)
+            if largest is None:
+                continue
+            micro = even_passes(share, largest)
+            if best is None or micro > best.micro_batch:
+                b = _budget(spec, way, dp=dp, micro=micro, cuda=device.cuda)
+                best = _option(way, device, per_node=per_node, n=dp * way.split.tp, micro=micro, share=share, b=b)
+        if best is not None:
+            found.append(dataclasses.replace(best, accumulates=True))
+    return found
+
+
+def _largest_fitting(spec: RunSpec, device: Device, way: _Way, *, dp: int, share: int) -> int | None:
+    """The most sequences a pass of ``way`` on ``dp`` data-parallel ranks may hold and fit (at
+    most ``share``: the budget grows with the micro-batch); None when not even one fits."""
+
+    def fits(micro: int) -> bool:
+        return _budget(spec, way, dp=dp, micro=micro, cuda=device.cuda).total <= device.memory_bytes
+
+    if not fits(1):
+        return None
+    low, high = 1, share
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def best_accumulating(options: list[Option]) -> Option | None:
+    """Of accumulating ways, the one whose passes are largest (the fewest of them, the most work
+    per kernel), then on the fewest devices, then the first in the recommendation's order."""
+    fitting = [o for o in options if o.devices is not None]
+    return max(fitting, key=lambda o: (o.micro_batch, -(o.devices or 0)), default=None)
 
 
 def _ways(spec: RunSpec, *, per_node: int, most: int) -> Iterator[_Way]:
@@ -201,6 +303,11 @@ def plan(spec: RunSpec, device: Device, *, devices_per_node: int, max_nodes: int
     runnable = [o for o in options if o.runnable and o.devices is not None]
     fewest = min((o.devices for o in runnable if o.devices is not None), default=None)
     recommended = next((o for o in runnable if o.devices == fewest), None)
+    if recommended is None:
+        # No way fits a whole share per pass: the ways that fit with smaller passes join the options.
+        accumulated = accumulating(spec, device, per_node=devices_per_node, most=most)
+        options += accumulated
+        recommended = best_accumulating(accumulated)
     return Plan(spec.name, device, devices_per_node, max_nodes, memory.parameters(spec.model), options, recommended)
 
 
@@ -223,20 +330,15 @@ def spec_budget(spec: RunSpec, *, ranks: int, micro_batch: int, cuda: bool) -> B
     checkpointing) with ``ranks`` data-parallel ranks, each running ``micro_batch`` sequences
     per forward pass."""
     parallel = spec.parallel
-    return memory.budget(
-        spec.model,
-        scheme=parallel.scheme,
-        ranks=ranks,
-        micro_batch=micro_batch,
-        precision=spec.mixed_precision,
-        checkpointing=spec.activation_checkpointing,
-        cuda=cuda,
-        split=ModelSplit(
-            tp=parallel.tp,
-            pp=parallel.pp,
-            held=memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule),
-        ),
+    held = memory.held_microbatches(parallel.pp, parallel.n_microbatches, parallel.pp_schedule)
+    way = _Way(
+        parallel.label,
+        parallel.scheme,
+        ModelSplit(tp=parallel.tp, pp=parallel.pp, held=held),
+        spec.activation_checkpointing,
+        spec.mixed_precision,
     )
+    return _budget(spec, way, dp=ranks, micro=micro_batch, cuda=cuda)
 
 
 def run_budget(spec: RunSpec, *, world_size: int, max_world_size: int, cuda: bool) -> Budget:
