@@ -235,16 +235,23 @@ def test_apply_writes_the_first_way_that_fits_the_smallest_world_and_keeps_the_r
     refused = cli(*plan, "--apply", env={"INFRACTL_DEVICE_MEMORY": str(30 << 20)}, expect=2).stderr
     assert refused.startswith("error: --max-nodes: run 'squeezed' fits on no cpu (emulated) within 2 node(s)")
     assert run.read_text() == before
-    # An elastic run may go on with one node, whose rank then takes the whole batch: no way fits it in one
-    # pass, checkpointed ddp fits it in two of 32 (run.yaml's micro_batch), as the trainer accumulates.
+    # An elastic run may go on with one node, whose rank then takes the whole batch in two passes of the
+    # 32 it takes on two nodes (as the trainer sizes them): checkpointed ddp fits that too.
     elastic = write(cli.cwd / "elastic.yaml", SQUEEZED.replace("{min: 2,", "{min: 1,"))
     applied = json.loads(cli("plan", str(elastic), "--max-nodes", "2", "--apply", "--json", env=EMULATED_68_MIB).stdout)
+    assert applied["applied"] == {
+        "way": "ddp + activation checkpointing",
+        "changed": {"parallel": "ddp", "activation_checkpointing": True},
+    }
+    # A run of one node takes all 64 in one pass: no way fits that; checkpointed ddp fits passes of 32.
+    alone = write(cli.cwd / "alone.yaml", SQUEEZED.replace("{min: 2, max: 2}", "{min: 1, max: 1}"))
+    applied = json.loads(cli("plan", str(alone), "--max-nodes", "2", "--apply", "--json", env=EMULATED_68_MIB).stdout)
     assert applied["applied"] == {
         "way": "ddp + activation checkpointing + gradient accumulation",
         "changed": {"parallel": "ddp", "activation_checkpointing": True, "micro_batch": 32},
     }
-    assert elastic.read_text() == (
-        SQUEEZED.replace("{min: 2,", "{min: 1,").replace("parallel:\n  dp: 2\n", "parallel: ddp\n")
+    assert alone.read_text() == (
+        SQUEEZED.replace("{min: 2, max: 2}", "{min: 1, max: 1}").replace("parallel:\n  dp: 2\n", "parallel: ddp\n")
         + "activation_checkpointing: true\nmicro_batch: 32\n"
     )
     # Weights that only fit sharded over two devices fit one in no pass however small: refused, the file as it was.
@@ -263,7 +270,7 @@ def test_apply_writes_the_first_way_that_fits_the_smallest_world_and_keeps_the_r
 
 
 def test_trains_check_sizes_the_passes_run_yaml_caps(tmp_path: Path) -> None:
-    # What the elastic case above writes: one node's 64 sequences in 2 passes of 32 fit 68 MiB, one pass does not.
+    # The runs above: one node's 64 sequences in 2 passes of 32 fit 68 MiB, one pass does not.
     whole = load_run(
         write(tmp_path / "whole.yaml", SQUEEZED.replace("parallel:\n  dp: 2\n", "activation_checkpointing: true\n"))
     )

@@ -16,12 +16,20 @@ from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, LogFormatOpt, output
 from infractl.config import RunSpec, load_run
 from infractl.config.loader import rewrite, validate
-from infractl.errors import UsageError
+from infractl.errors import ConfigError, UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
 from infractl.planning import memory
 from infractl.planning.devices import CATALOG, device, shared_cpu
-from infractl.planning.plan import Plan, accumulating, best_accumulating, format_bytes, plan, way_label
+from infractl.planning.plan import (
+    Plan,
+    accumulating,
+    best_accumulating,
+    format_bytes,
+    plan,
+    run_budget,
+    way_label,
+)
 from infractl.state import resolve_cluster
 
 __all__ = ["register"]
@@ -114,16 +122,19 @@ def _refuse_nowhere(result: Plan, spec: RunSpec) -> NoReturn:
 
 
 def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any], Text]:
-    """Write into ``run_file`` the settings of the first way, in the recommendation's order, that
-    fits the run's smallest world (``nodes.min`` nodes of ``devices_per_node``: an elastic run
-    keeps its global batch on fewer ranks, so each holds more); return that way and the settings
-    that changed, and what to say. The smallest change that fits, where the recommendation is
-    the fewest devices."""
+    """Write into ``run_file`` the settings of the first way, in the recommendation's order, with
+    which `train`'s check passes: the run fits its smallest world (``nodes.min`` nodes of
+    ``devices_per_node``: an elastic run keeps its global batch on fewer ranks, so each holds
+    more), its passes sized as the trainer sizes them. Else the way whose passes are largest
+    when it accumulates gradients there. Return that way and the settings that changed, and what
+    to say. The smallest change that fits, where the recommendation is the fewest devices."""
     smallest = spec.nodes.min * result.devices_per_node
-    way = next((o for o in result.options if o.parallel is not None and (o.devices or smallest + 1) <= smallest), None)
-    if way is None or way.accumulates:
-        # Nothing fits it a whole share per pass: the way whose passes are largest on it, accumulating.
+    ways = (o for o in result.options if o.parallel is not None and not o.accumulates)
+    way = next((o for o in ways if _trains(spec, o.settings, run_file, result)), None)
+    if way is None:
+        # No way fits it with the trainer's passes: the way whose passes are largest on it, accumulating.
         way = best_accumulating(accumulating(spec, result.device, per_node=result.devices_per_node, most=smallest))
+        way = way if way is not None and _trains(spec, way.settings, run_file, result) else None
     if way is None:
         raise UsageError(
             f"no way to train run {spec.name!r} fits its smallest world, nodes.min {spec.nodes.min} x "
@@ -141,6 +152,23 @@ def _apply(run_file: Path, spec: RunSpec, result: Plan) -> tuple[dict[str, Any],
     rewrite(run_file, RunSpec, "run", changed)
     settings = ", ".join(f"{k}: {_flow(v)}" for k, v in changed.items())
     return {"way": way.label, "changed": changed}, Text(f"{fits}; {run_file} now says {settings}")
+
+
+def _trains(spec: RunSpec, settings: dict[str, Any], run_file: Path, result: Plan) -> bool:
+    """Whether ``spec`` with ``settings`` passes `train`'s check on ``result``'s devices: its
+    layout runs on its smallest world, and fits it (``run_budget``, as the trainer sizes it)."""
+    per_node = result.devices_per_node
+    try:
+        changed = validate(RunSpec, spec.model_dump(mode="json") | settings, run_file)
+        budget = run_budget(
+            changed,
+            world_size=spec.nodes.min * per_node,
+            max_world_size=spec.nodes.max * per_node,
+            cuda=result.device.cuda,
+        )
+    except (ConfigError, ValueError):  # a layout the world or the model cannot take
+        return False
+    return budget.total <= result.device.memory_bytes
 
 
 def _measure(
