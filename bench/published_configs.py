@@ -21,10 +21,10 @@ The runs here leave run.yaml's ``micro_batch`` unset, as a team that has not cho
 the planner sizes each rank's share of the global batch as one forward/backward pass, and
 accumulates gradients (the largest passes that fit) only when no way fits a whole share, which
 is what it finds on the published devices where they are fewer than its recommendation; "their
-layout" sizes the published micro-batch. Our model family is the trainer's byte-level GPT (vocabulary 256,
-LayerNorm, GELU MLP of 4h, multi-head attention, tied embeddings, learned positions, fp32 weights
-and AdamW state under bf16 autocast); each configuration's ``differs`` says what the published
-model has instead.
+layout" sizes the published micro-batch. Our model family is the trainer's byte-level GPT
+(vocabulary 256, LayerNorm, GELU MLP of 4h, multi-head attention, tied embeddings, learned
+positions, fp32 weights and AdamW state under bf16 autocast); each configuration's ``differs``
+says what the published model has instead.
 
     python bench/published_configs.py [--json out.json]
 

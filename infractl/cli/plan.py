@@ -247,8 +247,9 @@ def _flow(value: bool | int | str | dict[str, int] | None) -> str:
 def _advice(result: Plan) -> Text:
     rec = result.recommended
     assert rec is not None and rec.parallel is not None
-    defaults = {"activation_checkpointing": False, "mixed_precision": "fp32", "micro_batch": None}
-    settings = [f"{k}: {_flow(v)}" for k, v in rec.settings.items() if k not in defaults or v != defaults[k]]
+    # parallel always; the other fields where they differ from run.yaml's defaults.
+    fields = RunSpec.model_fields
+    settings = [f"{k}: {_flow(v)}" for k, v in rec.settings.items() if k == "parallel" or v != fields[k].default]
     passes = f" in {rec.accumulation} passes of {rec.micro_batch} sequence(s) a step" if rec.accumulates else ""
     band = memory.PEAK_BAND
     return Text(
