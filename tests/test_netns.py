@@ -223,8 +223,10 @@ def test_a_seeded_chaos_series_of_10_faults_recovers_each_and_trains_what_an_uni
     assert comparison["steps"] == 800 and comparison["first_other_world_step"] is not None, comparison
     assert comparison["bitwise_steps"] == comparison["first_other_world_step"] - 1, comparison
     assert done["passed"] and done["median_restart_s"] <= done["worst_restart_s"]
-    # The run kept its pace (min_step_s), the reference ran free: the same steps, in less time.
-    assert _median_step_gap(store, "storm") >= 0.375 > _median_step_gap(store, "storm-reference")
+    # The run kept its pace (min_step_s), the reference ran free: the same steps, in less time. A gap
+    # is between two steps' records, each taken after its step's work: one step's work longer than
+    # the next's takes that difference off the gap, so the median is the pace within a few ms.
+    assert _median_step_gap(store, "storm") >= 0.375 - 0.01 > _median_step_gap(store, "storm-reference")
     # Recorded in the store, and shown in the handover's baseline.
     [recorded] = runstore.read_chaos_records(store, "storm")
     assert recorded.to_dict() | {"results": results} == done
@@ -238,6 +240,10 @@ def _median_step_gap(store: FileStore, run: str) -> float:
     records = sorted(runstore.read_metrics(store, run), key=lambda r: r["step"])
     gaps = sorted(b["time"] - a["time"] for a, b in itertools.pairwise(records) if b["step"] == a["step"] + 1)
     return gaps[len(gaps) // 2]
+
+
+def _namespace_pids(namespace: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
 
 
 def _runbook(cli: Cli, name: str) -> Path:
@@ -258,10 +264,14 @@ def test_node_failure_runbook_brings_a_killed_node_back_over_ssh_and_the_run_tra
     nodes.kill_node("node-1", name)  # as `infractl drill kill-node` does (which refuses below nodes.min)
     assert nodes.wait_gone(node="node-1", run=name, timeout=30) == []
     # The node died as a machine does: nothing is left in its namespace but its sshd, which stays so
-    # that the node can be reached again.
+    # that the node can be reached again (the session of the listing above ends within moments).
     node = json.loads((cluster.home / "multi" / "cluster.json").read_text())["nodes"][1]
-    left = subprocess.run(["ip", "netns", "pids", node["namespace"]], capture_output=True, text=True).stdout.split()
-    assert left == [(Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()]
+    listener = (Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()
+    deadline = time.monotonic() + 10
+    while (left := _namespace_pids(node["namespace"])) != [listener] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shown = subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(left)], text=True, capture_output=True)
+    assert left == [listener], shown.stdout
     committed = runstore.latest_committed_step(store, name)
     assert committed is not None
     cluster("bundle", "--run", name, "-c", "multi")

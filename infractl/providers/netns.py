@@ -32,6 +32,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,8 @@ from infractl.state import ClusterState, Orphan
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
 _SSHD = "/usr/sbin/sshd"
+#: How long ``kill_node`` lists and kills again while the node's namespace still holds a process.
+_KILL_NODE_S = 5.0
 # Commands the module's provisioners and the launcher run, and the Debian package of each.
 _TOOLS = {
     "ip": "iproute2",
@@ -304,18 +307,25 @@ class NetnsNodes(SshNodes):
 
     def kill_node(self, node: str, run: str) -> None:
         """Every process in the node's namespace but its sshd listener (the node's own: it stays so
-        the node can be reached again), the run's among them."""
+        the node can be reached again), the run's among them; listed again until none is left (a
+        process forking as it was killed leaves a child no listing held), for up to
+        ``_KILL_NODE_S``."""
         entry = self.node(node)
-        listed = proc.run(["ip", "netns", "pids", str(entry.namespace)])
-        pids = {int(pid) for pid in listed.stdout.split()} if listed.returncode == 0 else set()
         assert entry.ssh is not None
         pid_file = entry.ssh.known_hosts.with_name("sshd.pid")
         listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
-        for pid in sorted(pids - {listener}):
-            try:
-                psutil.Process(pid).send_signal(signal.SIGKILL)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
+        deadline = time.monotonic() + _KILL_NODE_S
+        while True:
+            listed = proc.run(["ip", "netns", "pids", str(entry.namespace)])
+            pids = {int(pid) for pid in listed.stdout.split()} - {listener} if listed.returncode == 0 else set()
+            if not pids or time.monotonic() >= deadline:
+                return
+            for pid in sorted(pids):
+                try:
+                    psutil.Process(pid).send_signal(signal.SIGKILL)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            time.sleep(0.05)
 
     def _link_commands(self, node: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
         """The command that makes ``fault`` on the node's link, and the one that undoes it."""
