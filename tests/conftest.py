@@ -275,13 +275,12 @@ def stop_runs(cluster_dir: Path) -> None:
 def wait_for_world(store: Store, run_id: str, *, size: int, since: float, timeout: float) -> int:
     """Poll until the run records a step on ``size`` ranks after ``since``; return that step."""
     deadline = time.monotonic() + timeout
+    metrics = runstore.MetricsTail(store, run_id)
     while time.monotonic() < deadline:
-        steps = [
-            r["step"] for r in runstore.read_metrics(store, run_id) if r["time"] > since and r["world_size"] == size
-        ]
+        steps = [r["step"] for r in metrics.records() if r["time"] > since and r["world_size"] == size]
         if steps:
             return min(steps)
-        time.sleep(2)  # each look reads every metrics chunk of the run
+        time.sleep(1)
     raise AssertionError(f"{run_id} ran no step on {size} ranks within {timeout}s")
 
 

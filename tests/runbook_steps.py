@@ -145,8 +145,9 @@ def assert_resumed_from(
     every attempt resumed from there (or began the run), and it trained on ``world`` ranks after
     that restart (or completed on them)."""
     deadline = time.monotonic() + 300
+    metrics = runstore.MetricsTail(store, name)
     while True:
-        after = [r for r in runstore.read_metrics(store, name) if r["time"] > fault_time]
+        after = [r for r in metrics.records() if r["time"] > fault_time]
         restarts = [r for r in after if runstore.starts_a_process(r)]
         first = min(restarts, key=lambda r: r["time"]) if restarts else None
         if first is not None and any(r["time"] >= first["time"] and r["world_size"] == world for r in after):

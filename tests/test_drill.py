@@ -16,7 +16,7 @@ from infractl import proc, runstore
 from infractl.config import load_run
 from infractl.drill import recovery
 from infractl.store import FileStore, open_store
-from trainer.replicas import CORRUPT_ENV
+from trainer.replica_server import CORRUPT_ENV
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 

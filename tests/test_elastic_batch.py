@@ -22,7 +22,7 @@ from infractl import proc, runstore
 from infractl.config import load_run
 from infractl.store import FileStore
 from trainer import replicas
-from trainer.replicas import REPLICA_ADDR_ENV
+from trainer.replica_server import REPLICA_ADDR_ENV
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 

@@ -25,7 +25,8 @@ from infractl.runstore import Manifest, ManifestEntry, SaveReason
 from infractl.store import FileStore
 from trainer import replicas
 from trainer.checkpoint import Checkpointer
-from trainer.replicas import Candidate, Replicas, ReplicaServer, fetch, whole_replicas
+from trainer.replica_server import REPLICA_ADDR_ENV, ReplicaServer
+from trainer.replicas import Candidate, Replicas, fetch, whole_replicas
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def test_a_replica_newer_than_the_commit_is_loaded_and_the_store_is_left_as_it_w
 ) -> None:
     (tmp_path / "store").mkdir()
     store = FileStore(tmp_path / "store")
-    monkeypatch.setenv(replicas.REPLICA_ADDR_ENV, servers[0].address)
+    monkeypatch.setenv(REPLICA_ADDR_ENV, servers[0].address)
     pending = [{"step": 12, "loss": 1.5}]
     held = Replicas.join(rank=0, world_size=1, records=lambda: pending)
     assert held is not None and held.peer is None  # one node: its own agent only
@@ -169,7 +170,7 @@ def _roundtrip(tmp_path: Path, store: FileStore, scheme: str, server: ReplicaSer
         "--spec", str(spec_path), "--store", store.uri, "--run-id", "tiny",
         "--workdir", str(tmp_path / "trainer"), "--out", str(out),
     ]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), replicas.REPLICA_ADDR_ENV: server.address}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), REPLICA_ADDR_ENV: server.address}
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     loaded: dict[str, Any] = torch.load(out, weights_only=False)
@@ -203,7 +204,7 @@ def test_a_replica_saved_on_two_ranks_loads_on_one_exactly_as_the_commit_of_its_
 def test_a_replica_of_a_state_whose_shape_changed_fails_and_the_next_agrees_a_new_layout(
     tmp_path: Path, one_rank: None, servers: list[ReplicaServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(replicas.REPLICA_ADDR_ENV, servers[0].address)
+    monkeypatch.setenv(REPLICA_ADDR_ENV, servers[0].address)
     held = Replicas.join(rank=0, world_size=1, records=list)
     assert held is not None
     held.save(1, {"w": torch.ones(4)}, extra={"reason": SaveReason.REPLICA.value})

@@ -57,7 +57,7 @@ from torch.distributed.launcher import api as launcher_api
 from infractl import no_collection_at_exit
 from infractl.log import get_logger
 from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
-from trainer import rendezvous, replicas
+from trainer import rendezvous, replica_server
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -163,7 +163,7 @@ def main() -> None:
     local_addr, launch_last_call = _options(sys.argv[1:])
     rendezvous.install(launch_last_call)
     # Before the workers (and the fork server they are forked from) copy this environment.
-    os.environ[replicas.REPLICA_ADDR_ENV] = replicas.serve(local_addr).address
+    os.environ[replica_server.REPLICA_ADDR_ENV] = replica_server.serve(local_addr).address
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)
     if metadata_url:
         threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()

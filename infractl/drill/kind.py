@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from infractl import runstore
 from infractl.config import RunSpec
 from infractl.drill import recovery
 from infractl.errors import UsageError
@@ -60,6 +61,7 @@ class Drill:
     store: Store
     target: Target
     commits: recovery.Commits
+    metrics: runstore.MetricsTail
     nodes: NodeControl
     watch: Watch  # the run's processes on every node, from before the fault
     workers: list[NodeProcess]  # every worker of the run at the fault
@@ -129,7 +131,7 @@ class Kind:
 
     def recovered(self, drill: Drill, record: DrillRecord) -> bool:
         """Whether the store shows the run recovered; fill in the record's resume fields then."""
-        return recovery.resumed(drill.commits, record)
+        return recovery.resumed(drill.commits, drill.metrics, record)
 
     def on_recovered(self, drill: Drill, record: DrillRecord) -> None:
         """Once recovered: anything more to read off the store."""

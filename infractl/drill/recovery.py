@@ -130,13 +130,9 @@ def agents(procs: list[NodeProcess]) -> list[NodeProcess]:
 # -- recovery ----------------------------------------------------------------------------------
 
 
-def resumed(commits: Commits, record: DrillRecord) -> bool:
+def resumed(commits: Commits, metrics: runstore.MetricsTail, record: DrillRecord) -> bool:
     """Fill in the resume fields once a restarted worker group completed a step; True then."""
-    restarts = [
-        r
-        for r in runstore.read_metrics(commits.store, record.run_id)
-        if r["time"] > record.fault_time and runstore.starts_a_process(r)
-    ]
+    restarts = [r for r in metrics.records() if r["time"] > record.fault_time and runstore.starts_a_process(r)]
     if not restarts:
         return False
     first = min(restarts, key=lambda r: r["time"])

@@ -82,6 +82,7 @@ def run_drill(
             store=store,
             target=target,
             commits=recovery.Commits(store, target.run_id),
+            metrics=runstore.MetricsTail(store, target.run_id),
             nodes=nodes,
             watch=watch,
             workers=[],

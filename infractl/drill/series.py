@@ -164,12 +164,11 @@ def _rejoin(state: ClusterState, store: Store, record: DrillRecord, *, timeout: 
     if not alive:  # else its agent lives on and joins the next rendezvous by itself
         launcher.rejoin(state, record.node, run=record.run_id)
     deadline = time.monotonic() + timeout
+    metrics = runstore.MetricsTail(store, record.run_id)
     with nodes.watch(record.run_id) as watch:
         while time.monotonic() < deadline:
             grown = [
-                r
-                for r in runstore.read_metrics(store, record.run_id)
-                if r["time"] > started and r["world_size"] == record.world_size_at_fault
+                r for r in metrics.records() if r["time"] > started and r["world_size"] == record.world_size_at_fault
             ]
             if grown:
                 record.rejoin_s = round(min(r["time"] for r in grown) - started, 3)

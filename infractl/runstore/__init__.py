@@ -59,6 +59,7 @@ from infractl.runstore.commit import (
 )
 from infractl.runstore.layout import (
     PREFIXES,
+    MetricsTail,
     bench_prefix,
     chaos_key,
     checkpoint_prefix,
@@ -105,6 +106,7 @@ __all__ = [
     "DrillRecord",
     "Manifest",
     "ManifestEntry",
+    "MetricsTail",
     "PREFIXES",
     "ProfileRequest",
     "Rejoin",

@@ -16,6 +16,7 @@ from infractl.store import ObjectInfo, Store, StoreKeyError
 
 __all__ = [
     "PREFIXES",
+    "MetricsTail",
     "bench_prefix",
     "chaos_key",
     "checkpoint_prefix",
@@ -94,16 +95,32 @@ def _metrics_chunks(store: Store, run_id: str) -> list[tuple[str, int, int]]:
     return chunks
 
 
+class MetricsTail:
+    """A run's per-step records, read again as the run writes more: each ``records()`` lists the
+    run's metrics chunks and GETs only those it has not read before (a chunk is never rewritten:
+    a resume writes new ones). What a drill or a wait polls every fraction of a second, without
+    reading the whole run each time."""
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store, self.run_id = store, run_id
+        self._read: dict[str, list[StepRecord]] = {}
+
+    def records(self) -> list[StepRecord]:
+        """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
+        chunks = sorted((written, first, key) for key, first, written in _metrics_chunks(self.store, self.run_id))
+        by_step: dict[int, StepRecord] = {}
+        for _written, _first, key in chunks:
+            if key not in self._read:
+                lines = self.store.get_bytes(key).splitlines()
+                self._read[key] = [_parse_json(self.store, key, line) for line in lines if line.strip()]
+            for record in self._read[key]:
+                by_step[int(record["step"])] = record
+        return [by_step[s] for s in sorted(by_step)]
+
+
 def read_metrics(store: Store, run_id: str) -> list[StepRecord]:
     """Per-step records sorted by step; a step recorded again after a resume keeps the newest."""
-    chunks = sorted((written, first, key) for key, first, written in _metrics_chunks(store, run_id))
-    by_step: dict[int, StepRecord] = {}
-    for _written, _first, key in chunks:
-        for line in store.get_bytes(key).splitlines():
-            if line.strip():
-                record = _parse_json(store, key, line)
-                by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
+    return MetricsTail(store, run_id).records()
 
 
 def read_run_record(store: Store, run_id: str) -> RunRecord | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from infractl import launcher, runstore
+from infractl import launcher
 from infractl.config import RunSpec
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, KindOption, register
@@ -125,13 +125,13 @@ class Partition(Kind):
 
     def recovered(self, drill: Drill, record: DrillRecord) -> bool:
         """Resumed without the node, and then a step ran on the whole world again after the link was back."""
-        if record.restart_s is None and not recovery.resumed(drill.commits, record):
+        if record.restart_s is None and not recovery.resumed(drill.commits, drill.metrics, record):
             return False
         if self._back is None:
             return False
         whole = [
             r["time"]
-            for r in runstore.read_metrics(drill.store, drill.run_id)
+            for r in drill.metrics.records()
             if r["time"] > self._back and r["world_size"] == record.world_size_at_fault
         ]
         if not whole:
