@@ -19,10 +19,11 @@ changes: preemption (SIGTERM to the agent) still forwards SIGTERM and waits ``--
 With ``--start-method=forkserver`` (run.yaml ``restart.warm``, the default), the workers of ``-m
 trainer.train`` are warm: the agent starts a fork server that imports the trainer (torch, DCP:
 about 2 s on a CPU node) while the first rendezvous runs, and torchrun forks every worker of every
-restart from it (``trainer.train.warm_main``, same arguments and exit codes). torchrun applies
+restart from it (``trainer.warm.main``, which runs ``trainer.train.warm_main`` with the same
+arguments and exit codes; the agent itself never imports the trainer). torchrun applies
 its start method only to workers it runs as functions; a module runs as a new Python each time.
 
-The agent also holds its node's in-memory checkpoint replicas (``trainer.replicas``): a server on
+The agent also holds its node's in-memory checkpoint replicas (``trainer.replica_server``): a server on
 the node's ``--local-addr`` that outlives the workers' restarts; its workers find it in
 ``$INFRACTL_REPLICA_ADDR``.
 
@@ -57,7 +58,7 @@ from torch.distributed.launcher import api as launcher_api
 from infractl import no_collection_at_exit
 from infractl.log import get_logger
 from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
-from trainer import rendezvous, replica_server
+from trainer import rendezvous, replica_server, warm
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -140,11 +141,9 @@ def _warm_config(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
     config, entrypoint, entry_args = _torchrun_config(args)
     if config.start_method != "forkserver" or not args.module or args.training_script != _WORKER_MODULE:
         return config, entrypoint, entry_args
-    from trainer.train import warm_main
-
     multiprocessing.set_forkserver_preload([_WORKER_MODULE])
     multiprocessing.forkserver.ensure_running()  # it imports the trainer while the rendezvous runs
-    return config, warm_main, list(args.training_script_args)
+    return config, warm.main, list(args.training_script_args)
 
 
 def _options(argv: list[str]) -> tuple[str, float | None]:
