@@ -19,6 +19,7 @@ from infractl.store import FileStore, open_store
 from trainer.replica_server import CORRUPT_ENV
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
+from runbook_steps import hung_job_run
 
 pytestmark = pytest.mark.e2e
 
@@ -62,11 +63,14 @@ def start(
     env: dict[str, str] | None = None,
     committed: bool = True,
     checkpoint: str = "{every: 10, keep: 2}",
+    hung: bool = False,
 ) -> FileStore:
     """Start run ``name`` detached on the module's cluster (``pace``: its ``min_step_s``, for a run
-    the test stops: it spares the CPU); return its store once its first checkpoint committed (at
-    once, without ``committed``)."""
-    run = write(cli.cwd / f"{name}.yaml", RUN.format(name=name, steps=steps, pace=pace, checkpoint=checkpoint))
+    the test stops: it spares the CPU; ``hung``: a run whose rank a test stops, with the step
+    deadline that leaves its agent time to see the peers restart); return its store once its
+    first checkpoint committed (at once, without ``committed``)."""
+    text = RUN.format(name=name, steps=steps, pace=pace, checkpoint=checkpoint)
+    run = write(cli.cwd / f"{name}.yaml", hung_job_run(text) if hung else text)
     cli("train", str(run), "--detach", env=env)
     store = FileStore(cli.home / "local" / "store")
     if committed:
@@ -174,7 +178,10 @@ def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cl
 @pytest.mark.xdist_group("drill")
 def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
     # Started right after the launch: the drill waits for the run's first commit, not a fault in its start-up.
-    store = start(cluster, "hang", committed=False)
+    # With the drills' 8 s step deadline, the stopped rank's own deadline could expire before its
+    # peers' restart reached its agent: the agent's file timer then takes the agent down with the
+    # rank (a node lost, trainer/watchdog.py), and nothing kills the stopped rank politely.
+    store = start(cluster, "hang", committed=False, hung=True)
     # What a drill cannot strike is refused at once, before that wait: local nodes have no link to cut.
     refused = cluster("drill", "partition", "--node", "node-1", "--timeout", "600", expect=2, timeout=30).stderr
     assert "error: --node: node 'node-1' has no network link of its own to cut" in refused, refused
@@ -185,7 +192,7 @@ def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
     assert result["world_size_after"] in (1, 2)
     # The hung node's agent did not wait for its stopped worker to answer SIGTERM (trainer/agent.py).
     log = (cluster.home / "local" / "nodes" / "node-1" / "logs" / "hang.log").read_text()
-    assert "it is stopped and cannot answer SIGTERM" in log
+    assert "it is stopped and cannot answer SIGTERM" in log, log
 
 
 @pytest.mark.xdist_group("drill")
