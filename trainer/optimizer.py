@@ -7,7 +7,6 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_factor", "warmup_steps"]
@@ -33,6 +32,9 @@ def build_optimizer(model: nn.Module, *, lr: float, shard_state: bool = False) -
     ]
     # foreach=False: the per-tensor loop is deterministic and fast enough at these sizes.
     if shard_state:
+        # Imported here: it costs every process that imports the trainer a third of a second.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, betas=_BETAS, foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=_BETAS, foreach=False)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,9 +19,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import LRScheduler
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "ModelState",
@@ -188,7 +191,9 @@ def make_deterministic() -> None:
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Stateful:
     """The checkpoint entry for ``optimizer``: sharded for ZeRO-1, DCP's own helpers otherwise."""
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # build_optimizer imports ZeRO only to build one: unimported, this optimizer is not one.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return ShardedOptimizerState(model, optimizer)
     return OptimizerState(model, optimizer)
 
