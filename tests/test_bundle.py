@@ -8,6 +8,7 @@ import io
 import json
 import posixpath
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,12 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from PIL import Image
 
-from infractl.handover import bundle, page
+from infractl import runstore
+from infractl.errors import InfractlError
+from infractl.handover import bundle, page, redaction
 from infractl.runstore import DrillRecord
+from infractl.store import open_store
 
-from conftest import REPO, Cli, module_cluster, write
+from conftest import REPO, Cli, module_cluster, one_line, write
 
 RUN = """\
 name: handed
@@ -71,7 +76,7 @@ def test_bundle_holds_everything(cluster: Cli) -> None:
     out = cluster.cwd / "handover" / "local"
     assert result["out"] == "handover/local" and result["runs"] == ["handed"]
     files = tree(out)
-    assert sorted(files) == result["files"]
+    assert sorted(files) == sorted([*result["files"], bundle.MARKER])
     for name in ("index.html", "topology.md", "topology.svg", "reference.md", "configs/README.md",
                  "configs/cluster.yaml", "configs/runs/handed.yaml", "configs/runs/handed.environment.json",
                  "configs/terraform/main.tf.json", "configs/ansible/hosts.json", "baseline/handed.json",
@@ -119,6 +124,126 @@ def test_the_same_bytes_again_and_wherever_written_and_a_bad_run_is_refused(clus
     refused = cluster("bundle", "--run", "nope", "--out", "third", expect=2).stderr
     assert "--run: no run 'nope' of cluster 'local' in its store" in refused
     assert not (cluster.cwd / "third").exists()
+
+
+# An OpenSSH private key's shape (not a usable key): what the aws module's host_key variable holds.
+_PRIVATE_KEY = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----\n"
+_PLANTED = {
+    "sensitive variable": "planted-sensitive-7f3a",
+    "sensitive output": "planted-output-91c2",
+    "inventory password": "planted-inventory-5d0e",
+    "run's token": "hf_planted-token-c4b8",
+    "fingerprint's token": "ghp_planted-fingerprint-2a61",
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("bundle")
+def test_no_file_of_a_bundle_holds_a_private_key_or_a_planted_secret(cluster: Cli, tmp_path: Path) -> None:
+    """A copy of the cluster's state and store with secrets planted where a cluster keeps them: the
+    module's variables (a host private key, a variable the module declares sensitive, a private key
+    under a name that says nothing), a sensitive Terraform output, the Ansible inventory, the run's
+    record and its checkpoint's environment fingerprint. No file of its bundle holds any of them."""
+    copy = Cli(tmp_path)
+    state = copy.home / "local"
+    shutil.copytree(cluster.home / "local", state, symlinks=True)
+    record = json.loads((state / "cluster.json").read_text())
+    write(state / "cluster.json", json.dumps(record | {"store": (state / "store").as_uri()}))
+    terraform = state / "terraform"
+    root = json.loads((terraform / "main.tf.json").read_text())
+    root["module"]["cluster"] |= {
+        "host_key": {"private": _PRIVATE_KEY, "public": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIplanted"},
+        "vault": _PLANTED["sensitive variable"],
+        "bootstrap": f"#!/bin/sh\ncat >/etc/ssh/key <<EOF\n{_PRIVATE_KEY}EOF\n",
+    }
+    write(terraform / "main.tf.json", json.dumps(root))
+    write(terraform / "module" / "vault.tf", 'variable "vault" {\n  type      = string\n  sensitive = true\n}\n')
+    tfstate = json.loads((terraform / "terraform.tfstate").read_text())
+    tfstate["outputs"]["vault_address"] = {"value": _PLANTED["sensitive output"], "type": "string", "sensitive": True}
+    write(terraform / "terraform.tfstate", json.dumps(tfstate))
+    inventory = state / "ansible" / "inventory" / "hosts.json"
+    hosts = json.loads(inventory.read_text())
+    hosts["all"]["hosts"]["node-0"]["ansible_become_password"] = _PLANTED["inventory password"]
+    write(inventory, json.dumps(hosts))
+    store = open_store((state / "store").as_uri())
+    run = runstore.read_run_record(store, "handed")
+    assert run is not None and run.spec is not None
+    run.spec["env"] = {"HF_TOKEN": _PLANTED["run's token"]}
+    runstore.write_run_record(store, run)
+    step = runstore.latest_committed_step(store, "handed")
+    assert step is not None
+    manifest = runstore.read_manifest(store, "handed", step)
+    assert manifest is not None
+    manifest.extra["environment"]["GITHUB_TOKEN"] = _PLANTED["fingerprint's token"]
+    store.put_bytes(f"{runstore.checkpoint_prefix('handed', step)}/MANIFEST.json", manifest.to_json())
+
+    copy("bundle", "--out", "bundle")
+
+    files = tree(tmp_path / "bundle")
+    for name, content in files.items():
+        assert b"PRIVATE KEY" not in content, name
+        for what, secret in _PLANTED.items():
+            assert secret.encode() not in content, (name, what)
+    # Redacted where it was, and nothing that is not a secret.
+    variables = json.loads(files["configs/terraform/main.tf.json"])["module"]["cluster"]
+    assert variables["host_key"] == {"private": "(redacted)", "public": root["module"]["cluster"]["host_key"]["public"]}
+    assert variables["vault"] == variables["bootstrap"] == "(redacted)"
+    assert variables["nodes"] == root["module"]["cluster"]["nodes"]
+    assert json.loads(files["configs/terraform/outputs.json"])["vault_address"] == "(redacted)"
+    node = json.loads(files["configs/ansible/hosts.json"])["all"]["hosts"]["node-0"]
+    assert node["ansible_become_password"] == "(redacted)" and node["node_address"] == "127.0.0.1"
+    assert yaml.safe_load(files["configs/runs/handed.yaml"])["env"] == {"HF_TOKEN": "(redacted)"}
+
+
+def test_a_bundle_that_still_holds_a_private_key_is_not_written(tmp_path: Path) -> None:
+    files = {"index.html": b"<p>ok</p>", "configs/notes.md": f"a key:\n{_PRIVATE_KEY}".encode()}
+    with pytest.raises(InfractlError, match="the bundle's configs/notes.md holds a private key"):
+        redaction.refuse_private_keys(files)
+
+
+def test_out_onto_the_users_own_files_or_a_folder_that_holds_them_is_refused_and_changes_nothing(cli: Cli) -> None:
+    mine = cli.cwd / "my-project"
+    (mine / "src").mkdir(parents=True)
+    write(mine / "notes.txt", "mine\n")
+    write(mine / "src" / "main.py", "print('mine')\n")
+    (cli.home / "local" / "ssh").mkdir(parents=True)
+    write(cli.home / "local" / "ssh" / "id_ed25519", "the cluster's key\n")
+    before = tree(cli.cwd)
+    refused = {
+        "my-project": "holds files that are not a bundle infractl wrote (no .infractl-bundle in it)",
+        "my-project/notes.txt": "is a file",
+        str(cli.cwd): "is, holds or lies inside infractl's state root",
+        ".infractl": "is, holds or lies inside infractl's state root",
+        ".infractl/local/handover": "is, holds or lies inside infractl's state root",
+        "my-project/..": "is, holds or lies inside infractl's state root",
+    }
+    for out, why in refused.items():
+        assert f"--out: {out} {why}" in one_line(cli("bundle", "--out", out, expect=2).stderr)
+    # From inside the user's folder: ., .. and the folder's path are the current directory or hold it.
+    inside = Cli(mine / "src")
+    for out in (".", "..", str(mine)):
+        stderr = inside("bundle", "--out", out, expect=2, env={"INFRACTL_HOME": str(cli.home)}).stderr
+        assert f"--out: {out} is the current directory or holds it" in one_line(stderr)
+    assert tree(cli.cwd) == before
+    assert sorted(p.name for p in cli.cwd.iterdir()) == [".infractl", "my-project"]  # nothing set aside either
+
+
+def test_a_bundle_replaces_a_bundle_and_an_empty_folder_but_nothing_else(tmp_path: Path) -> None:
+    out = tmp_path / "handover"
+    out.mkdir()
+    bundle.write(bundle.Bundle("c", [], {"a.txt": b"first"}), out)  # an empty folder
+    write(out / "left-by-hand.txt", "gone with the old bundle\n")
+    bundle.write(bundle.Bundle("c", [], {"a.txt": b"second"}), out)  # a bundle: replaced whole
+    assert tree(out) == {"a.txt": b"second", bundle.MARKER: (out / bundle.MARKER).read_bytes()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["handover"]  # nothing set aside is left
+    (out / bundle.MARKER).unlink()  # no longer a bundle: a folder of files
+    with pytest.raises(InfractlError, match=r"--out: .* holds files that are not a bundle infractl wrote"):
+        bundle.write(bundle.Bundle("c", [], {"a.txt": b"third"}), out)
+    assert tree(out) == {"a.txt": b"second"}
+    # The marker's bytes are the same in every bundle: the same inputs still give the same bytes.
+    bundle.write(bundle.Bundle("c", [], {"a.txt": b"third"}), tmp_path / "elsewhere")
+    bundle.write(bundle.Bundle("c", [], {"a.txt": b"third"}), tmp_path / "again")
+    assert tree(tmp_path / "elsewhere") == tree(tmp_path / "again")
 
 
 def test_a_failure_half_way_leaves_the_previous_bundle_untouched(tmp_path: Path) -> None:

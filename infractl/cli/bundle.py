@@ -20,7 +20,13 @@ def bundle_command(
     run: RunOpt = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", help="Directory to write (replaced whole). Default: handover/<cluster>/."),
+        typer.Option(
+            "--out",
+            help=(
+                "Directory to write (replaced whole): a new or empty one, or a bundle infractl wrote. "
+                "Default: handover/<cluster>/."
+            ),
+        ),
     ] = None,
     json_mode: JsonOpt = False,
 ) -> None:
@@ -32,6 +38,7 @@ def bundle_command(
     result = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
     where = out if out is not None else Path("handover") / state.name
+    bundle.check_out(where)  # before the bundle is made: a refused --out costs nothing
     made = bundle.assemble(state, run=run, cli=ctx.find_root().command)
     bundle.write(made, where)
     write_private(state.bundle_record_path, json.dumps({"out": str(where.resolve())}) + "\n")

@@ -6,6 +6,12 @@ beside the destination and renamed into place: a failure half-way leaves the pre
 it was. It is deterministic: nothing in it depends on when it was made (only the recorded run
 times), so regenerating from unchanged inputs gives the same bytes.
 
+``--out`` replaces its folder whole, so it must never be a folder of the user's: ``write`` replaces
+only nothing, an empty folder or a bundle (the marker file ``.infractl-bundle`` at its root, whose
+bytes never change), and never the state root, the current directory or a folder that holds
+either. Readers of a bundle are not trusted (DESIGN.md, Roles and trust): every config is written
+with its secrets redacted (redaction.py), and a bundle in which a private key is left is not written.
+
     index.html, style.css   one static page that shows and links everything (opens from disk),
                             from the templates in the repository's bundle/ (page.py)
     topology.md, .svg       nodes, ranks, addresses, rendezvous, store, bottleneck, how to grow
@@ -17,6 +23,7 @@ times), so regenerating from unchanged inputs gives the same bytes.
     access/                 each role's IAM policy for the store, the membership, README.md (access.py)
     baseline/               per run: <run>.json, <run>-loss.png and <run>-memory.json (`plan
                             --measure`, when run); bench.json and its plots
+    .infractl-bundle        the marker: this folder is a bundle, which the next `bundle --out` replaces
 """
 
 from __future__ import annotations
@@ -35,13 +42,18 @@ from infractl import providers, runs, runstore
 from infractl.cluster import store_for
 from infractl.configure import network_env
 from infractl.errors import UsageError
-from infractl.handover import access_docs, baseline, page, runbooks, topology
+from infractl.handover import access_docs, baseline, page, redaction, runbooks, topology
 from infractl.handover.reference import ClickCommand, render_reference
 from infractl.runstore import RunRecord
-from infractl.state import ClusterState
+from infractl.state import ClusterState, home
 from infractl.store import Store
 
-__all__ = ["Bundle", "assemble", "write"]
+__all__ = ["MARKER", "Bundle", "assemble", "check_out", "write"]
+
+#: The file at the root of every bundle ``write`` makes: a folder that holds it may be replaced.
+MARKER = ".infractl-bundle"
+# Its bytes never change (nothing of when or where), so the same inputs still give the same bytes.
+_MARKER_TEXT = b"A handover bundle written by `infractl bundle`: the next `infractl bundle --out` here replaces it.\n"
 
 
 @dataclass(frozen=True)
@@ -85,35 +97,39 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     files |= runbooks.render_runbooks(cluster, records)
     files |= access_docs.bundle_files(state)
     files |= page.render(cluster["name"], [r.run_id for r in records], files)
+    redaction.refuse_private_keys(files)
     return Bundle(state.name, [r.run_id for r in records], files)
 
 
 def _configs(state: ClusterState, cluster: dict[str, Any], store: Store, records: list[RunRecord]) -> dict[str, bytes]:
+    # Every config goes through redaction.redact: a secret anywhere in them is written as "(redacted)".
+    redact = redaction.redact
     files = {
         "configs/README.md": _CONFIGS_README.format(cluster=cluster["name"]).encode(),
-        "configs/cluster.yaml": _yaml(cluster["spec"]),
-        "configs/runtime.json": _json(cluster["spec"]["runtime"]),
+        "configs/cluster.yaml": _yaml(redact(cluster["spec"])),
+        "configs/runtime.json": _json(redact(cluster["spec"]["runtime"])),
     }
-    terraform = state.dir / "terraform"
+    terraform = state.terraform_dir
     if (terraform / "main.tf.json").is_file():
-        files["configs/terraform/main.tf.json"] = (terraform / "main.tf.json").read_bytes()
+        root = json.loads((terraform / "main.tf.json").read_text())
+        files["configs/terraform/main.tf.json"] = _json(redaction.root_module(root, terraform / "module"))
     if (terraform / "terraform.tfstate").is_file():
         outputs = json.loads((terraform / "terraform.tfstate").read_text()).get("outputs", {})
-        files["configs/terraform/outputs.json"] = _json({k: v.get("value") for k, v in outputs.items()})
+        files["configs/terraform/outputs.json"] = _json(redaction.outputs(outputs))
     inventory = state.dir / "ansible" / "inventory" / "hosts.json"
     if inventory.is_file():
-        files["configs/ansible/hosts.json"] = inventory.read_bytes()
+        files["configs/ansible/hosts.json"] = _json(redact(json.loads(inventory.read_text())))
     exports = {r.run_id: made for r in records if (made := runstore.read_export_records(store, r.run_id))}
     if exports:
-        files["configs/exports.json"] = _json(exports)
+        files["configs/exports.json"] = _json(redact(exports))
     for record in records:
         if record.spec is not None:
-            files[f"configs/runs/{record.run_id}.yaml"] = _yaml(record.spec)
+            files[f"configs/runs/{record.run_id}.yaml"] = _yaml(redact(record.spec))
         step = runstore.latest_committed_step(store, record.run_id)
         manifest = runstore.read_manifest(store, record.run_id, step) if step is not None else None
         if manifest is not None and "environment" in manifest.extra:
             files[f"configs/runs/{record.run_id}.environment.json"] = _json(
-                {"step": step, "environment": manifest.extra["environment"]}
+                {"step": step, "environment": redact(manifest.extra["environment"])}
             )
     return files
 
@@ -137,10 +153,46 @@ def _baselines(
     return files
 
 
+def check_out(out: Path) -> Path:
+    """``out`` resolved, when ``write`` may replace what is there: nothing, an empty folder or a
+    bundle (its marker at the root). Refused (``UsageError`` naming ``--out``, nothing changed):
+    anything else, and whatever is in it, the state root, the current directory, a folder inside
+    the state root or one that holds either (a bundle is replaced whole: ``--out .`` or ``--out ~``
+    would take the checkout's or the user's files, and the cluster's keys and state with them)."""
+    where = out.resolve()
+    state_root, cwd = home().resolve(), Path.cwd().resolve()
+    if where.is_relative_to(state_root) or state_root.is_relative_to(where):
+        raise UsageError(
+            f"{out} is, holds or lies inside infractl's state root {state_root} (the clusters' keys and state): "
+            "name a new or empty folder outside it",
+            field="--out",
+        )
+    if cwd.is_relative_to(where):
+        raise UsageError(
+            f"{out} is the current directory or holds it, and a bundle replaces its folder whole: name a new or "
+            "empty folder (the default is handover/<cluster>)",
+            field="--out",
+        )
+    if where.exists() and not where.is_dir():
+        raise UsageError(f"{out} is a file, and a bundle replaces it whole: name a new or empty folder", field="--out")
+    if where.is_dir() and any(where.iterdir()) and not _is_bundle(where):
+        raise UsageError(
+            f"{out} holds files that are not a bundle infractl wrote (no {MARKER} in it), and a bundle replaces its "
+            "folder whole: name a new or empty folder",
+            field="--out",
+        )
+    return where
+
+
+def _is_bundle(folder: Path) -> bool:
+    marker = folder / MARKER
+    return marker.is_file() and not marker.is_symlink() and marker.read_bytes() == _MARKER_TEXT
+
+
 def write(bundle: Bundle, out: Path) -> None:
-    """Write ``bundle`` to ``out`` all at once: a temporary directory beside it, renamed into
-    place; the previous bundle is replaced only once the new one is whole."""
-    out = out.resolve()
+    """Write ``bundle`` to ``out`` all at once (``check_out`` first): a temporary directory beside
+    it, renamed into place; the previous bundle is replaced only once the new one is whole."""
+    out = check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -148,13 +200,21 @@ def write(bundle: Bundle, out: Path) -> None:
             path = staging / relative
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(content)
+        (staging / MARKER).write_bytes(_MARKER_TEXT)
         staging.chmod(0o755)
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)  # left by a write that died between its renames
-        if out.exists():
-            os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
+        if not out.exists():
+            os.replace(staging, out)
+            return
+        # Set aside under a name of its own (a fixed name may be a folder of the user's), and
+        # removed once the new bundle is in place.
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+        os.replace(out, old)
+        try:
+            os.replace(staging, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+        shutil.rmtree(old)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -178,6 +238,8 @@ Change the environment in this order:
 `terraform/` holds the resolved Terraform variables (`main.tf.json`) and outputs, `ansible/` the
 inventory Ansible ran with, `runtime.json` the runtime pin, and `runs/<run>.environment.json` the
 environment fingerprint (versions, image, host) recorded in the run's newest committed checkpoint.
+In every one of them a secret (a private key, a token, a password, a Terraform variable declared
+sensitive) reads `(redacted)`: it stays in the cluster's state on the operator's machine.
 `exports.json` (once a model was exported) names, per run, each file `infractl export` wrote: where
 it is, its sha256, the step and format, and the exact command that made it (run it again to get
 the same bytes).
