@@ -16,11 +16,13 @@ import pytest
 
 from infractl import configure
 from infractl.config import load_cluster
+from infractl.errors import ConfigError
 from infractl.infra import Node, SshLogin
 from infractl.planning.devices import CATALOG, Device
 from infractl.providers import aws
 from infractl.providers.base import provider_named
 from infractl.state import ClusterState
+from infractl.store import S3Store, open_store
 
 from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
 
@@ -93,6 +95,8 @@ def test_dry_run_of_the_local_provider_lists_its_nodes(cli: Cli) -> None:
         ({"aws": None}, "aws: is required with provider: aws (region, state_bucket, node_groups)"),
         ({"nodes": 3}, "nodes: 3 differs from the 4 node(s) of aws.node_groups"),
         ({"store": None}, "store: provider aws needs an s3:// store (s3://bucket/prefix)"),
+        ({"store": "s3://my-team-infractl"}, "store: provider aws needs the store under a prefix of its bucket"),
+        ({"store": "s3://my-team-infractl/"}, "store: provider aws needs the store under a prefix of its bucket"),
         ({"runtime": {"image": "trainer:latest"}}, "runtime.image: 'trainer:latest' is not pinned by digest"),
         ({"runtime": {"image": None}}, "runtime.image: is required with provider aws (the trainer runs in"),
         (
@@ -123,6 +127,105 @@ def test_the_aws_section_is_validated_with_one_line_naming_the_field(
     path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
     line = one_line(cli("up", "--dry-run", "-c", str(path), expect=2).stderr)
     assert line.startswith(f"error: {path}: {message}"), line
+
+
+@pytest.mark.parametrize(
+    "workdir",
+    [
+        "/",
+        "/opt",
+        "opt/infractl",
+        "/opt/{{ lookup('pipe', 'id') }}",
+        "/opt/a b",
+        "/opt/$(id)",
+        "/opt/../etc",
+        "/opt/a;b",
+    ],
+)
+def test_aws_workdir_is_a_plain_path_two_levels_deep(cli: Cli, workdir: str) -> None:
+    """Root makes the work directory and sets its ACLs, and it reaches Ansible's variables and shell
+    commands: one line naming the field, exit 2, before anything is made."""
+    import yaml
+
+    config = yaml.safe_load(EXAMPLE.read_text()) | {"runtime": {"image": f"registry.example/trainer@{DIGEST}"}}
+    config["aws"]["workdir"] = workdir
+    path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
+    line = one_line(cli("up", "--dry-run", "-c", str(path), expect=2).stderr)
+    assert line.startswith(f"error: {path}: aws.workdir: {workdir!r} must be an absolute path at least two"), line
+    assert not cli.home.exists()
+
+
+def test_up_refuses_an_existing_store_bucket_without_its_safety_settings(cli: Cli, s3_server: str) -> None:
+    """A bucket the cluster does not create is checked before anything is made: public access
+    blocked and versioning on (moto's endpoint is plain HTTP, so no TLS-only policy is asked for:
+    the module turns require_tls off there too), each missing setting named with what sets it."""
+    import yaml
+
+    state_bucket, store_bucket = new_bucket_name(), new_bucket_name()
+    s3 = s3_client(s3_server)
+    s3.create_bucket(Bucket=state_bucket)
+    s3.create_bucket(Bucket=store_bucket)
+    config = yaml.safe_load(EXAMPLE.read_text())
+    config["runtime"]["image"] = f"registry.example/trainer@{DIGEST}"
+    config["store"] = f"s3://{store_bucket}/train-p5?endpoint_url={s3_server}"
+    config["aws"] |= {"state_bucket": state_bucket, "endpoint_url": s3_server, "create_bucket": False}
+    path = write(cli.cwd / "cluster.yaml", yaml.safe_dump(config))
+
+    line = one_line(cli("up", "-c", str(path), expect=2).stderr)
+    assert line == (
+        f"error: store: bucket {store_bucket} is not safe for a cluster's store (the cluster does not create it): "
+        f"set its public access block (aws s3api put-public-access-block --bucket {store_bucket} "
+        "--public-access-block-configuration BlockPublicAcls=true,IgnorePublicAcls=true,BlockPublicPolicy=true,"
+        f"RestrictPublicBuckets=true); versioning (aws s3api put-bucket-versioning --bucket {store_bucket} "
+        "--versioning-configuration Status=Enabled)"
+    ), line
+    assert not cli.home.exists()
+
+    settings = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets")
+    s3.put_public_access_block(
+        Bucket=store_bucket, PublicAccessBlockConfiguration={setting: True for setting in settings}
+    )
+    line = one_line(cli("up", "-c", str(path), expect=2).stderr)
+    assert line.startswith(f"error: store: bucket {store_bucket} is not safe") and "; " not in line, line
+    assert line.endswith("set versioning (aws s3api put-bucket-versioning --bucket "
+                         f"{store_bucket} --versioning-configuration Status=Enabled)"), line  # fmt: skip
+
+    s3.put_bucket_versioning(Bucket=store_bucket, VersioningConfiguration={"Status": "Enabled"})
+    line = one_line(cli("up", "-c", str(path), expect=2).stderr)
+    assert line.startswith(f"error: runtime.image: image {DIGEST} is not in this machine's image cache"), line
+
+
+def test_a_tls_only_bucket_policy_is_what_the_store_check_asks_for(s3_server: str) -> None:
+    """Where the endpoint has TLS, the bucket's policy must refuse requests without it, as the
+    module's own DenyInsecureTransport does; any other policy is named as missing."""
+    import json
+
+    bucket = new_bucket_name()
+    s3 = s3_client(s3_server)
+    s3.create_bucket(Bucket=bucket)
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    settings = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets")
+    s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration={setting: True for setting in settings})
+    store = open_store(f"s3://{bucket}/runs?endpoint_url={s3_server}", field="store")
+    assert isinstance(store, S3Store)
+    store.check_bucket(tls=False)
+
+    def statement(condition: dict[str, Any], resources: list[str]) -> dict[str, Any]:
+        return {"Effect": "Deny", "Principal": "*", "Action": "s3:*", "Resource": resources, "Condition": condition}
+
+    both = [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"]
+    for wrong in (
+        None,  # no policy at all
+        statement({"Bool": {"aws:SecureTransport": "true"}}, both),
+        statement({"Bool": {"aws:SecureTransport": "false"}}, [f"arn:aws:s3:::{bucket}"]),  # the objects left out
+    ):
+        if wrong is not None:
+            s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [wrong]}))
+        with pytest.raises(ConfigError, match=r"set a bucket policy statement that denies s3:\* .*aws:SecureTransport"):
+            store.check_bucket(tls=True)
+    right = statement({"Bool": {"aws:SecureTransport": "false"}}, both)
+    s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [right]}))
+    store.check_bucket(tls=True)
 
 
 def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: Cli, s3_server: str) -> None:

@@ -65,6 +65,7 @@ EXISTING = {
     "subnet_id": "subnet-0123456789abcdef0",
     "public_subnet_id": "subnet-0123456789abcdef1",
     "store_bucket": "demo-store",
+    "store_prefix": "demo",
     **KEYS,
 }
 
@@ -353,12 +354,7 @@ def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
     assert aws.planned_resources(FULL) == [
         "aws_iam_role.node",
         "aws_iam_role_policy.node_store",
-        "aws_iam_role_policy_attachment.node_ssm",
-        "aws_iam_role_policy_attachment.node_ecr",
         "aws_iam_instance_profile.node",
-        "aws_iam_role.controller",
-        "aws_iam_role_policy_attachment.controller_ssm",
-        "aws_iam_instance_profile.controller",
         "aws_key_pair.cluster",
         "aws_security_group.this",
         "aws_vpc_security_group_ingress_rule.members",
@@ -419,6 +415,10 @@ def test_existing_network_and_bucket_are_not_created() -> None:
         ({"vpc_id": None, "subnet_id": None}, "availability_zone is required"),
         ({"controller_instance_type": "p5.48xlarge"}, "not one of the training types"),
         ({"store_prefix": "/runs/"}, "no leading or trailing '/'"),
+        ({"store_prefix": ""}, "not empty: the nodes would get the whole bucket"),
+        ({"workdir": "/"}, "workdir must be an absolute path at least two levels deep"),
+        ({"workdir": "/opt"}, "workdir must be an absolute path at least two levels deep"),
+        ({"workdir": "/opt/{{ lookup('pipe', 'id') }}"}, "workdir must be an absolute path at least two levels deep"),
     ],
 )
 def test_module_validations_refuse_bad_variables(change: dict[str, object], message: str) -> None:

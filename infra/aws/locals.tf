@@ -69,9 +69,6 @@ locals {
   )
   ami_lookups = { for type, parameter in local.ami_parameters : type => parameter if !contains(keys(var.ami_overrides), type) }
 
-  # Where nodes may read and write in the store's bucket.
-  store_keys = var.store_prefix == "" ? "*" : "${var.store_prefix}/*"
-
   # The controller only serves the rendezvous store: a small root volume is plenty.
   controller_root_volume_gb = 30
 }

@@ -17,8 +17,11 @@ locals {
   # The controller is the SSH jump host: in the public subnet, with a public address.
   controller_subnet_id = local.create_network ? aws_subnet.public[0].id : var.public_subnet_id
 
-  # cloud-init on every instance: the cluster's host key in place of generated ones (the operator pinned it
-  # before the instance existed), and the cluster's key for the login user.
+  # cloud-init on every instance: the cluster's bootstrap host key in place of generated ones (the operator
+  # pinned it before the instance existed), and the cluster's key for the login user. The bootstrap key is
+  # every new instance's, and anyone who reads user data has it: the first `infractl up` that reaches an
+  # instance has it make a host key of its own over the channel pinned to the bootstrap key, and pins that
+  # one for it instead (Aws.provisioned in infractl/providers/aws.py).
   user_data = join("\n", ["#cloud-config", yamlencode({
     ssh_deletekeys      = true
     ssh_genkeytypes     = []
@@ -34,7 +37,7 @@ resource "aws_key_pair" "cluster" {
 }
 
 # EFA and NCCL need every kind of traffic between the nodes; nothing else may reach them. Nodes are reached
-# over SSH through the controller (a member), or through Session Manager, which needs no inbound rule.
+# over SSH through the controller (a member).
 resource "aws_security_group" "this" {
   name_prefix = "infractl-${var.cluster_name}-"
   description = "infractl cluster ${var.cluster_name}: all traffic between members only, HTTP(S) out"
@@ -62,8 +65,8 @@ resource "aws_vpc_security_group_egress_rule" "members" {
   tags                         = local.tags
 }
 
-# Out to the internet only over HTTP(S), through the NAT gateway: Session Manager, S3, the image registry and
-# package mirrors (Ubuntu's archive is served over HTTP, signed).
+# Out to the internet only over HTTP(S), through the NAT gateway: S3 and package mirrors (Ubuntu's archive is
+# served over HTTP, signed).
 resource "aws_vpc_security_group_egress_rule" "web" {
   for_each = toset(["80", "443"])
 
@@ -239,12 +242,12 @@ resource "aws_instance" "node" {
 resource "aws_instance" "controller" {
   #checkov:skip=CKV_AWS_88:The controller is the SSH jump host: its public address admits SSH from ssh_ingress_cidrs only.
   #checkov:skip=CKV_AWS_126:Basic monitoring is enough for the controller, which trains nothing.
+  #checkov:skip=CKV2_AWS_41:The controller calls no AWS API; without a role its metadata service holds no credentials for anyone on it.
   ami                         = local.ami[var.controller_instance_type]
   instance_type               = var.controller_instance_type
   subnet_id                   = local.controller_subnet_id
   associate_public_ip_address = true
   vpc_security_group_ids      = [aws_security_group.this.id, aws_security_group.jump.id]
-  iam_instance_profile        = aws_iam_instance_profile.controller.name
   key_name                    = aws_key_pair.cluster.key_name
   user_data                   = local.user_data
   ebs_optimized               = true

@@ -4,7 +4,7 @@
 # (free, where the NAT gateway charges per GB).
 
 resource "aws_vpc" "this" {
-  #checkov:skip=CKV2_AWS_11:This VPC lives as long as the cluster and admits no inbound traffic (Session Manager, logged by CloudTrail, is the only way in); flow logs would add a KMS key, a log group kept a year and a role to every cluster. Pass vpc_id and subnet_id to run in an audited VPC with flow logs.
+  #checkov:skip=CKV2_AWS_11:This VPC lives as long as the cluster and admits no inbound traffic but SSH to the controller from ssh_ingress_cidrs; flow logs would add a KMS key, a log group kept a year and a role to every cluster. Pass vpc_id and subnet_id to run in an audited VPC with flow logs.
   count = local.create_network ? 1 : 0
 
   cidr_block           = var.vpc_cidr

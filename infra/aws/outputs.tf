@@ -1,5 +1,5 @@
 output "inventory" {
-  description = "The training nodes in inventory order (groups by name, then index), in the shape of infra/local's inventory: name (<group>-<index>), address (private IP, what peers and the controller use), workdir and processes; plus instance_id (the Session Manager target), group, instance_type, spot and availability_zone."
+  description = "The training nodes in inventory order (groups by name, then index), in the shape of infra/local's inventory: name (<group>-<index>), address (private IP, what peers and the controller use), workdir and processes; plus instance_id, group, instance_type, spot and availability_zone."
   value = [
     for name in local.node_order : {
       name              = name
@@ -51,6 +51,6 @@ output "network" {
 }
 
 output "node_role_arn" {
-  description = "ARN of the training nodes' IAM role (store access under store_prefix, Session Manager)."
+  description = "ARN of the training nodes' IAM role (store access under store_prefix, nothing else)."
   value       = aws_iam_role.node.arn
 }

@@ -74,7 +74,7 @@ variable "vpc_id" {
 }
 
 variable "subnet_id" {
-  description = "Existing private subnet of vpc_id for every instance. It must already route to the internet (a NAT gateway) or have the VPC endpoints the nodes need (SSM, S3, the image registry). Null: the module creates the network."
+  description = "Existing private subnet of vpc_id for every instance. It must already route to the internet (a NAT gateway) or have the VPC endpoint the nodes need (S3). Null: the module creates the network."
   type        = string
   default     = null
 
@@ -113,19 +113,18 @@ variable "store_bucket" {
 }
 
 variable "store_prefix" {
-  description = "Key prefix of the store in store_bucket, without leading or trailing '/'. Empty: the whole bucket."
+  description = "Key prefix of the store in store_bucket, without leading or trailing '/'. The nodes' rights are scoped to it: never the whole bucket."
   type        = string
-  default     = ""
   nullable    = false
 
   validation {
-    condition     = var.store_prefix == "" || can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", var.store_prefix))
-    error_message = "store_prefix must be empty or '/'-separated segments of letters, digits, '.', '_' or '-', with no leading or trailing '/'."
+    condition     = can(regex("^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", var.store_prefix))
+    error_message = "store_prefix must be '/'-separated segments of letters, digits, '.', '_' or '-', with no leading or trailing '/' (not empty: the nodes would get the whole bucket)."
   }
 }
 
 variable "create_bucket" {
-  description = "Create store_bucket (versioned, encrypted, public access blocked, TLS only, lifecycle rules) with the cluster. False: the bucket exists already and is left as it is."
+  description = "Create store_bucket (versioned, encrypted, public access blocked, TLS only, lifecycle rules) with the cluster. False: the bucket exists already and is left as it is (infractl up refuses one whose public access is not blocked, that is not versioned, or whose policy admits requests without TLS)."
   type        = bool
   default     = false
   nullable    = false
@@ -270,9 +269,11 @@ variable "workdir" {
   default     = "/opt/dlami/nvme/infractl"
   nullable    = false
 
+  # Root makes it and sets its owner and ACLs, and it reaches shell commands and Ansible's variables: plain
+  # segments only, and never / or a top-level directory.
   validation {
-    condition     = startswith(var.workdir, "/")
-    error_message = "workdir must be an absolute path."
+    condition     = can(regex("^(/[A-Za-z0-9_][A-Za-z0-9._-]*){2,}$", var.workdir))
+    error_message = "workdir must be an absolute path at least two levels deep whose segments are letters, digits, '.', '_' and '-', none starting with '.' or '-'."
   }
 }
 

@@ -104,7 +104,11 @@ def _apply(
     require: Sequence[str],
 ) -> int:
     """Enforce ``after`` on the nodes, then in the store, then record it; on a failure put the
-    nodes (and the store, if it was reached) back to ``before`` and leave the record as it was."""
+    nodes (and the store, if it was reached) back to ``before`` and leave the record as it was.
+    A store that cannot hold the roles' rights (an S3 store with no prefix: ``ConfigError``) is
+    refused before anything changes."""
+    for role in rights(state):
+        store.access_policy(role)
     nodes = providers.control(state)
     try:
         applied = configure.apply_access(state.dir, nodes, node_vars(state, after, require=require))

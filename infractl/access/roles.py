@@ -91,6 +91,10 @@ ROLES: tuple[Role, ...] = (
     ),
 )
 ROLE_NAMES = tuple(r.name for r in ROLES)
+#: What no role writes, whatever its write patterns say: only the cluster's nodes write a run's
+#: checkpoints, because torch unpickles a checkpoint's ``.metadata`` when the trainer resumes, so a
+#: role that wrote there could run code in every rank. Deleting there stays as the table says.
+_NODES_ONLY = ("runs/*/ckpt/*",)
 
 
 # -- names ----------------------------------------------------------------------------------------
@@ -124,6 +128,7 @@ def rights(state: ClusterState) -> list[RoleRights]:
             read=r.read,
             write=r.write,
             delete=r.delete,
+            nodes_only=_NODES_ONLY,
             grants=policies if r.grants_access else (),
         )
         for r in ROLES

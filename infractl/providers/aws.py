@@ -23,6 +23,7 @@ import functools
 import getpass
 import ipaddress
 import json
+import re
 import socket
 import subprocess
 import tempfile
@@ -52,6 +53,7 @@ from infractl.providers.base import (
 )
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.state import ClusterState, Orphan, write_private
+from infractl.store import S3Store, open_store
 
 __all__ = [
     "Aws",
@@ -91,6 +93,10 @@ _EVALUATED_FILES = ("variables.tf", "locals.tf", "instances.json")
 
 _GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
 _AWS_ID = r"^{kind}-[0-9a-f]{{8,17}}$"
+# A node's work directory: root makes it and sets its owner and ACLs, and it reaches Ansible's
+# variables and shell commands, so plain segments only (nothing a shell or Jinja reads), and never
+# a top-level directory or / itself, which setfacl and chmod would then change.
+_WORKDIR = re.compile(r"^(/[A-Za-z0-9_][A-Za-z0-9._-]*){2,}$")
 
 
 class NodeGroup(Spec):
@@ -178,7 +184,13 @@ class AwsSpec(Spec):
     controller_instance_type: str = Field("m7i.large", description="The controller (rendezvous) instance type.")
     rendezvous_port: int = Field(29400, ge=1024, le=65535, description="The rendezvous endpoint's port.")
     root_volume_gb: int = Field(200, ge=100, le=16384, description="Root volume of each node, GiB.")
-    workdir: str = Field("/opt/dlami/nvme/infractl", description="Absolute path of each node's work directory.")
+    workdir: str = Field(
+        "/opt/dlami/nvme/infractl",
+        description=(
+            "Absolute path of each node's work directory, at least two levels deep; segments of letters, digits, "
+            "'.', '_' and '-', none starting with '.' or '-'."
+        ),
+    )
     ami_overrides: dict[str, str] = Field(default_factory=dict, description="AMI id per instance type.")
     tags: dict[str, str] = Field(default_factory=dict, description="Tags on every resource (infractl adds its own).")
 
@@ -200,6 +212,16 @@ class AwsSpec(Spec):
                 ipaddress.IPv4Network(cidr)
             except ValueError:
                 raise ValueError(f"{cidr!r} is not an IPv4 network in CIDR form (e.g. 203.0.113.7/32)") from None
+        return value
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, value: str) -> str:
+        if not _WORKDIR.fullmatch(value):
+            raise ValueError(
+                f"{value!r} must be an absolute path at least two levels deep (e.g. /opt/dlami/nvme/infractl) "
+                "whose segments are letters, digits, '.', '_' and '-', none starting with '.' or '-'"
+            )
         return value
 
     @field_validator("ssh_key", "provider_mirror")
@@ -237,6 +259,12 @@ def _check(spec: ClusterSpec) -> None:
         raise field_error("nodes", f"{spec.nodes} differs from the {grouped} node(s) of aws.node_groups")
     if spec.store is None or not spec.store.startswith("s3://"):
         raise field_error("store", "provider aws needs an s3:// store (s3://bucket/prefix)")
+    if not urlsplit(spec.store).path.strip("/"):
+        raise field_error(
+            "store",
+            "provider aws needs the store under a prefix of its bucket (s3://bucket/prefix): the nodes' and the "
+            "roles' rights are scoped to that prefix, never to a whole bucket",
+        )
     if spec.runtime.image is None:
         raise field_error(
             "runtime.image",
@@ -283,8 +311,7 @@ def module_variables(spec: ClusterSpec, keys: Mapping[str, object]) -> dict[str,
         raise InfraError(f"cluster {spec.name!r} has no aws section or no store: not an aws cluster")
     store = urlsplit(spec.store)  # s3://bucket/prefix, perhaps with ?endpoint_url=... (not the module's business)
     settings = aws.model_dump(mode="json", exclude=set(_ROOT_FIELDS), exclude_none=True)
-    # An endpoint without TLS cannot use a bucket that refuses requests without it.
-    plain = {"require_tls": False} if (aws.endpoint_url or "").startswith("http://") else {}
+    plain = {} if _tls(aws) else {"require_tls": False}
     return {
         "cluster_name": spec.name,
         "processes_per_node": spec.processes_per_node,
@@ -294,6 +321,12 @@ def module_variables(spec: ClusterSpec, keys: Mapping[str, object]) -> dict[str,
         **plain,
         **keys,
     }
+
+
+def _tls(aws: AwsSpec) -> bool:
+    """Whether the store's bucket must refuse requests without TLS: not where ``aws.endpoint_url``
+    is plain HTTP (a private or emulated AWS), whose requests it would then all refuse."""
+    return not (aws.endpoint_url or "").startswith("http://")
 
 
 @dataclass(frozen=True)
@@ -821,9 +854,11 @@ _QUOTAS = {
 
 def check_account(spec: ClusterSpec) -> None:
     """What the account must offer before anything is created, each missing thing in one line
-    naming it: credentials (STS), the state bucket, every instance type offered in the zone, and
-    the vCPU quota of each instance family where the Service Quotas API answers (a private or
-    emulated AWS may not). Raises ``UsageError`` or ``ConfigError``."""
+    naming it: credentials (STS), the state bucket, the store's bucket where the cluster does not
+    create it (``S3Store.check_bucket``: public access blocked, versioned, TLS only), every
+    instance type offered in the zone, and the vCPU quota of each instance family where the
+    Service Quotas API answers (a private or emulated AWS may not). Raises ``UsageError`` or
+    ``ConfigError``."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
@@ -855,6 +890,10 @@ def check_account(spec: ClusterSpec) -> None:
             "(versioned, encrypted), or name an existing one",
             field="aws.state_bucket",
         ) from None
+    if not aws.create_bucket:
+        store = open_store(spec.store or "", field="store")
+        assert isinstance(store, S3Store)  # _check: provider aws has an s3:// store
+        store.check_bucket(tls=_tls(aws))
     groups = aws.node_groups.values()
     types = sorted({g.instance_type for g in groups} | {aws.controller_instance_type})
     if aws.availability_zone is not None:

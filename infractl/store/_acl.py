@@ -7,6 +7,14 @@ Directories are coarser than key patterns: a role gets a top-level directory who
 of its read patterns lies under it, write if any write or delete pattern does), and on POSIX
 whoever may create entries in a directory may also remove them. README's access section lists
 what that means for each role.
+
+What only the nodes write (``RoleRights.nodes_only``, the runs' checkpoints) cannot be carved out
+of a directory a role writes: the role could make the run's ``ckpt/`` itself before the trainer
+does, or rename the trainer's aside and put its own in its place, and the directories the trainer
+makes later inherit the default ACL of the one above. So a top-level directory that holds such
+keys is read-only for every role, its default ACL too, and so is the store's root (whoever writes
+there can replace a top-level directory). Deleting there is the nodes' and the operator's who runs
+infractl, on this machine.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ def _covers(patterns: Sequence[str], top: str) -> bool:
 
 def _tops(roles: Sequence[RoleRights]) -> list[str]:
     """The top-level directories the roles' patterns name."""
-    return sorted({p.split("/", 1)[0] for r in roles for p in (*r.read, *r.write, *r.delete)} - {"*"})
+    patterns = {p for r in roles for p in (*r.read, *r.write, *r.delete, *r.nodes_only)}
+    return sorted({p.split("/", 1)[0] for p in patterns} - {"*"})
 
 
 def _directory_rights(roles: Sequence[RoleRights]) -> dict[str, dict[str, str]]:
@@ -41,10 +50,11 @@ def _directory_rights(roles: Sequence[RoleRights]) -> dict[str, dict[str, str]]:
     for top in _tops(roles):
         acl[top] = {}
         for r in roles:
-            writes = _covers(r.write, top) or _covers(r.delete, top)
+            writes = (_covers(r.write, top) or _covers(r.delete, top)) and not _covers(r.nodes_only, top)
             acl[top][r.role] = "rwX" if writes else "rX" if _covers(r.read, top) else "---"
     for r in roles:
-        acl["."][r.role] = "rwx" if "*" in r.write else "rx" if (r.read or r.write or r.delete) else "---"
+        writes_root = "*" in r.write and not r.nodes_only
+        acl["."][r.role] = "rwx" if writes_root else "rx" if (r.read or r.write or r.delete) else "---"
     return acl
 
 

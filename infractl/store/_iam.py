@@ -26,16 +26,11 @@ _MAX_VERSIONS = 5
 _READ = ["s3:GetObject"]
 _WRITE = ["s3:AbortMultipartUpload", "s3:PutObject"]  # PutObject covers multipart uploads' parts
 _DELETE = ["s3:DeleteObject"]
-_MANAGE = [
-    "iam:CreatePolicy",
-    "iam:CreatePolicyVersion",
-    "iam:DeletePolicy",
-    "iam:DeletePolicyVersion",
-    "iam:GetPolicy",
-    "iam:GetPolicyVersion",
-    "iam:ListEntitiesForPolicy",
-    "iam:ListPolicyVersions",
-]
+# What `access grant/revoke` reads of the roles' policies (their documents and who holds them) when
+# a granting role's member runs it. Nothing that changes a document: a member who could write one
+# could write their own as `Action: *`. Documents are made and changed with the credentials of the
+# operator who runs infractl (``apply_policies``, ``remove_policies``), never through a role.
+_READ_POLICIES = ["iam:GetPolicy", "iam:GetPolicyVersion", "iam:ListEntitiesForPolicy", "iam:ListPolicyVersions"]
 
 
 def _policy_arn(name: str) -> str:
@@ -45,8 +40,12 @@ def _policy_arn(name: str) -> str:
 
 def policy_document(bucket: str, prefix: str, rights: RoleRights) -> dict[str, Any]:
     """The IAM policy of ``rights`` in ``s3://bucket/prefix``: listing the prefix, and reading,
-    writing and deleting the objects its key patterns name; with ``grants``, managing those
-    policies and attaching them to users."""
+    writing and deleting the objects its key patterns name, never writing what ``nodes_only``
+    names (an explicit deny, which no other policy of the user can override); with ``grants``,
+    reading those policies and attaching them to users and detaching them. ``prefix`` is empty
+    only for ``PLACEHOLDER_BUCKET``: a role's rights span no whole bucket."""
+    if not prefix and bucket != PLACEHOLDER_BUCKET:
+        raise ValueError(f"the policies of a store need a prefix in bucket {bucket} (s3://{bucket}/PREFIX)")
     under = f"{prefix}/" if prefix else ""
 
     def objects(patterns: Sequence[str]) -> list[str]:
@@ -64,10 +63,14 @@ def policy_document(bucket: str, prefix: str, rights: RoleRights) -> dict[str, A
     ):
         if patterns:
             statements.append({"Sid": sid, "Effect": "Allow", "Action": actions, "Resource": objects(patterns)})
+    if rights.write and rights.nodes_only:
+        statements.append(
+            {"Sid": "NodesOnly", "Effect": "Deny", "Action": _WRITE, "Resource": objects(rights.nodes_only)}
+        )
     if rights.grants:
         arns = [_policy_arn(name) for name in rights.grants]
         statements += [
-            {"Sid": "ManagePolicies", "Effect": "Allow", "Action": _MANAGE, "Resource": arns},
+            {"Sid": "ReadPolicies", "Effect": "Allow", "Action": _READ_POLICIES, "Resource": arns},
             {"Sid": "FindPolicies", "Effect": "Allow", "Action": "iam:ListPolicies", "Resource": "*"},
             {
                 "Sid": "AttachPolicies",
@@ -80,9 +83,14 @@ def policy_document(bucket: str, prefix: str, rights: RoleRights) -> dict[str, A
     return {"Version": "2012-10-17", "Statement": statements}
 
 
+# Said when IAM refuses to make or change a document: the granting role's members may not.
+_OPERATOR_ONLY = "policies are made and changed with the credentials of the operator who runs infractl"
+
+
 @contextlib.contextmanager
-def _calling(uri: str, what: str) -> Iterator[None]:
-    """IAM's errors as the store's: one line naming the store, what was being done and why."""
+def _calling(uri: str, what: str, *, denied: str = "") -> Iterator[None]:
+    """IAM's errors as the store's: one line naming the store, what was being done and why
+    (``denied``: what to add when IAM refused it)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -91,7 +99,8 @@ def _calling(uri: str, what: str) -> Iterator[None]:
         error = e.response.get("Error", {})
         code, message = str(error.get("Code", "")), str(error.get("Message", "")).rstrip(".")
         reason = f"{code} ({message})" if message and message != code else code
-        raise StoreError(uri, f"IAM: cannot {what}: {' '.join(reason.split())}") from e
+        hint = f"; {denied}" if denied and code == "AccessDenied" else ""
+        raise StoreError(uri, f"IAM: cannot {what}: {' '.join(reason.split())}{hint}") from e
     except BotoCoreError as e:
         raise StoreUnavailable(uri, f"IAM: cannot {what}: {' '.join(str(e).split())}") from e
 
@@ -119,10 +128,11 @@ def _attached_users(iam: Any, uri: str, arn: str) -> set[str]:
 
 def _ensure_policy(iam: Any, uri: str, name: str, document: dict[str, Any], existing: dict[str, Any] | None) -> str:
     """Create policy ``name`` with ``document``, or make ``document`` its default version (the
-    oldest other version goes when IAM's five are used up); return its ARN."""
+    oldest other version goes when IAM's five are used up); return its ARN. Only reads when the
+    policy holds ``document`` already, which is all a granting role's member may do."""
     text = json.dumps(document, sort_keys=True)
     if existing is None:
-        with _calling(uri, f"create policy {name}"):
+        with _calling(uri, f"create policy {name}", denied=_OPERATOR_ONLY):
             created = iam.create_policy(
                 PolicyName=name,
                 Path=POLICY_PATH,
@@ -135,7 +145,7 @@ def _ensure_policy(iam: Any, uri: str, name: str, document: dict[str, Any], exis
         current = iam.get_policy_version(PolicyArn=arn, VersionId=existing["DefaultVersionId"])
     if current["PolicyVersion"]["Document"] == document:
         return arn
-    with _calling(uri, f"update policy {name}"):
+    with _calling(uri, f"update policy {name}", denied=_OPERATOR_ONLY):
         versions = iam.list_policy_versions(PolicyArn=arn)["Versions"]
         if len(versions) >= _MAX_VERSIONS:
             oldest = min((v for v in versions if not v["IsDefaultVersion"]), key=lambda v: v["CreateDate"])
@@ -146,7 +156,9 @@ def _ensure_policy(iam: Any, uri: str, name: str, document: dict[str, Any], exis
 
 def apply_policies(iam: Any, uri: str, roles: Sequence[tuple[str, dict[str, Any], Sequence[str]]]) -> None:
     """For each (policy name, document, members): the policy holds the document and is attached
-    to exactly those IAM users (``UnknownUser`` for one that does not exist)."""
+    to exactly those IAM users (``UnknownUser`` for one that does not exist). Making or changing
+    a document takes the operator's credentials; a granting role's member may only attach and
+    detach policies that hold their documents already."""
     from botocore.exceptions import ClientError
 
     existing = _existing(iam, uri)

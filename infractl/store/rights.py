@@ -23,5 +23,8 @@ class RoleRights:
     read: tuple[str, ...] = ()
     write: tuple[str, ...] = ()
     delete: tuple[str, ...] = ()
+    nodes_only: tuple[str, ...] = ()
+    """Key patterns that only the cluster's nodes write, whatever ``write`` says: the trainers'
+    checkpoints, which torch unpickles on resume (whoever writes there runs code in the trainer)."""
     grants: tuple[str, ...] = ()
     """Policies this role may attach to users and detach from them (who runs `infractl access`)."""

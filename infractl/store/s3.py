@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import tempfile
@@ -72,6 +73,8 @@ _TRANSIENT_CODES = frozenset(
 )
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# A bucket's public access block: every setting must be on (``S3Store.check_bucket``).
+_PUBLIC_ACCESS_BLOCK = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets")
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _S3_QUERY_KEYS = ("endpoint_url", "region")
 
@@ -286,18 +289,19 @@ class S3Store(Store):
             try:
                 self.client.copy(source, self.bucket, self._object_key(to), Config=self._transfer_config())
             except ClientError as e:
-                if _is_missing(e):
+                if self._missing(e, source["Key"]):
                     raise StoreKeyError(self.uri, key) from None
                 raise
 
     def get_bytes(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
+        full = self._object_key(key)
         with self._io("read", key):
             try:
-                response = self.client.get_object(Bucket=self.bucket, Key=self._object_key(key))
+                response = self.client.get_object(Bucket=self.bucket, Key=full)
             except ClientError as e:
-                if _is_missing(e):
+                if self._missing(e, full):
                     raise StoreKeyError(self.uri, key) from None
                 raise
             with response["Body"] as body:
@@ -315,7 +319,7 @@ class S3Store(Store):
                 try:
                     self.client.download_file(self.bucket, full, tmp, Config=self._transfer_config())
                 except ClientError as e:
-                    if _is_missing(e):
+                    if self._missing(e, full):
                         raise StoreKeyError(self.uri, key) from None
                     raise
             os.replace(tmp, path)  # readers of ``path`` see the old file or the whole new one
@@ -326,14 +330,34 @@ class S3Store(Store):
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
+        full = self._object_key(key)
         with self._io("look up", key):
             try:
-                self.client.head_object(Bucket=self.bucket, Key=self._object_key(key))
+                self.client.head_object(Bucket=self.bucket, Key=full)
                 return True
             except ClientError as e:
-                if _is_missing(e):
+                if self._missing(e, full):
                     return False
                 raise
+
+    def _missing(self, e: Any, full: str) -> bool:
+        """Whether a read of bucket key ``full`` failed because there is no such object: a 404,
+        or a 403 where a listing of the key finds nothing. S3 answers a missing key with 404 only
+        to a caller whose ListBucket covers its own check, which names no prefix; the roles' and
+        the nodes' ListBucket requires the store's prefix (no listing of the whole bucket), so
+        they get 403. Listing the key itself lies under the prefix and tells the two apart."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if _is_missing(e):
+            return True
+        if _status(e) != 403:
+            return False
+        try:
+            listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1)
+        except (BotoCoreError, ClientError):
+            return False  # the read's own refusal is the answer
+        # ``full`` sorts first among the keys it prefixes: the listing's one key is it, if it exists.
+        return not any(o["Key"] == full for o in listed.get("Contents", []))
 
     def _iter_objects(self, prefix: str) -> list[tuple[str, int]]:
         """(bucket key, size) of ``prefix`` itself and of everything under ``prefix/``."""
@@ -409,6 +433,13 @@ class S3Store(Store):
         return session.client("iam", endpoint_url=self.endpoint_url, config=config)
 
     def access_policy(self, rights: RoleRights) -> dict[str, Any]:
+        """``ConfigError`` for a store at the root of its bucket: a role's rights would span it."""
+        if not self.prefix:
+            raise ConfigError(
+                f"access roles need the store under a prefix of bucket {self.bucket} (s3://{self.bucket}/PREFIX): "
+                "their rights are scoped to it, never to a whole bucket",
+                field=self.field,
+            )
         return _iam.policy_document(self.bucket, self.prefix, rights)
 
     def apply_access(self, roles: Sequence[RoleRights], members: Mapping[str, Sequence[str]]) -> None:
@@ -469,6 +500,57 @@ class S3Store(Store):
         except (ClientError, BotoCoreError) as e:
             raise ConfigError(f"cannot {step} {where}: {self._reason(e, checking=True)}", field=self.field) from None
 
+    def check_bucket(self, *, tls: bool) -> None:
+        """A bucket a cluster keeps its store in but does not create: its public access blocked
+        (all four settings of the bucket's own block), versioning on (a deleted or overwritten
+        checkpoint stays recoverable) and, with ``tls``, a bucket policy that refuses requests
+        without TLS. ``ConfigError`` naming ``self.field``: one line saying what to set."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client, bucket = self._client_for("check"), self.bucket
+        unset: list[str] = []
+        try:
+            try:
+                block = client.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+            except ClientError as e:
+                if _code(e) != "NoSuchPublicAccessBlockConfiguration":
+                    raise
+                block = {}
+            if not all(block.get(setting) for setting in _PUBLIC_ACCESS_BLOCK):
+                settings = ",".join(f"{setting}=true" for setting in _PUBLIC_ACCESS_BLOCK)
+                unset.append(
+                    f"its public access block (aws s3api put-public-access-block --bucket {bucket} "
+                    f"--public-access-block-configuration {settings})"
+                )
+            if client.get_bucket_versioning(Bucket=bucket).get("Status") != "Enabled":
+                unset.append(
+                    f"versioning (aws s3api put-bucket-versioning --bucket {bucket} "
+                    "--versioning-configuration Status=Enabled)"
+                )
+            if tls:
+                try:
+                    policy = json.loads(client.get_bucket_policy(Bucket=bucket)["Policy"])
+                except ClientError as e:
+                    if _code(e) != "NoSuchBucketPolicy":
+                        raise
+                    policy = {}
+                if not _refuses_plain_http(policy, bucket):
+                    unset.append(
+                        "a bucket policy statement that denies s3:* on the bucket and its objects to every "
+                        'principal under the condition {"Bool": {"aws:SecureTransport": "false"}} '
+                        "(infra/aws/store.tf's DenyInsecureTransport)"
+                    )
+        except (ClientError, BotoCoreError) as e:
+            raise ConfigError(
+                f"cannot read the settings of bucket {bucket}: {self._reason(e, checking=True)}", field=self.field
+            ) from None
+        if unset:
+            raise ConfigError(
+                f"bucket {bucket} is not safe for a cluster's store (the cluster does not create it): set "
+                + "; ".join(unset),
+                field=self.field,
+            )
+
     def _reason(self, e: Exception, *, checking: bool = False) -> str:
         """Why a call failed, in one line (``checking``: the preflight client's timeouts applied)."""
         from botocore.exceptions import (
@@ -516,6 +598,33 @@ def _status(e: Any) -> int | None:
 
 def _code(e: Any) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _refuses_plain_http(policy: Mapping[str, Any], bucket: str) -> bool:
+    """Whether a bucket policy denies every S3 action on the bucket and its objects to everyone
+    when a request comes without TLS."""
+
+    def listed(value: Any) -> list[Any]:
+        return value if isinstance(value, list) else [value]
+
+    statements = listed(policy.get("Statement", []))
+    for statement in statements:
+        if not isinstance(statement, dict) or statement.get("Effect") != "Deny":
+            continue
+        if statement.get("Principal") not in ("*", {"AWS": "*"}):
+            continue
+        if not {"s3:*", "*"} & set(listed(statement.get("Action"))):
+            continue
+        condition = statement.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport")
+        if "false" not in [str(value).lower() for value in listed(condition)]:
+            continue
+        resources = [str(r) for r in listed(statement.get("Resource"))]
+        if "*" in resources or (
+            any(r.endswith(f":s3:::{bucket}") for r in resources)
+            and any(r.endswith(f":s3:::{bucket}/*") for r in resources)
+        ):
+            return True
+    return False
 
 
 def _is_missing(e: Any) -> bool:
