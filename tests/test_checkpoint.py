@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ from infractl.runstore import (
     checkpoint_prefix,
     committed_steps,
 )
-from infractl.store import FileStore, Store, open_store
+from infractl.store import FileStore, Store, StoreError, open_store
 from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer, SaveFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +64,64 @@ def test_commit_leaves_a_committed_step_alone_unless_asked_to_repair_it(store: F
     repaired = Manifest.from_json(store.get_bytes(f"{prefix}/MANIFEST.json"))
     assert repaired.files[0].sha256 == "2" * 64
     assert store.get_bytes(f"{prefix}/COMMITTED") == b"10"
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("/etc/cron.d/job", "is absolute"),
+        ("../../../etc/cron.d/job", "'..' part"),
+        ("shards/../../escape", "'..' part"),
+        ("..", "'..' part"),
+        ("shards\\..\\..\\escape", "backslash"),
+        ("shard\x00.distcp", "unprintable"),
+        ("shard\n.distcp", "unprintable"),
+        ("shard\x1b[2J", "unprintable"),
+        ("", "not a non-empty string"),
+        ("shards//x", "empty, '.' or '..' part"),
+        ("./shard", "empty, '.' or '..' part"),
+        ("shards/", "empty, '.' or '..' part"),
+    ],
+)
+def test_a_manifest_key_that_could_leave_the_restore_directory_is_refused_when_parsed(
+    store: FileStore, key: str, why: str
+) -> None:
+    good = json.loads(_manifest(10, "0" * 64).to_json())
+    bad = good | {"files": [*good["files"], {"key": key, "size": 4, "sha256": "0" * 64}]}
+    with pytest.raises(ValueError, match=why):
+        Manifest.from_json(json.dumps(bad).encode())
+    store.put_bytes(f"{checkpoint_prefix('r', 10)}/MANIFEST.json", json.dumps(bad).encode())
+    with pytest.raises(StoreError, match="MANIFEST.json is not a valid manifest"):
+        runstore.read_manifest(store, "r", 10)
+
+
+def test_the_keys_a_checkpoint_has_are_accepted() -> None:
+    keys = ["__0_0.distcp", ".metadata", "replica/rank-0.pt", "a..b", "step-10/shard 1.bin"]
+    files = [{"key": key, "size": 1, "sha256": "0" * 64} for key in keys]
+    raw = json.dumps({"step": 1, "world_size": 1, "files": files}).encode()
+    assert [entry.key for entry in Manifest.from_json(raw).files] == keys
+
+
+def test_a_fetch_never_writes_through_a_link_out_of_the_restore_directory(store: FileStore, tmp_path: Path) -> None:
+    store.put_bytes(f"{checkpoint_prefix('r', 10)}/shards/0.distcp", b"abcd")
+    entry = ManifestEntry("shards/0.distcp", 4, hashlib.sha256(b"abcd").hexdigest())
+    outside, restore = tmp_path / "outside", tmp_path / "restore"
+    outside.mkdir()
+    restore.mkdir()
+    (restore / "shards").symlink_to(outside)
+    with pytest.raises(runstore.CheckpointError, match="outside the restore directory"):
+        runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+    assert list(outside.iterdir()) == []
+    # A part file planted as a link out is refused the same way; a real directory takes the file.
+    (restore / "shards").unlink()
+    (restore / "shards").mkdir()
+    (restore / "shards" / ".0.distcp.rank-0.part").symlink_to(outside / "target")
+    with pytest.raises(runstore.CheckpointError, match="outside the restore directory"):
+        runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+    assert list(outside.iterdir()) == []
+    (restore / "shards" / ".0.distcp.rank-0.part").unlink()
+    runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+    assert (restore / entry.key).read_bytes() == b"abcd"
 
 
 def test_prune_keeps_a_newer_partial_step_unless_no_save_is_in_flight(store: FileStore) -> None:

@@ -10,7 +10,7 @@ import hashlib
 import os
 import re
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from infractl.errors import InfractlError, StoreError
 from infractl.runstore.layout import checkpoint_prefix, run_prefix
@@ -39,18 +39,35 @@ class CheckpointError(InfractlError):
 
 
 def fetch_checkpoint_file(store: Store, run_id: str, step: int, entry: ManifestEntry, dest: Path, *, tag: str) -> None:
-    """One file of a committed step into ``dest``, checked against its manifest entry: skipped
-    when ``dest`` already holds it (another rank on this node fetched it), downloaded to a
-    ``tag``-named part file and renamed, never left half-written or unchecked."""
+    """One file of a committed step into ``dest`` (``<restore directory>/<entry.key>``), checked
+    against its manifest entry: skipped when ``dest`` already holds it (another rank on this node
+    fetched it), downloaded to a ``tag``-named part file and renamed, never left half-written or
+    unchecked, and never written outside the restore directory (``CheckpointError``)."""
+    tmp = dest.with_name(f".{dest.name}.{tag}.part")
+    _confine(step, entry.key, dest, tmp)
     if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
         return
-    tmp = dest.with_name(f".{dest.name}.{tag}.part")
     store.get_file(f"{checkpoint_prefix(run_id, step)}/{entry.key}", tmp)
     digest = file_sha256(tmp)
     if digest != entry.sha256:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"step {step}: {entry.key}: sha256 is {digest}, the manifest says {entry.sha256}")
     os.replace(tmp, dest)
+
+
+def _confine(step: int, key: str, dest: Path, tmp: Path) -> None:
+    """``CheckpointError`` unless ``dest`` and its part file ``tmp``, resolved, lie inside the
+    directory ``dest`` is ``key`` under. The key itself cannot climb out (``ManifestEntry``), but
+    a symlink in the directory can lead out of it, and the download would write through it."""
+    parts = PurePosixPath(key).parts
+    if dest.parts[-len(parts) :] != parts:
+        raise ValueError(f"{dest} is not <restore directory>/{key}")
+    directory = dest.parents[len(parts) - 1].resolve()
+    for path in (dest, tmp):
+        if not path.resolve().is_relative_to(directory):
+            raise CheckpointError(
+                f"step {step}: {key} leads to {path.resolve()}, outside the restore directory {directory}"
+            )
 
 
 def file_sha256(path: Path) -> str:

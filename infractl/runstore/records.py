@@ -246,9 +246,25 @@ class ChaosRecord:
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    key: str  # relative to the checkpoint's prefix
+    """One file of a checkpoint. ``key`` is a relative POSIX path under the checkpoint's prefix,
+    and a reader writes the file to ``<restore directory>/<key>``: a manifest comes from the
+    store (or a peer), so a key that could name a path outside that directory (absolute, with
+    ``..``, a backslash, an empty or ``.`` part, a control or other unprintable character, or
+    empty) is refused here, whoever builds the entry (``ValueError``)."""
+
+    key: str
     size: int
     sha256: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise ValueError(f"manifest key {self.key!r} is not a non-empty string")
+        if self.key.startswith("/"):
+            raise ValueError(f"manifest key {self.key!r} is absolute")
+        if "\\" in self.key or not self.key.isprintable():
+            raise ValueError(f"manifest key {self.key!r} holds a backslash or an unprintable character")
+        if {"", ".", ".."} & set(self.key.split("/")):
+            raise ValueError(f"manifest key {self.key!r} has an empty, '.' or '..' part")
 
 
 @dataclass(frozen=True)
@@ -272,6 +288,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
+        """A manifest from its JSON; ``ValueError``, ``TypeError`` or ``KeyError`` for one that is
+        not (a key that could leave the restore directory included: ``ManifestEntry``)."""
         raw = json.loads(data)
         files = [ManifestEntry(**f) for f in raw.pop("files")]
         return cls(files=files, **raw)
