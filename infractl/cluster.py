@@ -323,6 +323,10 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     state.write(
         {
             "name": spec.name,
+            # Unique to this cluster, kept by every later `up` of it: each run records it (run.json's
+            # cluster_id), and `teardown --purge` deletes only the runs that carry it, as two
+            # clusters of one name (on two machines, or one brought up again) may share a store.
+            "id": (previous or {}).get("id") or secrets.token_hex(8),
             "spec": spec.model_dump(mode="json"),
             "store": uri,
             "infractl_version": __version__,
@@ -370,12 +374,31 @@ def _stop_and_destroy(
         out.info(f"containers: removed the containers and images of {', '.join(cleaned)}")
     purged: list[str] = []
     if purge:
-        store = store_for(state)
-        for run in runs.cluster_runs(state, store):
-            store.delete_prefix(runstore.run_prefix(run.run_id))
-            purged.append(run.run_id)
+        purged = _purge_runs(state, record, out)
     _destroy(state, provider, record, out, purge=purge)
     return stopped + own, purged
+
+
+def _purge_runs(state: ClusterState, record: dict[str, Any], out: Output) -> list[str]:
+    """Delete the runs of this cluster from its store: those whose run.json carries the cluster's
+    id, never a run of another cluster of the same name that shares the store. A run recorded
+    before runs carried an id is this cluster's only when the cluster has none either (both from
+    before ids): otherwise it is kept and named. Returns the runs deleted."""
+    store = store_for(state)
+    purged, unclaimed = [], []
+    for run in runs.cluster_runs(state, store):
+        if run.cluster_id == record.get("id"):
+            store.delete_prefix(runstore.run_prefix(run.run_id))
+            purged.append(run.run_id)
+        elif run.cluster_id is None:
+            unclaimed.append(run.run_id)
+    # The default store lies in the state directory, which a purge deletes whole.
+    if unclaimed and record["store"] != state.default_store.as_uri():
+        out.warn(
+            f"store: kept run(s) {', '.join(unclaimed)}: recorded before runs named their cluster's id, they may be "
+            f"another cluster {state.name!r}'s; if they are this one's, delete runs/<run>/ in {record['store']}"
+        )
+    return purged
 
 
 def _destroy(

@@ -23,7 +23,7 @@ from infractl.runstore import CheckpointError, Manifest, ManifestEntry
 from infractl.store import FileStore, S3Store, Store, StoreError, StoreKeyError, StoreUnavailable, open_store
 from infractl.store.s3 import S3_READ_TIMEOUT_S
 
-from conftest import REPO, S3AuthServer, s3_client
+from conftest import REPO, Cli, S3AuthServer, s3_client, write
 
 MIB = 1024 * 1024
 
@@ -211,6 +211,7 @@ def test_records_read_fields_they_do_not_know_and_default_those_they_lack(store:
     )
     record = runstore.read_run_record(store, "a")
     assert record is not None and record.spec is None and record.attempts[0].rejoins == []
+    assert record.cluster_id is None  # written before runs recorded their cluster's id
     store.put_bytes("runs/b/run.json", b'{"cluster": "c"}')
     with pytest.raises(StoreError, match="runs/b/run.json is not a run record"):
         runstore.read_run_record(store, "b")
@@ -602,3 +603,46 @@ def test_no_code_outside_the_store_package_names_a_backend() -> None:
                 if backend.search(line):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert found == []
+
+
+_TWIN_RUN = """\
+name: {name}
+model: {{layers: 1, hidden: 32, heads: 2, seq_len: 32}}
+data: {{max_bytes: 1000000}}
+batch_size: 4
+steps: 4
+checkpoint: {{every: 2, keep: 2}}
+nodes: {{min: 1, max: 1}}
+"""
+
+
+@pytest.mark.e2e
+def test_a_purge_deletes_only_its_own_runs_from_a_store_shared_with_a_cluster_of_the_same_name(tmp_path: Path) -> None:
+    """Two clusters named ``twin`` (two state roots, as on two machines) train into one store; the
+    purge of one leaves the other's run, and a run recorded before runs carried their cluster's id
+    (which no purge can tell the owner of), and says so."""
+    shared = (tmp_path / "shared-store").as_uri()
+    twins = {side: Cli(tmp_path / side) for side in ("a", "b")}
+    try:
+        for side, cli in twins.items():
+            cli.cwd.mkdir()
+            config = write(cli.cwd / "cluster.yaml", f"name: twin\nprovider: local\nnodes: 1\nstore: {shared}\n")
+            cli("up", "-c", str(config))
+            cli("train", "-c", "twin", str(write(cli.cwd / "run.yaml", _TWIN_RUN.format(name=f"run-{side}"))))
+        ids = {side: json.loads((cli.home / "twin" / "cluster.json").read_text())["id"] for side, cli in twins.items()}
+        store = open_store(shared)
+        assert ids["a"] != ids["b"]
+        recorded = [runstore.read_run_record(store, f"run-{side}") for side in ids]
+        assert [run.cluster_id if run else None for run in recorded] == list(ids.values())
+        runstore.write_run_record(store, runstore.RunRecord(run_id="legacy", cluster="twin"))
+
+        torn = twins["a"]("teardown", "-c", "twin", "--purge", "--yes")
+        assert "kept run(s) legacy: recorded before runs named their cluster's id" in torn.stderr
+        assert runstore.list_runs(store) == ["legacy", "run-b"]
+        assert runstore.latest_committed_step(store, "run-b") == 4
+        done = json.loads(twins["b"]("teardown", "-c", "twin", "--purge", "--yes", "--json").stdout)
+        assert done["runs_purged"] == ["run-b"] and runstore.list_runs(store) == ["legacy"]
+    finally:
+        for cli in twins.values():
+            if (cli.home / "twin").is_dir():
+                cli("teardown", "-c", "twin", "--yes", expect=None)

@@ -132,6 +132,10 @@ class RunRecord:
     run_id: str
     cluster: str
     dataset_version: str | None = None
+    # The unique id of the cluster that launched the run last (its cluster record's ``id``): what
+    # `teardown --purge` matches, as two clusters of one name may share a store. None in a record
+    # written before runs carried it.
+    cluster_id: str | None = None
     spec: dict[str, Any] | None = None  # RunSpec as JSON, set at the first launch
     attempts: list[Attempt] = field(default_factory=list)
 
