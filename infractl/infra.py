@@ -60,7 +60,9 @@ class SshLogin:
 
     def options(self) -> list[str]:
         """``ssh`` options: the host key must match the pinned one (never accepted on first use), only
-        the cluster's key is offered, and nothing prompts; through the jump host where there is one
+        the cluster's key is offered, nothing prompts, and neither the operator's agent nor their X
+        display is forwarded (whatever the user's ssh_config says: root on a node, or anyone who
+        becomes it, could use either as the operator); through the jump host where there is one
         (a ProxyCommand with these same options: ``-J`` would not pass them on)."""
         direct = [
             "-o", f"UserKnownHostsFile={self.known_hosts}",
@@ -70,6 +72,8 @@ class SshLogin:
             "-o", "IdentitiesOnly=yes",
             "-o", "BatchMode=yes",
             "-o", "ConnectTimeout=10",
+            "-o", "ForwardAgent=no",
+            "-o", "ForwardX11=no",
         ]  # fmt: skip
         if self.jump is None:
             return direct

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,25 @@ def test_a_module_that_fails_to_plan_leaves_the_applied_one_in_place(tmp_path: P
 
 def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _resolved(argv: list[str], user_config: Path) -> dict[str, str]:
+    """What ``ssh`` would use for the command line ``argv`` under the user's config ``user_config``,
+    without connecting (``ssh -G``: every option as ``name value``, lower case)."""
+    shown = subprocess.run(["ssh", "-G", "-F", str(user_config), *argv[1:]], capture_output=True, text=True, check=True)
+    return dict(line.split(" ", 1) for line in shown.stdout.splitlines() if " " in line)
+
+
+def test_ssh_forwards_neither_the_operators_agent_nor_display_to_a_node_or_its_jump_host(tmp_path: Path) -> None:
+    """Even where the operator's own ssh_config forwards both: root on a node could use the agent's
+    keys, or the display, as the operator."""
+    user_config = tmp_path / "ssh_config"
+    user_config.write_text("Host *\n  ForwardAgent yes\n  ForwardX11 yes\n")
+    login = infra.SshLogin("trainer", tmp_path / "id", tmp_path / "known_hosts", jump="ubuntu@203.0.113.9")
+    node = _resolved(login.argv("10.0.0.5", "true"), user_config)
+    proxy = shlex.split(node["proxycommand"])
+    jump = _resolved([arg.replace("%h:%p", "10.0.0.5:22") for arg in proxy], user_config)
+    for resolved in (node, jump):
+        assert (resolved["forwardagent"], resolved["forwardx11"]) == ("no", "no"), resolved
+        assert (resolved["stricthostkeychecking"], resolved["identitiesonly"]) == ("true", "yes")
+    assert jump["hostname"] == "203.0.113.9" and node["hostname"] == "10.0.0.5"
