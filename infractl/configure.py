@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import sys
 from collections.abc import Callable, Iterable
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import infractl
-from infractl import proc, templates
+from infractl import proc, templates, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
+from infractl.state import write_private
 
 __all__ = [
     "ANSIBLE_NODE",
@@ -40,15 +42,24 @@ ANSIBLE_NODE = "ansible"
 _RUN_TIMEOUT_S = 600
 
 
+#: The variables of a node's ``network.env`` an agent takes: the network role's, and NCCL's and
+#: libfabric's tuning knobs but those that load code or look for it (a plugin, a path).
+_NETWORK_KEYS = frozenset({"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "INFRACTL_NODE_ADDRESS"})
+_NETWORK_PREFIXES = ("NCCL_", "FI_")
+_LOADS_CODE = re.compile(r"PLUGIN|PATH|LIB")
+
+
 def network_env(nodes: NodeControl, node: str) -> dict[str, str]:
     """The collective-communication variables the network role wrote for ``node`` (its
-    ``env/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before Ansible ran."""
-    text = nodes.read_file(node, nodes.node(node).workdir / "env" / "network.env") or ""
+    ``private/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before
+    Ansible ran. Read as a list of known keys, never sourced: any other line is left out."""
+    text = nodes.read_file(node, workdir.network_env(nodes.node(node).workdir)) or ""
     found: dict[str, str] = {}
     for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and not key.lstrip().startswith("#"):
-            found[key.strip()] = value.strip()
+        key, sep, value = (part.strip() for part in line.partition("="))
+        known = key in _NETWORK_KEYS or (key.startswith(_NETWORK_PREFIXES) and not _LOADS_CODE.search(key))
+        if sep and known and re.fullmatch(r"[A-Z][A-Z0-9_]*", key) and value.isprintable():
+            found[key] = value
     return found
 
 
@@ -106,6 +117,8 @@ def configure(
         "container_runtime_registry_ca": registry_ca.read_text() if registry_ca is not None else None,
         # host:port of the cluster's registry, for an engine that trusts it in a system-wide folder.
         "container_runtime_registry": image.split("/", 1)[0] if image and registry_ca else None,
+        # Every node's address and the rendezvous endpoint's: only root reaches their ports.
+        "firewall_addresses": sorted({n.address for n in nodes.nodes.values()} | {host}) if nodes.guards_ports else [],
         **access,
     }
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars, cancel=cancel)
@@ -157,13 +170,18 @@ def _run_playbook(
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     inventory = data_dir / "inventory" / "hosts.json"
     inventory.parent.mkdir(mode=0o700, exist_ok=True)
-    inventory.write_text(json.dumps(inventory_of(state_dir, nodes), indent=2) + "\n")
+    hosts = inventory_of(state_dir, nodes)
+    _refuse_templates(hosts)
+    inventory.write_text(json.dumps(hosts, indent=2) + "\n")
+    # ansible-runner reads env/extravars itself (-e @file): a file, not a command line every user's
+    # `ps` shows, and every string in it tagged !unsafe, so Ansible never renders what infractl
+    # hands it as a template (a user name or path holding "{{ ... }}" stays text).
+    write_private(data_dir / "env" / "extravars", _unsafe_yaml(extravars))
     runner = ansible_runner.run(
         private_data_dir=str(data_dir),
         project_dir=str(playbook_dir()),
         playbook=playbook,
         inventory=str(inventory),
-        extravars=extravars,
         envvars=_environment(state_dir, data_dir),
         # The health role runs one task on every node at once: it needs a fork per node.
         forks=max(len(nodes.nodes), 5),
@@ -177,6 +195,40 @@ def _run_playbook(
         # ansible-runner took the Ctrl-C (it stopped ansible-playbook): the caller's to take too.
         raise KeyboardInterrupt
     return runner, list(runner.events)
+
+
+class _Unsafe(str):
+    """A string Ansible must not render as a template (YAML's ``!unsafe``)."""
+
+
+def _unsafe_yaml(value: dict[str, Any]) -> str:
+    """``value`` as YAML whose every string is tagged ``!unsafe``."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(_Unsafe, lambda dumper, data: dumper.represent_scalar("!unsafe", str(data)))
+
+    def tag(item: Any) -> Any:
+        if isinstance(item, str):
+            return _Unsafe(item)
+        if isinstance(item, dict):
+            return {key: tag(inner) for key, inner in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [tag(inner) for inner in item]
+        return item
+
+    return str(yaml.dump(tag(value), Dumper=Dumper, sort_keys=True))
+
+
+def _refuse_templates(value: Any) -> None:
+    """The inventory is JSON, which cannot say ``!unsafe``: none of its strings may look like a
+    template (every value in it is validated where it comes from; this is the last line)."""
+    if isinstance(value, str) and ("{{" in value or "{%" in value or "{#" in value):
+        raise ConfigureError(f"an inventory value looks like an Ansible template: {value!r}")
+    for inner in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        _refuse_templates(inner)
 
 
 def _changed(runner: Any) -> int:

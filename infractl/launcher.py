@@ -9,25 +9,27 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infractl import proc, providers, runs, runstore
+from infractl import proc, providers, runs, runstore, workdir
 from infractl.cluster import keep_rendezvous, store_for
 from infractl.config import PreemptionSpec, RunSpec, check_layout
 from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
-from infractl.planning.devices import Device
+from infractl.planning.devices import EMULATED_MEMORY_ENV, Device
+from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
 from infractl.providers import NodeControl
 from infractl.providers.base import IMAGE_PYTHON
 from infractl.runstore import Attempt, Rejoin, RunRecord
-from infractl.state import ClusterState
+from infractl.state import ClusterState, write_private
 from infractl.store import Store
+from trainer.replica_server import MAX_BYTES_ENV, RUN_KEY_FILE_ENV
 
 __all__ = [
     "Launch",
@@ -42,6 +44,7 @@ __all__ = [
     "Stopped",
     "torchrun_argv",
     "node_log",
+    "passed_environment",
 ]
 
 # How often each agent looks at its workers (seconds; torchrun's default is 0.1): a failed worker
@@ -49,6 +52,35 @@ __all__ = [
 _MONITOR_S = 0.25
 # Seconds an exited agent's helpers get to notice it (they go within a second when nothing is late).
 _HELPERS_GONE_S = 15.0
+#: What an agent takes from the environment of the `infractl` that starts it, besides the names a
+#: run.yaml ``env:`` lists: the process's basics, the emulated device a rehearsal trains on, and
+#: the store's credentials for nodes that reach
+#: the store with the operator's (local and netns: this machine; a provider whose nodes have a role
+#: of their own withholds them, ``NodeControl.withheld``). Nothing else: a token or a loader variable
+#: in the operator's shell stays there.
+_PASSED = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "OMP_NUM_THREADS",
+        EMULATED_MEMORY_ENV,
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_DEFAULT_REGION",
+        "AWS_REGION",
+        "AWS_CA_BUNDLE",
+    }
+)
+#: The most a replica file may hold beyond the model's bytes (the state's small objects: RNG, data
+#: position, DCP's metadata) on top of 16 bytes a parameter (fp32 weights and AdamW's two moments,
+#: with room to spare): a rank's shard is never more than the whole state.
+_REPLICA_SLACK_BYTES = 64 << 20
 
 
 @dataclass
@@ -214,18 +246,42 @@ def torchrun_argv(
     ]  # fmt: skip
 
 
+def passed_environment(spec: RunSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """What of ``environ`` (the operator's) the run's agents get: the allowlist, and the names the
+    run.yaml's ``env:`` lists (each must be set: ``UsageError`` naming the first that is not)."""
+    missing = [name for name in spec.env if name not in environ]
+    if missing:
+        raise UsageError(
+            f"{missing[0]} is not set in this environment; the run.yaml's env: passes it to the trainers", field="env"
+        )
+    return {name: environ[name] for name in sorted(_PASSED | set(spec.env)) if name in environ}
+
+
 def _node_env(
-    nodes: NodeControl, node: dict[str, Any], run_id: str, attempt: int, log_format: LogFormat
+    nodes: NodeControl,
+    node: dict[str, Any],
+    spec: RunSpec,
+    attempt: int,
+    log_format: LogFormat,
+    *,
+    cluster: dict[str, Any],
+    key_file: Path | None,
 ) -> dict[str, str]:
-    env = dict(os.environ) | network_env(nodes, node["name"]) | nodes.agent_env(node["name"])
+    run_id, home = spec.name, Path(node["workdir"])
+    env = passed_environment(spec, os.environ) | network_env(nodes, node["name"]) | nodes.agent_env(node["name"])
     env.setdefault("OMP_NUM_THREADS", "1")
+    if cluster.get("image"):  # the reference the node's engine runs, pinned by digest
+        env[proc.IMAGE_ENV] = str(cluster["image"])
+    if key_file is not None:
+        env[RUN_KEY_FILE_ENV] = str(key_file)
+        env[MAX_BYTES_ENV] = str(16 * parameters(spec.model) + _REPLICA_SLACK_BYTES)
     env.update(
         {
             # The agent runs torchrun's file-timer watchdog: a worker whose step deadline
             # (watchdog.step_timeout_s, armed by the trainer) passes is SIGKILLed, and the agent
             # handles it as any other worker failure. The named pipe is per node and run.
             "TORCHELASTIC_ENABLE_FILE_TIMER": "1",
-            "TORCHELASTIC_TIMER_FILE": str(Path(node["workdir"]) / "runs" / run_id / "watchdog.fifo"),
+            "TORCHELASTIC_TIMER_FILE": str(workdir.timer_file(home, run_id)),
             # torchrun shares its rendezvous TCP store with the workers by default, and then the
             # rank-0 agent publishes the workers' MASTER_ADDR only in its first round: a node that
             # joins later (`infractl rejoin`) waits for it forever. Without sharing, every round
@@ -243,7 +299,21 @@ def _node_env(
 
 
 def node_log(node: dict[str, Any], run_id: str) -> Path:
-    return Path(node["workdir"]) / "logs" / f"{run_id}.log"
+    return Path(node["workdir"]) / workdir.LOGS / f"{run_id}.log"
+
+
+def _key_path(state: ClusterState, run_id: str) -> Path:
+    """The run's replica key on this machine, kept for the attempt's rejoins (0600)."""
+    return state.dir / "runs" / f"{run_id}.key"
+
+
+def _read_key(state: ClusterState, run_id: str) -> str | None:
+    """The key of the run's current attempt; None for a run launched before infractl made one
+    (its rejoined node then holds no replicas, and the job none: it resumes from the store)."""
+    try:
+        return _key_path(state, run_id).read_text().strip()
+    except FileNotFoundError:
+        return None
 
 
 def launch(
@@ -267,6 +337,10 @@ def launch(
         )
     )
     runstore.write_run_record(plan.store, plan.record)
+    # The secret every replica request of this attempt is signed with (trainer/replica_server.py):
+    # new for each launch, kept here for the attempt's rejoins, on the nodes in a root-only file.
+    key = secrets.token_hex(32)
+    write_private(_key_path(state, spec.name), key + "\n")
     nodes = providers.control(state)
     by_name = {node["name"]: node for node in plan.nodes}
 
@@ -280,6 +354,7 @@ def launch(
             attempt=number,
             nnodes=len(plan.nodes),
             rdzv_id=rdzv_id,
+            key=key,
             log_format=log_format,
             trainer_args=trainer_args,
         )
@@ -345,14 +420,20 @@ def _start_agent(
     attempt: int,
     nnodes: int,
     rdzv_id: str,
+    key: str | None,
     log_format: LogFormat,
     note: str = "",
     trainer_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     name = node["name"]
-    workdir = Path(node["workdir"])
-    spec_path = workdir / "runs" / spec.name / "spec.json"
+    home = Path(node["workdir"])
+    private = workdir.run_private(home, spec.name)
+    spec_path = private / "spec.json"
     nodes.write_file(name, spec_path, spec.model_dump_json(indent=1))
+    key_file = None
+    if key is not None:
+        key_file = private / "run.key"
+        nodes.write_file(name, key_file, key + "\n")
     # The image a cluster pulled and verified at `up` (None: the trainer is the node's own Python).
     image = cluster.get("image")
     argv = torchrun_argv(
@@ -365,14 +446,14 @@ def _start_agent(
         local_addr=node["address"],
         spec_path=spec_path,
         store_uri=store.uri,
-        workdir=workdir,
+        workdir=home / workdir.WORK,
         trainer_args=trainer_args,
     )
     return nodes.start(
         name,
         argv,
-        _node_env(nodes, node, spec.name, attempt, log_format),
-        workdir=workdir,
+        _node_env(nodes, node, spec, attempt, log_format, cluster=cluster, key_file=key_file),
+        workdir=home,
         log_path=node_log(node, spec.name),
         header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
         image=image,
@@ -438,6 +519,7 @@ def rejoin(
         attempt=attempt.attempt,
         nnodes=len(attempt.nodes),
         rdzv_id=attempt.rdzv_id,
+        key=_read_key(state, run),
         log_format=log_format,
         note=" (rejoined)",
     )

@@ -62,6 +62,10 @@ AGENT_MODULE = "trainer.agent"
 #: The instance metadata service (its ``/latest`` URL) whose spot interruption notice a node's agent
 #: polls, on a node that may be reclaimed (``trainer.agent``); unset elsewhere.
 SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
+#: The image reference (pinned by digest) a containerized agent and its workers run in, as the
+#: launcher told the node's engine to run it (``--pull=never``: what ``up`` pulled and verified);
+#: the checkpoints' environment fingerprint records it. Unset on a node's own Python.
+IMAGE_ENV = "INFRACTL_IMAGE"
 #: The agent's ``--rdzv-conf`` key of the seconds a launch's first rendezvous round waits for its
 #: nodes (``trainer.rendezvous``; torch ignores the key).
 LAUNCH_LAST_CALL_KEY = "launch_last_call"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from infractl import access, infra, providers
+from infractl import access, infra, providers, workdir
 from infractl.config import RuntimeSpec
 from infractl.configure import ConfigureResult, configure
 from infractl.errors import ConfigureError
@@ -121,11 +121,15 @@ def test_configure_writes_the_network_environment(
 
     assert result.changed > 0
     for node in nodes:
-        lines = (node.workdir / "env" / "network.env").read_text().splitlines()
+        lines = workdir.network_env(node.workdir).read_text().splitlines()
         assert "GLOO_SOCKET_IFNAME=lo" in lines
         assert "NCCL_SOCKET_IFNAME=lo" in lines
-        for sub in ("logs", "env", "staging"):
+        for sub in workdir.DIRECTORIES:
             assert (node.workdir / sub).is_dir()
+        # What root reads and the trainer's files: root's alone, no ACL a file made there inherits.
+        for sub in (workdir.PRIVATE, workdir.WORK):
+            acl = subprocess.run(["getfacl", "-cp", str(node.workdir / sub)], capture_output=True, text=True)
+            assert sorted(acl.stdout.split()) == ["group::---", "other::---", "user::rwx"], acl.stdout
 
 
 def test_health_check_reports_every_node_with_positive_bandwidth(

@@ -67,9 +67,12 @@ def start(
 ) -> FileStore:
     """Start run ``name`` detached on the module's cluster (``pace``: its ``min_step_s``, for a run
     the test stops: it spares the CPU; ``hung``: a run whose rank a test stops, with the step
-    deadline that leaves its agent time to see the peers restart); return its store once its
-    first checkpoint committed (at once, without ``committed``)."""
+    deadline that leaves its agent time to see the peers restart; ``env``: variables of train's
+    environment the run.yaml passes to the trainers, its fault-injection knobs); return its store
+    once its first checkpoint committed (at once, without ``committed``)."""
     text = RUN.format(name=name, steps=steps, pace=pace, checkpoint=checkpoint)
+    if env:
+        text += f"env: [{', '.join(env)}]\n"
     run = write(cli.cwd / f"{name}.yaml", hung_job_run(text) if hung else text)
     cli("train", str(run), "--detach", env=env)
     store = FileStore(cli.home / "local" / "store")

@@ -311,9 +311,9 @@ def test_a_second_configure_changes_nothing(tmp_path: Path) -> None:
     again = check(tmp_path, "gpu.yml", ["p5", "p5"], nccl_tests="p5", check_mode=False)
 
     assert (first.status, again.status) == ("successful", "successful"), first.failures() + again.failures()
-    assert first.changed == 4  # per node: the env directory and the NCCL environment file
+    assert first.changed == 4  # per node: the private directory and the NCCL environment file
     assert again.changed == 0
-    written = _env_file((tmp_path / "node-1" / "env" / "nccl.env").read_text())
+    written = _env_file((tmp_path / "node-1" / "private" / "nccl.env").read_text())
     assert written["INFRACTL_NODE_ADDRESS"] == "10.0.1.24"
 
 

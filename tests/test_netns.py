@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infractl import providers, runstore
+from infractl import providers, runstore, workdir
 from infractl.drill import KINDS, recovery
 from infractl.providers.base import NodeControl
 from infractl.state import ClusterState
@@ -140,7 +140,7 @@ def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key
         # Ansible logged in with the cluster's key, and the collectives use the namespace's interface.
         sshd_log = (state / "ssh" / "nodes" / node["name"] / "sshd.log").read_text()
         assert f"Accepted publickey for root from {record['rendezvous']['host']}" in sshd_log
-        env = (Path(node["workdir"]) / "env" / "network.env").read_text()
+        env = workdir.network_env(Path(node["workdir"])).read_text()
         assert "GLOO_SOCKET_IFNAME=eth0" in env and f"INFRACTL_NODE_ADDRESS={node['address']}" in env
     assert "StrictHostKeyChecking=no" not in (state / "ansible" / "inventory" / "hosts.json").read_text()
 

@@ -432,7 +432,8 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     # Paced (a commit every 4 s), and 40 commits kept: the bad steps committed while the runbook is
     # read (a minute under CI's load) do not push the good ones out of retention.
     spec = RUN.format(name=name, steps=2000).replace("keep: 2", "keep: 40") + "min_step_s: 0.2\n"
-    cluster("train", str(write(cluster.cwd / f"{name}.yaml", spec)), "--detach", env={CORRUPT_ENV: "50"})
+    run_file = write(cluster.cwd / f"{name}.yaml", spec + f"env: [{CORRUPT_ENV}]\n")
+    cluster("train", str(run_file), "--detach", env={CORRUPT_ENV: "50"})
     wait_for_commit(store, name, at_least=60, timeout=300)  # a commit after the bad update
     # Refused, one line, nothing moved: a running run.
     refused = cluster("rollback", name, "--to", "20", "--yes", expect=2).stderr
@@ -447,6 +448,7 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     assert re.search(rf"\b51\b.*{losses[51]:.4f}", shown), shown
     # As the runbook says: the engineer picks the newest committed step before the jump.
     to = max(step for step in runstore.committed_steps(store, name) if step <= 50)
+    write(run_file, spec)  # the bad update's cause, fixed: the run.yaml no longer passes the knob
     fault_time = time.time()
     transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to)})
 

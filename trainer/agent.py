@@ -24,8 +24,9 @@ arguments and exit codes; the agent itself never imports the trainer). torchrun 
 its start method only to workers it runs as functions; a module runs as a new Python each time.
 
 The agent also holds its node's in-memory checkpoint replicas (``trainer.replica_server``): a server on
-the node's ``--local-addr`` that outlives the workers' restarts; its workers find it in
-``$INFRACTL_REPLICA_ADDR``.
+the node's ``--local-addr`` that outlives the workers' restarts and answers only requests signed
+with the run's key (``$INFRACTL_RUN_KEY_FILE`` names its file; without one there are no replicas);
+its workers find it in ``$INFRACTL_REPLICA_ADDR``.
 
 On a node that may be reclaimed (a spot instance: its provider sets ``INFRACTL_SPOT_NOTICE_URL`` to
 the instance metadata service), the agent also polls the spot interruption notice, which EC2 posts
@@ -161,8 +162,13 @@ def main() -> None:
     torchrun.config_from_args = _warm_config
     local_addr, launch_last_call = _options(sys.argv[1:])
     rendezvous.install(launch_last_call)
+    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")  # trainer/watchdog.py's TIMER_FILE_ENV
+    if timer_file:  # torchrun's timer server makes its pipe there, not the folder
+        os.makedirs(os.path.dirname(timer_file), mode=0o700, exist_ok=True)
     # Before the workers (and the fork server they are forked from) copy this environment.
-    os.environ[replica_server.REPLICA_ADDR_ENV] = replica_server.serve(local_addr).address
+    server = replica_server.serve(local_addr, os.environ)
+    if server is not None:
+        os.environ[replica_server.REPLICA_ADDR_ENV] = server.address
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)
     if metadata_url:
         threading.Thread(target=_watch_spot_notice, args=(metadata_url,), name="spot-notice", daemon=True).start()

@@ -276,7 +276,7 @@ class Checkpointer:
             manifest = candidate.manifest
             restore = self._restore_dir(manifest.step)
             errors: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(errors, fetch_replica(candidate, restore, tag=f"rank-{self.rank}"))
+            dist.all_gather_object(errors, fetch_replica(candidate, restore, tag=f"rank-{self.rank}", key=replicas.key))
             error = next((e for e in errors if e), None)
             if error is None:
                 self._load(manifest, build_state(manifest), reader=ReplicaReader(restore))

@@ -8,6 +8,7 @@ which nothing built, has no record: there ``git rev-parse HEAD`` of that checkou
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from typing import TypedDict
 import torch
 
 import infractl
+from infractl.proc import IMAGE_ENV
 
 __all__ = [
     "CONTAINER_ENV",
@@ -99,9 +101,11 @@ def running_image(container_env: Path = CONTAINER_ENV) -> dict[str, str] | None:
 
 def environment_fingerprint(*, world_size: int) -> Fingerprint:
     """Collect the fingerprint; may run ``git`` (see ``source_revision``), so call it once per process.
-    The image is what the container engine says ran, read here, never what a config asked for."""
+    The image is what the container engine says ran (a privileged podman container's
+    ``CONTAINER_ENV``), else the digest-pinned reference the launcher had the engine run
+    (``$INFRACTL_IMAGE``: the engine runs nothing else under it), never what a config asked for."""
     container = running_image()
-    image = (container or {}).get("image") or None
+    image = (container or {}).get("image") or os.environ.get(IMAGE_ENV) or None
     return Fingerprint(
         torch=torch.__version__,
         python=platform.python_version(),
@@ -109,7 +113,7 @@ def environment_fingerprint(*, world_size: int) -> Fingerprint:
         git_revision=source_revision(),
         hostname=socket.gethostname(),
         world_size=world_size,
-        runtime="host" if container is None else "container",
+        runtime="host" if container is None and image is None else "container",
         interpreter=sys.executable,
         image=image,
         image_digest=image.rpartition("@")[2] if image and "@sha256:" in image else None,

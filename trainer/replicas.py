@@ -5,8 +5,11 @@ instead of the store's older commit (run.yaml ``checkpoint.replicate_every``).
 Where the bytes live: in each node's agent (``trainer.replica_server``, started by ``trainer.agent``),
 which outlives its workers' restarts and dies with its node, as the memory of a real node does.
 The agent serves HTTP on the node's cluster address (the one collectives use) and tells its
-workers where (``$INFRACTL_REPLICA_ADDR``); a worker started without our agent has no replicas.
-Like torch's rendezvous and TCP stores, it trusts the cluster network.
+workers where (``$INFRACTL_REPLICA_ADDR``); a worker started without our agent, or without the
+run's key, has no replicas. The cluster network is not trusted: every request carries a signature
+with the run's key (``trainer.replica_server.RunKey``), the agents refuse what does not verify, and
+rank 0 checks each manifest's signature again before it counts a replica, so nothing from the
+network is unpickled unless the run's own ranks signed it.
 
 A replica of step N (every rank, collectively, over a gloo group of its own)::
 
@@ -32,11 +35,13 @@ replica reshards into another world size or layout as a store checkpoint does.
 A step is a replica once an agent holds its manifest; it is whole while every file the manifest
 lists is held by some live agent. On restart (``Checkpointer.load``), rank 0 asks every node's
 agent what it holds and picks the newest whole replica not older than the store's newest
-commit; every rank fetches every file from a holder and checks its sha256 (another holder on a
-mismatch); if any rank cannot, the next candidate is tried, and then the store. So a rank whose
-two holders both died, or whose only surviving copy is corrupt, sends the run to the store's
-commit, never to a partial or unverified replica. The store's commit rule is untouched: a replica
-is never committed, and a run stopped whole resumes from the store.
+commit, among the manifests whose signature verifies (one that does not is logged with the agent
+that served it and never used); every rank fetches every file from a holder and checks its
+signature and its sha256 against that manifest (another holder on a mismatch); if any rank
+cannot, the next candidate is tried, and then the store. So a rank whose two holders both died,
+or whose only surviving copy is corrupt, sends the run to the store's commit, never to a partial
+or unverified replica. The store's commit rule is untouched: a replica is never committed, and a
+run stopped whole resumes from the store.
 
 Fault injection: ``$INFRACTL_REPLICA_CORRUPT=peer`` (read by the agent) makes the agent flip one
 byte of every copy it holds for another node, after checking it on receipt, as memory corrupted at
@@ -71,9 +76,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from infractl.log import get_logger
 from infractl.runstore import Manifest, ManifestEntry, file_sha256
-from trainer.replica_server import REPLICA_ADDR_ENV
+from trainer.replica_server import REPLICA_ADDR_ENV, SHA256_HEADER, SIGNATURE_HEADER, RunKey, file_key_ok
 
-__all__ = ["Candidate", "ReplicaReader", "Replicas", "fetch", "whole_replicas"]
+__all__ = ["Candidate", "ReplicaReader", "Replicas", "fetch", "get", "put_file", "put_manifest", "whole_replicas"]
 
 log = get_logger(__name__)
 
@@ -90,8 +95,8 @@ _GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 def _request(
     address: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
-) -> bytes:
-    """One request to an agent's replica server; its body. Raises OSError when it failed."""
+) -> tuple[bytes, http.client.HTTPMessage]:
+    """One request to an agent's replica server; its body and headers. Raises OSError when it failed."""
     host, _, port = address.rpartition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=_TIMEOUT_S)
     try:
@@ -104,7 +109,26 @@ def _request(
         connection.close()
     if answer.status >= 300:
         raise OSError(f"replica server {address}: {method} {path}: HTTP {answer.status}")
-    return data
+    return data, answer.headers
+
+
+def get(key: RunKey, address: str, path: str) -> tuple[bytes, http.client.HTTPMessage]:
+    """A signed GET of ``path`` from the agent at ``address``."""
+    return _request(address, "GET", path, headers={SIGNATURE_HEADER: key.sign_request("GET", path)})
+
+
+def put_file(key: RunKey, address: str, step: int, name: str, body: bytes, *, copy: str) -> None:
+    """Send file ``name`` of replica ``step`` to the agent at ``address``, signed."""
+    sha256 = hashlib.sha256(body).hexdigest()
+    headers = {SHA256_HEADER: sha256, SIGNATURE_HEADER: key.sign_body("file", step, name, sha256)}
+    _request(address, "PUT", f"/steps/{step}/files/{name}?copy={copy}", body, headers)
+
+
+def put_manifest(key: RunKey, address: str, manifest: Manifest) -> None:
+    """Send ``manifest`` to the agent at ``address``, signed: the step is a replica from then on."""
+    body = manifest.to_json()
+    signature = key.sign_body("manifest", manifest.step, "manifest", hashlib.sha256(body).hexdigest())
+    _request(address, "PUT", f"/steps/{manifest.step}/manifest", body, {SIGNATURE_HEADER: signature})
 
 
 @dataclass(frozen=True)
@@ -142,8 +166,9 @@ class _Layout:
 class Replicas:
     """This rank's replicas: ``join`` on every rank."""
 
-    def __init__(self, *, rank: int, agents: list[str], records: Callable[[], list[Any]]) -> None:
+    def __init__(self, *, rank: int, agents: list[str], key: RunKey, records: Callable[[], list[Any]]) -> None:
         self.rank = rank
+        self.key = key
         self.world_size = len(agents)
         self._records = records  # rank 0's metrics records not yet in the store
         #: Every rank's agent, and so every live node's, in rank order.
@@ -160,15 +185,16 @@ class Replicas:
     @classmethod
     def join(cls, *, rank: int, world_size: int, records: Callable[[], list[Any]]) -> Replicas | None:
         """Every rank, collectively: this job's replicas, or None where a rank has no agent that
-        holds them (a worker started by plain torchrun)."""
+        holds them, or not the run's key (a worker started by plain torchrun)."""
+        key = RunKey.from_environ(os.environ)
         addresses: list[str | None] = [None] * world_size
-        dist.all_gather_object(addresses, os.environ.get(REPLICA_ADDR_ENV) or None)
+        dist.all_gather_object(addresses, os.environ.get(REPLICA_ADDR_ENV) if key is not None else None)
         agents = [a for a in addresses if a]
-        if len(agents) < world_size:
+        if key is None or len(agents) < world_size:
             if rank == 0:
                 log.warning("replicas_off", reason=f"{world_size - len(agents)} rank(s) have no replica server")
             return None
-        return cls(rank=rank, agents=agents, records=records)
+        return cls(rank=rank, agents=agents, key=key, records=records)
 
     def busy(self) -> bool:
         """Whether this rank's previous replica is still being copied."""
@@ -248,13 +274,11 @@ class Replicas:
             bodies = [(_file_key(self.rank), buffer.getvalue())]
             if layout.metadata is not None:
                 bodies.append((_METADATA_KEY, layout.metadata))
-            for key, body in bodies:
-                entry = ManifestEntry(key=key, size=len(body), sha256=hashlib.sha256(body).hexdigest())
+            for name, body in bodies:
                 for address, copy in ((self.own, "own"), (self.peer, "peer")):
                     if address is not None:
-                        path = f"/steps/{step}/files/{key}?copy={copy}"
-                        _request(address, "PUT", path, body, {"X-Sha256": entry.sha256})
-                entries.append(entry)
+                        put_file(self.key, address, step, name, body, copy=copy)
+                entries.append(ManifestEntry(key=name, size=len(body), sha256=hashlib.sha256(body).hexdigest()))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         try:
@@ -271,7 +295,7 @@ class Replicas:
             manifest = Manifest(step=step, world_size=self.world_size, files=files, extra=boxed[0] or {})
             for address in (self.own, self.peer):
                 if address is not None:
-                    _request(address, "PUT", f"/steps/{step}/manifest", manifest.to_json())
+                    put_manifest(self.key, address, manifest)
             log.debug("replica_saved", step=step, files=len(files), seconds=round(time.monotonic() - started, 3))
         except Exception as exc:
             in_flight.error = f"{type(exc).__name__}: {exc}"
@@ -284,10 +308,10 @@ class Replicas:
         indexes: dict[str, dict[str, Any]] = {}
         for address in dict.fromkeys(self.agents):
             try:
-                indexes[address] = json.loads(_request(address, "GET", "/index"))
+                indexes[address] = json.loads(get(self.key, address, "/index")[0])
             except (OSError, ValueError) as exc:
                 log.warning("replica_index_failed", agent=address, error=str(exc))
-        return whole_replicas(indexes, not_before)
+        return whole_replicas(indexes, not_before, key=self.key)
 
 
 def _file_key(rank: int) -> str:
@@ -316,14 +340,16 @@ def _stage(planner: DefaultSavePlanner, items: list[WriteItem]) -> _Staged:
     return tensors, pickle.dumps(objects)
 
 
-def whole_replicas(indexes: dict[str, dict[str, Any]], not_before: int | None) -> list[Candidate]:
-    """The steps with a manifest in some agent's ``index`` (agent -> ``GET /index``), not before
-    ``not_before``, whose every file some agent holds with the manifest's sha256, newest first."""
+def whole_replicas(indexes: dict[str, dict[str, Any]], not_before: int | None, *, key: RunKey) -> list[Candidate]:
+    """The steps with a manifest signed with ``key`` in some agent's ``index`` (agent -> ``GET
+    /index``), not before ``not_before``, whose every file some agent holds with the manifest's
+    sha256, newest first. A manifest that does not verify is logged with the agent that served it."""
     manifests: dict[int, Manifest] = {}
-    for index in indexes.values():
-        for key, entry in index.items():
-            if entry["manifest"] is not None:
-                manifests.setdefault(int(key), Manifest.from_json(json.dumps(entry["manifest"]).encode()))
+    for address, index in indexes.items():
+        for listed, entry in index.items():
+            manifest = _verified_manifest(key, address, listed, entry)
+            if manifest is not None:
+                manifests.setdefault(manifest.step, manifest)
     found = []
     for step in sorted(manifests, reverse=True):
         if not_before is not None and step < not_before:
@@ -331,7 +357,7 @@ def whole_replicas(indexes: dict[str, dict[str, Any]], not_before: int | None) -
         manifest = manifests[step]
         held = {a: index.get(str(step), {}).get("files", {}) for a, index in indexes.items()}
         holders = {e.key: [a for a, files in held.items() if files.get(e.key) == e.sha256] for e in manifest.files}
-        missing = [key for key, where in holders.items() if not where]
+        missing = [name for name, where in holders.items() if not where]
         if missing:
             log.info("replica_incomplete", step=step, missing=missing)
             continue
@@ -339,10 +365,30 @@ def whole_replicas(indexes: dict[str, dict[str, Any]], not_before: int | None) -
     return found
 
 
-def fetch(candidate: Candidate, dest: Path, *, tag: str) -> str | None:
+def _verified_manifest(key: RunKey, address: str, step: str, entry: Any) -> Manifest | None:
+    """The manifest an agent's index lists for ``step``, once its signature verifies and it names
+    only a replica's own files; None when there is none yet or it does not verify (logged)."""
+    if not isinstance(entry, dict) or entry.get("manifest") is None:
+        return None
+    try:
+        body = str(entry["manifest"]).encode()
+        signature = str(entry.get("signature") or "")
+        if not key.verify_body(signature, "manifest", int(step), "manifest", hashlib.sha256(body).hexdigest()):
+            raise ValueError("its signature does not verify")
+        manifest = Manifest.from_json(body)
+        if manifest.step != int(step) or not all(file_key_ok(e.key) for e in manifest.files):
+            raise ValueError("it names another step or a file that is not a replica's")
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("replica_manifest_refused", agent=address, step=step, error=str(exc))
+        return None
+    return manifest
+
+
+def fetch(candidate: Candidate, dest: Path, *, tag: str, key: RunKey) -> str | None:
     """Every file of ``candidate`` into ``dest``, each checked against the manifest (the next
     holder on a mismatch) and written under a ``tag``-named part file first (ranks on one node
-    share ``dest``); what went wrong, if anything."""
+    share ``dest``); what went wrong, if anything. Each file's signature is checked as well as its
+    sha256: a holder that serves another body is passed over."""
     step = candidate.manifest.step
     for entry in candidate.manifest.files:
         target = dest / entry.key
@@ -351,13 +397,16 @@ def fetch(candidate: Candidate, dest: Path, *, tag: str) -> str | None:
         problems = []
         for address in candidate.holders[entry.key]:
             try:
-                body = _request(address, "GET", f"/steps/{step}/files/{urllib.parse.quote(entry.key)}")
+                body, headers = get(key, address, f"/steps/{step}/files/{urllib.parse.quote(entry.key)}")
             except OSError as exc:
                 problems.append(str(exc))
                 continue
             digest = hashlib.sha256(body).hexdigest()
             if digest != entry.sha256:
                 problems.append(f"{address}: sha256 is {digest}, the manifest says {entry.sha256}")
+                continue
+            if not key.verify_body(headers.get(SIGNATURE_HEADER, ""), "file", step, entry.key, digest):
+                problems.append(f"{address}: the signature of {entry.key} does not verify")
                 continue
             dest.mkdir(parents=True, exist_ok=True)
             part = dest / f".{entry.key}.{tag}.part"
@@ -384,6 +433,7 @@ class ReplicaReader(StorageReader):
         self._files = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # Unpickled only once fetch() checked it against a manifest signed with the run's key.
         return cast("Metadata", pickle.loads((self.path / _METADATA_KEY).read_bytes()))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -424,6 +474,7 @@ class ReplicaReader(StorageReader):
     def _file(self, key: str) -> tuple[list[torch.Tensor], list[Any]]:
         if key not in self._files:
             held = torch.load(self.path / key, weights_only=True)
-            # Objects are unpickled as DCP's own reader does: the files come from the run's agents.
+            # Objects are unpickled as DCP's own reader does: each file was checked against a manifest
+            # signed with the run's key (fetch).
             self._files[key] = (held["tensors"], pickle.loads(held["objects"]))
         return self._files[key]

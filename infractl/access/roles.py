@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infractl import workdir
 from infractl.errors import StateError
 from infractl.state import ClusterState, write_private
 from infractl.store import RoleRights
@@ -32,8 +33,13 @@ __all__ = [
 
 #: A user name as both a Unix login and an IAM user can spell it.
 USER_PATTERN = r"^[a-z_][a-z0-9_.-]{0,31}$"
-#: The node directories the roles' ACLs cover, relative to the node's work directory (base role).
-NODE_DIRECTORIES = (".", "logs", "env", "staging")
+#: The node directories the roles' ACLs cover, relative to the node's work directory (base role;
+#: infractl/workdir.py says what each holds). Only ``logs`` lets a role read; nothing lets a role
+#: write: a role may enter the work directory and read the logs, never touch what root reads,
+#: sources or writes through (``private``) or the trainer's files (``work``).
+NODE_DIRECTORIES = (".", workdir.LOGS, workdir.PRIVATE, workdir.WORK)
+#: The directories whose ACL new files and folders inherit (default ACL): the logs written later.
+_INHERITED = (workdir.LOGS,)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ ROLES: tuple[Role, ...] = (
         "read metrics, logs and status; nothing else",
         ("status", "logs", "metrics"),
         read=("runs/*/run.json", "runs/*/metrics/*", "runs/*/tensorboard/*", "runs/*/drills/*", "runs/*/chaos/*"),
-        nodes={".": "--x", "logs": "r-x"},
+        nodes={".": "--x", workdir.LOGS: "r-x"},
     ),
     Role(
         "operator",
@@ -69,7 +75,7 @@ ROLES: tuple[Role, ...] = (
         read=("*",),
         write=("runs/*", "plan/*", "bench/*"),
         delete=("runs/*",),
-        nodes={".": "rwx", "logs": "rwx", "env": "r-x", "staging": "r-x"},
+        nodes={".": "--x", workdir.LOGS: "r-x"},
     ),
     Role(
         "config-admin",
@@ -77,7 +83,7 @@ ROLES: tuple[Role, ...] = (
         ("data prepare",),
         read=("*",),
         write=("datasets/*", "configs/*"),
-        nodes={".": "r-x", "logs": "r-x", "env": "rwx", "staging": "rwx"},
+        nodes={".": "--x", workdir.LOGS: "r-x"},
     ),
     Role(
         "infra-admin",
@@ -86,7 +92,7 @@ ROLES: tuple[Role, ...] = (
         read=("*",),
         write=("*",),
         delete=("*",),
-        nodes={directory: "rwx" for directory in NODE_DIRECTORIES},
+        nodes={".": "--x", workdir.LOGS: "r-x"},
         grants_access=True,
     ),
 )
@@ -191,11 +197,15 @@ def _union(perms: Sequence[str]) -> str:
 
 def _node_acl(state: ClusterState, directory: str) -> list[str]:
     """The whole ACL of one node directory as ``getfacl`` prints it: owner only for the base
-    entries, each role's group with its permissions, and the same again as the default ACL."""
-    perms = {r.name: r.nodes.get(directory, "---") for r in ROLES}
-    entries = ["user::rwx", "group::---", "other::---", f"mask::{_union(list(perms.values()))}"]
-    entries += [f"group:{group_name(state, role)}:{p}" for role, p in perms.items()]
-    return entries + [f"default:{e}" for e in entries]
+    entries, each role's group with its permissions where it has any, and the same again as the
+    default ACL where new files inherit it (``_INHERITED``); a directory no role may enter has
+    the owner's entries alone (mode 0700, no default ACL)."""
+    perms = {r.name: p for r in ROLES if (p := r.nodes.get(directory, "---")) != "---"}
+    entries = ["user::rwx", "group::---", "other::---"]
+    if perms:
+        entries.append(f"mask::{_union(list(perms.values()))}")
+        entries += [f"group:{group_name(state, role)}:{p}" for role, p in perms.items()]
+    return entries + ([f"default:{e}" for e in entries] if directory in _INHERITED else [])
 
 
 def node_vars(

@@ -13,6 +13,7 @@ from infractl.config.spec import Name, Spec, field_error
 
 __all__ = [
     "DP_SHORTHANDS",
+    "FAULT_VARIABLES",
     "MAX_PROFILE_STEPS",
     "CheckpointSpec",
     "DataSpec",
@@ -381,6 +382,16 @@ class ProfileSpec(Spec):
         return None if self.steps is None else parse_step_window(self.steps)
 
 
+#: Variables a run.yaml ``env:`` may not name: infractl's own (the launcher sets them), and those
+#: that change which code a node's processes run rather than what they do.
+_UNPASSABLE_PREFIXES = ("INFRACTL_", "TORCHELASTIC_", "LD_", "PYTHON")
+_UNPASSABLE = frozenset({"BASH_ENV", "ENV", "PATH", "HOME", "SHELL", "IFS", "PS4"})
+#: infractl's own variables a run.yaml ``env:`` may name all the same: the trainer's fault-injection
+#: knobs (trainer/checkpoint.py ``UPLOAD_DELAY_ENV``, trainer/engine.py and trainer/replica_server.py
+#: ``CORRUPT_ENV``), which rehearsals and tests set on purpose and nothing else may carry to a node.
+FAULT_VARIABLES = ("INFRACTL_CKPT_UPLOAD_DELAY_S", "INFRACTL_CORRUPT_WEIGHTS_AT_STEP", "INFRACTL_REPLICA_CORRUPT")
+
+
 class RunSpec(Spec):
     """run.yaml: what to train and how."""
 
@@ -468,6 +479,32 @@ class RunSpec(Spec):
         default_factory=RestartSpec, description="How soon workers train again after a failure."
     )
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler traces of chosen steps.")
+    env: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Names of variables of the shell that runs `infractl train` that the trainers get too (an access "
+            "token their code reads, NCCL_DEBUG, ...): nothing else of that environment reaches a node but the "
+            "store's credentials where the nodes have no role of their own. Each must be set when the run "
+            "starts. Not infractl's own variables (but its fault-injection knobs), nor the dynamic loader's or "
+            "Python's (LD_*, PYTHON*)."
+        ),
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _passable_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
+                raise ValueError(f"{name!r} is not an environment variable's name")
+            if (name.startswith(_UNPASSABLE_PREFIXES) or name in _UNPASSABLE) and name not in FAULT_VARIABLES:
+                raise ValueError(
+                    f"{name} cannot be passed to the trainers: infractl sets it itself, or it changes what code "
+                    "the node runs (LD_*, PYTHON*, BASH_ENV)"
+                )
+        if len(set(names)) != len(names):
+            raise ValueError("names a variable twice")
+        return names
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> RunSpec:

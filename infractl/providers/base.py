@@ -198,7 +198,7 @@ class ContainerEngine:
     runroot: Path | None = None
     """The node's own run state (podman's ``--runroot``: a short path, sockets live there)."""
     run_options: tuple[str, ...] = ()
-    """What ``run`` needs on this node besides the launcher's options (limits, privileges)."""
+    """What ``run`` needs on this node besides the launcher's options (limits, devices)."""
     named_options: tuple[str, ...] = ()
     """What ``run`` needs for a named container (replacing one that a killed node left behind)."""
     certs_dir: Path | None = None
@@ -216,9 +216,10 @@ class ContainerEngine:
         """The command line before the image and its command that runs a container as a process
         of the node would run: in the node's network, PID and IPC namespaces (collectives bind the
         node's address; status, drills and ``kill`` find and signal its processes as the node's),
-        as root (the node's folders are root's), never pulling (``up`` pulled and verified the
-        image). ``env``: names of variables passed from the caller's environment; ``volumes``:
-        folders at the same paths inside."""
+        as root (the node's folders are root's) but with every capability dropped and no way to
+        gain one (setuid binaries included), never pulling (``up`` pulled and verified the image).
+        ``env``: names of variables passed from the caller's environment; ``volumes``: folders at
+        the same paths inside."""
         return [
             *self.argv,
             "run",
@@ -229,6 +230,8 @@ class ContainerEngine:
             "--pid=host",
             "--ipc=host",
             "--user=root",
+            "--cap-drop=ALL",
+            "--security-opt=no-new-privileges",
             *([f"--workdir={workdir}"] if workdir else []),
             *self.run_options,
             *(f"--label={key}={value}" for key, value in (labels or {}).items()),
@@ -381,6 +384,11 @@ class NodeControl(ABC):
 
     #: What ``cut_link`` can make on this provider's nodes (a subset of ``LINK_FAULTS``).
     link_faults: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``up`` keeps a node's other users off the cluster's ports and the instance metadata
+    #: (the firewall role): where nodes are hosts of their own. Not where a node is the control
+    #: machine itself (``local``): blocking its users' loopback would break the machine, and who
+    #: uses it is its owner's business (SECURITY.md).
+    guards_ports: ClassVar[bool] = False
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node]) -> None:
         self.state = state

@@ -280,10 +280,6 @@ class NetnsNodes(SshNodes):
             # A container of a run that a killed node left behind has the name the next start takes.
             named_options=("--replace",),
             run_options=(
-                # Privileged: podman then tells the container which image it runs (/run/.containerenv:
-                # the checkpoints' fingerprint reads it there). It shares the node's namespaces and runs
-                # as root anyway.
-                "--privileged",
                 # podman raises the limits past the hard ones by default, which this machine refuses
                 # without CAP_SYS_RESOURCE: the node's own hard limits, as its processes have them.
                 *(f"--ulimit={name}={hard}:{hard}" for name, hard in _hard_limits().items()),

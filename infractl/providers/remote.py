@@ -37,6 +37,7 @@ from infractl.providers.base import (
     port_open,
 )
 from infractl.state import ClusterState
+from infractl.workdir import run_private
 
 __all__ = ["SYSTEM_PYTHON", "RemoteServers", "SshNodes"]
 
@@ -71,6 +72,7 @@ class SshNodes(NodeControl):
     #: Made by the node itself, in iptables and tc. Never ``down``: the drill's own session, which
     #: restores the link, runs over it.
     link_faults: ClassVar[tuple[str, ...]] = ("drop", "delay")
+    guards_ports = True
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node], *, python: str) -> None:
         super().__init__(state, nodes)
@@ -159,15 +161,16 @@ class SshNodes(NodeControl):
         image: str | None = None,
         mounts: Sequence[Path] = (),
     ) -> subprocess.Popen[bytes]:
-        """sshd gives a session a clean environment, so the agent's comes from a 0600 file on the
-        node (never a command line, where every user could read its secrets). The agent writes its
-        log itself: a link that goes down must not stall it on a full SSH channel.
+        """sshd gives a session a clean environment, so the agent's comes from a 0600 file in the
+        node's root-only ``private/`` folder (never a command line, where every user could read its
+        secrets), removed as soon as the session has read it. The agent writes its log itself: a
+        link that goes down must not stall it on a full SSH channel.
 
         The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
         node as it follows a local one; it carries none of the markers, so a node whose link is cut
         counts as stopped once its agent has exited, whatever the client waits for."""
         names = sorted(k for k in env if _SHELL_NAME.match(k) and k not in self.withheld)
-        env_file = workdir / "runs" / env[proc.RUN_ENV] / "agent.env"
+        env_file = run_private(workdir, env[proc.RUN_ENV]) / "agent.env"
         self.write_file(node, env_file, "".join(f"{k}={shlex.quote(env[k])}\n" for k in names))
         if image is not None:
             passed = [k for k in names if k not in _HOST_ONLY]
@@ -175,7 +178,8 @@ class SshNodes(NodeControl):
         log = shlex.quote(str(log_path))
         command = (
             f"mkdir -p {shlex.quote(str(log_path.parent))} && echo {shlex.quote(header)} >>{log} && "
-            f"set -a && . {shlex.quote(str(env_file))} && set +a && cd {shlex.quote(str(workdir))} && "
+            f"set -a && . {shlex.quote(str(env_file))} && set +a && rm -f -- {shlex.quote(str(env_file))} && "
+            f"cd {shlex.quote(str(workdir))} && "
             f"exec {shlex.join(argv)} >>{log} 2>&1 </dev/null"
         )
         markers = (proc.CLUSTER_ENV, proc.NODE_ENV, proc.RUN_ENV)

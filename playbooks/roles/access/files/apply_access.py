@@ -1,6 +1,7 @@
 """Apply the access roles on this node in one process: each role's group exists with exactly its
-members (those with an account here), each node directory carries exactly its ACL (default ACL
-included), and the directories above the work directory let the groups through (search only).
+members (those with an account here), each node directory carries exactly its ACL (its default
+ACL included, or none), and the directories above the work directory let the groups through
+(search only).
 
 Run by the access role's configure.yml with one argument, the JSON of:
     {"groups": {GROUP: [USER, ...]}, "workdir": ABS, "acls": [{"path": RELATIVE, "acl": [ENTRY, ...]}],
@@ -104,7 +105,10 @@ def apply(spec: dict) -> list[str]:
     for entry in spec["acls"]:
         path = os.path.normpath(os.path.join(spec["workdir"], entry["path"]))
         if acl(path) != sorted(entry["acl"]):
-            run(["setfacl", "--set", ",".join(entry["acl"]), path])
+            # --set replaces the access ACL only: a default ACL no longer wanted must go (-k), or
+            # every file made there later would still inherit it.
+            inherits = any(e.startswith("default:") for e in entry["acl"])
+            run(["setfacl", *([] if inherits else ["-k"]), "--set", ",".join(entry["acl"]), path])
             changed.append(f"ACL of {path}")
     through = [f"group:{group}:--x" for group in sorted(spec["groups"])]
     for path in spec["traverse"]:
