@@ -7,8 +7,9 @@ endpoint. The emulator polls DescribeInstances; for each running instance it mak
 namespace with the instance's private address (on the VPC's prefix, so every subnet of the VPC is
 one link), plus its public address where it has one (routed from this machine through the private
 one: the controller's public address is how the operator reaches the jump host), and starts an sshd
-there from what the instance's ``user_data`` says to cloud-init: the host key (``ssh_keys``) and
-the login keys (``ssh_authorized_keys``). A terminated instance's host goes, processes and all.
+there from what the instance's ``user_data`` says to cloud-init: the host key (``ssh_keys``, in the
+host's own ``/etc/ssh``, where sshd and ``sshd -T`` read it, as on an Ubuntu image) and the login
+keys (``ssh_authorized_keys``). A terminated instance's host goes, processes and all.
 
 Each host also has its own mount namespace, so that what a machine keeps to itself is its own:
 an empty ``/run``, its instance-store disk at ``/mnt`` (where cloud-init mounts it; a cluster's
@@ -244,21 +245,29 @@ class EmulatedAws:
         notice.write_text(json.dumps({"action": action, "time": when}))
 
     def _start_sshd(self, host: _Host, cloud_config: dict[str, Any]) -> int:
+        # As cloud-init and an Ubuntu image do: the host's own /etc/ssh holds sshd's configuration and
+        # user data's host key in place of the image's keys (ssh_deletekeys), where `sshd -T` on the
+        # host finds them (infractl has each host replace that key with one of its own).
+        mounts = _private_folders(host.folder)
+        etc_ssh = mounts["/etc"] / "ssh"
+        etc_ssh.mkdir(exist_ok=True)
+        for key in etc_ssh.glob("ssh_host_*"):
+            key.unlink()
         keys = cloud_config["ssh_keys"]
-        host_key = host.folder / "ssh_host_ed25519_key"
+        host_key = etc_ssh / "ssh_host_ed25519_key"
         host_key.write_text(keys["ed25519_private"])
         host_key.chmod(0o600)
+        host_key.with_name(f"{host_key.name}.pub").write_text(keys["ed25519_public"] + "\n")
         authorized = host.folder / "authorized_keys"
         authorized.write_text("".join(f"{key}\n" for key in cloud_config["ssh_authorized_keys"]))
-        config = host.folder / "sshd_config"
-        config.write_text(
-            f"ListenAddress 0.0.0.0\nHostKey {host_key}\nPidFile {host.folder / 'sshd.pid'}\n"
+        (etc_ssh / "sshd_config").write_text(
+            "ListenAddress 0.0.0.0\nHostKey /etc/ssh/ssh_host_ed25519_key\n"
+            f"PidFile {host.folder / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\nAllowUsers root\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             # The controller is the jump host: ssh -W needs TCP forwarding.
             "AllowTcpForwarding yes\nX11Forwarding no\nLogLevel VERBOSE\nSubsystem sftp internal-sftp\n"
         )
-        mounts = _private_folders(host.folder)
         # sshd runs in the host's own mount namespace, so every session it opens sees the host's folders.
         script = " && ".join(
             [
@@ -266,7 +275,7 @@ class EmulatedAws:
                 "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
                 # A machine that never ran podman has no /var/lib/containers to mount over.
                 *(f"mkdir -p {point} && mount --bind {folder} {point}" for point, folder in mounts.items()),
-                f"exec {_SSHD} -f {config} -E {host.folder / 'sshd.log'}",
+                f"exec {_SSHD} -E {host.folder / 'sshd.log'}",
             ]
         )
         started = subprocess.run(

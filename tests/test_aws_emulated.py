@@ -125,7 +125,8 @@ class TestOneApply:
         pinned = known_hosts.read_text()
         other = state.dir / "ssh" / "other"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-        known_hosts.write_text(pinned.replace(pinned.split()[2], other.with_suffix(".pub").read_text().split()[1]))
+        [own] = [line.split()[2] for line in pinned.splitlines() if line.split()[0] == nodes[0].address]
+        known_hosts.write_text(pinned.replace(own, other.with_suffix(".pub").read_text().split()[1]))
         try:
             refused = ssh(nodes[0], "true")
         finally:
@@ -135,6 +136,62 @@ class TestOneApply:
         assert nodes[0].ssh is not None
         with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
             aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
+
+    def test_every_instance_serves_a_host_key_of_its_own_pinned_for_it_alone(
+        self,
+        emulation: EmulatedAws,
+        applied: tuple[ClusterSpec, ClusterState, infra.ApplyResult, list[Node]],
+    ) -> None:
+        """User data's host key, the same on every instance, only bootstraps: once provisioned,
+        each host serves a key of its own (as ssh-keyscan on the VPC's link sees it) and known_hosts
+        pins that key alone for it, never the bootstrap key, so no host can pass for another. A
+        second provisioning (the next `up`) finds it done. No file of the state directory that
+        holds a private key is readable by anyone but its owner."""
+        spec, state, result, nodes = applied
+        controller = result.outputs["controller"]
+        bootstrap = " ".join(aws.ClusterKeys.of(spec, state).host_public().split()[:2])
+        addresses = [controller["address"], *(node.address for node in nodes)]
+
+        def served() -> dict[str, str]:
+            keys = {}
+            for address in addresses:
+                argv = ["ssh-keyscan", "-t", "ed25519", "-T", "10", address]
+                scanned = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+                [line] = [line for line in scanned.stdout.splitlines() if line and not line.startswith("#")]
+                keys[address] = " ".join(line.split()[1:3])
+            return keys
+
+        def pinned() -> dict[str, list[str]]:
+            pins: dict[str, list[str]] = {}
+            for line in (state.dir / "ssh" / "known_hosts").read_text().splitlines():
+                names, key = line.split(" ", 1)
+                for name in names.split(","):
+                    pins.setdefault(name, []).append(key)
+            return pins
+
+        keys = served()
+        assert len(set(keys.values())) == 3 and bootstrap not in keys.values(), keys
+        pins = pinned()
+        assert {address: pins[address] for address in addresses} == {a: [key] for a, key in keys.items()}
+        assert pins[controller["public_address"]] == [keys[controller["address"]]]
+        assert bootstrap not in [key for keys_of in pins.values() for key in keys_of]
+        for host in emulation.hosts.values():
+            host_key = host.folder / "etc" / "ssh" / "ssh_host_ed25519_key"
+            assert (
+                host_key.stat().st_mode & 0o077 == 0
+                and not host_key.with_name(f"{host_key.name}.infractl-new").exists()
+            )
+
+        before = (state.dir / "ssh" / "host_keys.json").read_text()
+        again = aws.Aws().provisioned(spec, state, result)
+        assert [node.name for node in again] == ["main-0", "main-1"]
+        assert (state.dir / "ssh" / "host_keys.json").read_text() == before and pinned() == pins and served() == keys
+
+        for path in state.dir.rglob("*"):
+            # Provider binaries under .terraform are large and hold no key: only files a key could be in.
+            if path.is_file() and not path.is_symlink() and path.stat().st_size < 1 << 20:
+                if b"PRIVATE KEY" in path.read_bytes():
+                    assert path.stat().st_mode & 0o077 == 0, path
 
     def test_destroy_keeps_a_created_bucket_unless_purged_and_leaves_nothing_else(
         self,

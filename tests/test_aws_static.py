@@ -326,6 +326,7 @@ def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None
         "node_groups": groups,
         "availability_zone": "us-east-1a",
         "store_bucket": "b-1",
+        "store_prefix": "demo",
         **KEYS,
     }
     files["terraform.tfvars.json"] = json.dumps(variables)

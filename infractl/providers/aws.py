@@ -332,8 +332,9 @@ def _tls(aws: AwsSpec) -> bool:
 @dataclass(frozen=True)
 class ClusterKeys:
     """The cluster's SSH keys, OpenSSH private key files with their ``.pub`` beside: ``login`` logs
-    in to every instance, ``host`` is every instance's host key (user_data installs it), so the
-    operator's known_hosts pins it before any instance exists."""
+    in to every instance, ``host`` is every new instance's bootstrap host key (user_data installs
+    it), so the operator's known_hosts pins it before any instance exists (``_HostKeys`` then
+    replaces it on each instance with a key of the instance's own)."""
 
     login: Path
     host: Path
@@ -374,6 +375,98 @@ class ClusterKeys:
 def _public(key: Path) -> Path:
     """The public half of an OpenSSH private key file: ``<name>.pub`` beside it."""
     return key.with_name(f"{key.name}.pub")
+
+
+#: Run as root on an instance: ``prepare`` makes a new ed25519 host key beside the one sshd reads
+#: (``sshd -T`` says which; a key an earlier ``prepare`` made is kept) and prints its public half;
+#: ``install`` puts it in the old one's place and has sshd load it (systemd's reload, else SIGHUP
+#: to the pid sshd says it writes). Either may run again after an interruption.
+_OWN_HOST_KEY = r"""set -eu
+key=$(sshd -T | awk '$1 == "hostkey" && $2 ~ /ed25519/ { print $2; exit }')
+test -n "$key"
+new="$key.infractl-new"
+case "$1" in
+prepare)
+  if ! test -s "$new" || ! test -s "$new.pub"; then
+    rm -f "$new" "$new.pub"
+    ssh-keygen -q -t ed25519 -N '' -C "$(hostname)" -f "$new" </dev/null
+  fi
+  cat "$new.pub" ;;
+install)
+  if test -s "$new"; then mv -f "$new.pub" "$key.pub" && mv -f "$new" "$key"; fi
+  if test -d /run/systemd/system; then systemctl reload ssh.service
+  else kill -HUP "$(cat "$(sshd -T | awk '$1 == "pidfile" { print $2 }')")"; fi ;;
+esac
+"""
+_HOST_KEY = re.compile(r"^ssh-ed25519 [A-Za-z0-9+/]+=*$")
+
+
+class _HostKeys:
+    """The host keys the control plane accepts from each instance, by instance id, kept in
+    ``<state>/ssh/host_keys.json`` and written out as the cluster's known_hosts: user data's
+    bootstrap key, the same on every instance and readable by whoever reads user data, until
+    ``own`` has the instance make a key of its own; both while that key is being installed; then
+    that key alone, so no instance can pass for another."""
+
+    def __init__(self, state: ClusterState, bootstrap: str, addresses: Mapping[str, Sequence[str]]) -> None:
+        self.path = state.dir / "ssh" / "host_keys.json"
+        self.known_hosts = state.dir / "ssh" / "known_hosts"
+        self.bootstrap = bootstrap
+        self.addresses = {instance: list(known_as) for instance, known_as in addresses.items()}
+        saved: dict[str, list[str]] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        # An instance that is gone is forgotten; a new one has the bootstrap key.
+        self.keys = {instance: saved.get(instance, [bootstrap]) for instance in self.addresses}
+        self._write()
+
+    def pin(self, instance: str, keys: Sequence[str]) -> None:
+        self.keys[instance] = list(keys)
+        self._write()
+
+    def _write(self) -> None:
+        write_private(self.path, json.dumps(self.keys, indent=1, sort_keys=True) + "\n")
+        lines = [f"{','.join(self.addresses[i])} {key}" for i in sorted(self.addresses) for key in self.keys[i]]
+        write_private(self.known_hosts, "\n".join(lines) + "\n")
+
+    def own(self, hosts: SshNodes, instances: Mapping[str, str], *, timeout: float) -> None:
+        """Every host of ``hosts`` (name -> instance id in ``instances``) that still has the
+        bootstrap key makes its own, over the channel pinned to the bootstrap key: the controller
+        first (the jump host of the others), then the rest at once."""
+        controller, *nodes = hosts.nodes
+        for names in ([controller], nodes):
+            names = [n for n in names if self.bootstrap in self.keys[instances[n]]]
+            made = hosts.each(names, lambda n: _host_key_step(hosts, n, "prepare"))
+            for name, key in zip(names, made, strict=True):
+                self.pin(instances[name], [*self.keys[instances[name]], key])
+            hosts.each(names, lambda n: _host_key_step(hosts, n, "install"))
+            for name, key in zip(names, made, strict=True):
+                self.pin(instances[name], [key])
+            try:
+                wait_for_ssh(_ssh_hosts(hosts, instances, names), timeout=timeout)
+            except InfraError:
+                for name, key in zip(names, made, strict=True):  # the next `up` reaches it either way
+                    self.pin(instances[name], [self.bootstrap, key])
+                raise
+
+
+def _host_key_step(hosts: SshNodes, name: str, step: str) -> str:
+    """One step of ``_OWN_HOST_KEY`` on host ``name``: what it printed (``prepare``: the new key)."""
+    done = hosts.run(name, ["sh", "-c", _OWN_HOST_KEY, "own-host-key", step])
+    printed = done.stdout.strip().split()
+    key = " ".join(printed[:2])
+    if done.returncode != 0 or (step == "prepare" and not _HOST_KEY.fullmatch(key)):
+        said = proc.last_line(done.stderr) if done.returncode != 0 else f"it printed {done.stdout.strip()[:80]!r}"
+        raise InfraError(f"{name} could not make an SSH host key of its own ({step}): {said}; run `infractl up` again")
+    return key
+
+
+def _ssh_hosts(hosts: SshNodes, instances: Mapping[str, str], names: Sequence[str]) -> dict[str, tuple[SshLogin, str]]:
+    """``wait_for_ssh``'s hosts: ``<name> <instance id>`` -> its login and address."""
+    found = {}
+    for name in names:
+        node = hosts.node(name)
+        assert node.ssh is not None  # every host of an aws cluster is reached over SSH
+        found[f"{name} {instances[name]}"] = (node.ssh, node.address)
+    return found
 
 
 #: Placeholders that pass the module's validations, for the dry run (which makes no key).
@@ -1214,33 +1307,30 @@ class Aws(Provider):
 
     def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
         """The nodes, reached over SSH through the controller (the cluster's only public address)
-        with the cluster's key; every instance's host key is pinned in the cluster's known_hosts."""
+        with the cluster's key. Every instance's host key is pinned in the cluster's known_hosts:
+        user data's bootstrap key, until the instance has made a key of its own over the channel
+        pinned to it, before anything else reaches the instance (``_HostKeys``)."""
         aws = spec.settings(AwsSpec)
         assert aws is not None
         keys = ClusterKeys.of(spec, state)
-        controller = applied.outputs["controller"]
-        known_hosts = state.dir / "ssh" / "known_hosts"
-        host_key = keys.host_public().split()[:2]
-        lines = [f"{controller['public_address']},{controller['address']} {' '.join(host_key)}"]
-        lines += [f"{node.address} {' '.join(host_key)}" for node in applied.nodes]
-        write_private(known_hosts, "\n".join(lines) + "\n")
+        controller, inventory = applied.outputs["controller"], applied.outputs["inventory"]
+        instances = {"controller": controller["instance_id"]} | {i["name"]: i["instance_id"] for i in inventory}
+        addresses = {controller["instance_id"]: [controller["public_address"], controller["address"]]}
+        addresses |= {item["instance_id"]: [node.address] for node, item in zip(applied.nodes, inventory, strict=True)}
+        host_keys = _HostKeys(state, " ".join(keys.host_public().split()[:2]), addresses)
         jump = f"{controller['login_user']}@{controller['public_address']}"
-        login = SshLogin(user=aws.login_user, identity_file=keys.login, known_hosts=known_hosts, jump=jump)
+        login = SshLogin(user=aws.login_user, identity_file=keys.login, known_hosts=host_keys.known_hosts, jump=jump)
         nodes = [replace(node, ssh=login) for node in applied.nodes]
         direct = replace(login, jump=None)
-        hosts = {f"controller {controller['instance_id']}": (direct, controller["public_address"])}
-        hosts |= {
-            f"{node.name} {item['instance_id']}": (login, node.address)
-            for node, item in zip(nodes, applied.outputs["inventory"], strict=True)
-        }
-        wait_for_ssh(hosts, timeout=aws.ssh_timeout_s)
-        inventory = {item["name"]: item["instance_type"] for item in applied.outputs["inventory"]}
+        reached = Node("controller", controller["public_address"], workdir=Path(aws.workdir), processes=0, ssh=direct)
+        hosts = SshNodes(state, [reached, *nodes], python=SYSTEM_PYTHON)
+        wait_for_ssh(_ssh_hosts(hosts, instances, list(hosts.nodes)), timeout=aws.ssh_timeout_s)
+        host_keys.own(hosts, instances, timeout=aws.ssh_timeout_s)
         _Provisioned(
-            controller=Node(
-                "controller", controller["public_address"], workdir=Path(aws.workdir), processes=0, ssh=direct
-            ),
+            controller=reached,
             private_address=controller["address"],
-            instance_types=inventory | {"controller": aws.controller_instance_type},
+            instance_types={i["name"]: i["instance_type"] for i in inventory}
+            | {"controller": aws.controller_instance_type},
             ports={"rendezvous": aws.rendezvous_port, "registry": _REGISTRY_PORT},
         ).save(state)
         return nodes
