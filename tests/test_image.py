@@ -5,11 +5,13 @@ registry over TLS with its digest kept; bad options refused in one line before a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -19,10 +21,13 @@ from pathlib import Path
 import pytest
 
 import infractl
+from infractl.errors import InfractlError
 from infractl.image import registry
+from infractl.image.build import _SDIST_TURN, _turn, _write_lock
+from infractl.image.build import BuiltImage as CachedImage
 from infractl.providers.base import ContainerEngine
 
-from conftest import BuiltImage, Cli
+from conftest import REPO, BuiltImage, Cli
 
 pytestmark = pytest.mark.e2e
 
@@ -142,9 +147,57 @@ def test_a_push_keeps_the_digest_and_is_checked_against_the_registrys_ca(
         (["--push", "reg.example/t:1"], "error: --push: 'reg.example/t:1' is not HOST[:PORT]/REPOSITORY"),
         (["--push", "trainer"], "error: --push: 'trainer' is not HOST[:PORT]/REPOSITORY"),
         (["--cert-dir", "nowhere"], "error: --cert-dir: nowhere is not a folder"),
+        (["--lock", "no/cpu.lock.json"], "error: --lock: no/cpu.lock.json is not a file in an existing folder"),
+        (["--lock", "."], "error: --lock: . is not a file in an existing folder"),
     ],
 )  # fmt: skip
 def test_bad_options_are_refused_in_one_line_before_building(cli: Cli, args: list[str], message: str) -> None:
     refused = cli("image", "build", *args, expect=2, env={"INFRACTL_IMAGE_CACHE": str(cli.cwd / "cache")})
     assert refused.stderr.startswith(message) and refused.stderr.count("\n") == 1, refused.stderr
     assert not (cli.cwd / "cache").exists()
+
+
+def test_builds_take_turns_on_a_lock_of_the_checkouts_own_and_never_on_a_planted_one(tmp_path: Path) -> None:
+    """The lock is in the checkout's build/, not at a path another user can predict in /tmp; a
+    symbolic link, or a file another user owns or may open (and so hold), is refused, untouched."""
+    assert _SDIST_TURN.parent == REPO / "build"
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's\n")
+    (tmp_path / "link.lock").symlink_to(victim)
+    with pytest.raises(InfractlError, match="link.lock is a symbolic link, not the build's lock"):
+        with _turn(tmp_path / "link.lock"):
+            pass
+    foreign = tmp_path / "foreign.lock"
+    foreign.touch(mode=0o600)
+    os.chown(foreign, 65534, 65534)  # nobody's
+    readable = tmp_path / "readable.lock"
+    readable.touch(mode=0o644)
+    readable.chmod(0o644)
+    for planted in (foreign, readable):
+        with pytest.raises(InfractlError, match="is not a file of this user's alone"):
+            with _turn(planted):
+                pass
+    assert victim.read_text() == "someone else's\n"
+    # A new one: private, and held while the block runs.
+    lock = tmp_path / "fresh" / "sdist.lock"
+    with _turn(lock):
+        assert stat.S_IMODE(lock.stat().st_mode) == 0o600 and stat.S_IMODE(lock.parent.stat().st_mode) == 0o700
+        with lock.open() as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with lock.open() as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_lock_record_replaces_a_link_planted_where_it_goes_and_never_writes_through_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("someone else's\n")
+    record = tmp_path / "cpu.lock.json"
+    record.symlink_to(victim)
+    built = CachedImage("cpu", tmp_path / "layout", "sha256:" + "0" * 64, 1, "0" * 16, cached=True)
+    _write_lock(record, built, {"suite": "bookworm"})
+    assert victim.read_text() == "someone else's\n"
+    assert not record.is_symlink() and json.loads(record.read_text())["digest"] == built.digest
+    assert stat.S_IMODE(record.stat().st_mode) == 0o644 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "cpu.lock.json",
+        "victim",
+    ]

@@ -52,6 +52,8 @@ def build(
         )
     if cert_dir is not None and not cert_dir.is_dir():
         raise UsageError(f"{cert_dir} is not a folder", field="--cert-dir")
+    if lock is not None and (lock.is_dir() or not lock.parent.is_dir()):
+        raise UsageError(f"{lock} is not a file in an existing folder", field="--lock")
     built = image.build(flavour, progress=out.info, lock=lock or image.lock_path(flavour))
     result = {
         "flavour": built.flavour,

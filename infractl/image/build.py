@@ -16,18 +16,21 @@ inputs in ``images/<flavour>.lock.json``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +69,11 @@ _IMAGE_SOURCES = frozenset(
 _HEARTBEAT_S = 15.0
 _STEP_TIMEOUT_S = 1800.0
 _OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+#: What builds of this checkout take turns on (``_sdist``): in the checkout's own ``build/`` (which
+#: git ignores), never a predictable path in a world-writable folder such as /tmp, where another
+#: user could plant a symbolic link for the build to write through, or hold the lock so that no
+#: build ever starts.
+_SDIST_TURN = _IMAGES.parent / "build" / "sdist.lock"
 
 
 @dataclass(frozen=True)
@@ -163,13 +171,36 @@ def _sdist(out: Path) -> Path:
     turns: each rewrites its ``infractl.egg-info``, and two at once break each other."""
     out.mkdir(parents=True, exist_ok=True)
     script = "import sys, setuptools.build_meta as backend; print(backend.build_sdist(sys.argv[1]))"
-    turn = Path(tempfile.gettempdir()) / f"infractl-sdist-{_sha256(str(_IMAGES.parent).encode())[:12]}.lock"
-    with turn.open("w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    with _turn(_SDIST_TURN):
         made = subprocess.run(
             [sys.executable, "-c", script, str(out)], cwd=_IMAGES.parent, capture_output=True, text=True, check=True
         )
     return out / made.stdout.strip().splitlines()[-1]
+
+
+@contextlib.contextmanager
+def _turn(path: Path) -> Iterator[None]:
+    """Hold the exclusive lock on ``path`` while the block runs: a file of this user's alone (made
+    0600, its folder 0700, where they are new). Refused (``InfractlError``) when it is a symbolic
+    link, or a file another user owns or may open (who could hold the lock for ever)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise InfractlError(f"image build: {path} is a symbolic link, not the build's lock: remove it") from None
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode) or held.st_uid != os.geteuid() or held.st_mode & 0o077:
+            raise InfractlError(
+                f"image build: {path} is not a file of this user's alone (it must be, or another user could hold "
+                "the build's lock): remove it"
+            )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def infractl_wheel(out: Path) -> Path:
@@ -365,7 +396,17 @@ def _write_lock(path: Path, built: BuiltImage, inputs: dict[str, Any]) -> None:
         "inputs_hash": built.inputs_hash,
         "inputs": inputs,
     }
-    path.write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
+    # Written to a new file beside it and renamed over it: a symbolic link planted at ``path`` (say
+    # a --lock in /tmp) is replaced, never written through.
+    fd, written = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(lock, indent=2, sort_keys=True) + "\n")
+        os.chmod(written, 0o644)  # the checkout's images/<flavour>.lock.json is committed, read by all
+        os.replace(written, path)
+    except BaseException:
+        Path(written).unlink(missing_ok=True)
+        raise
 
 
 def push(layout: Path, destination: str, *, cert_dir: Path | None, progress: Callable[[str], None]) -> str:
