@@ -4,7 +4,10 @@ removed.
 A cluster owns what carries its state directory's ``short_id`` in its name (access groups, netns
 namespaces and interfaces, container run roots) for as long as the directory holds a started
 cluster (``up`` wrote its intent, and no ``teardown`` finished), and what carries the directory
-in its marker (processes, a netns node's sshd) for as long as the directory exists. Every ``up``
+in its marker (processes, a netns node's sshd) for as long as the directory exists. Anyone can
+start a process that carries a marker, so gc kills only a process that is what it expects: one
+run by the user gc runs as (root, for root's gc) from this machine's Python that runs infractl,
+and an sshd only when it is ``/usr/sbin/sshd`` run by root (providers/netns.py). Every ``up``
 lists its state directory in this machine's ledger (``state.ledger``) before it makes anything,
 so a cluster under any state root is known. An ``up`` that never finished (intent, no record,
 nobody holding its lock) is torn down as ``teardown`` would; everything else is deleted directly.
@@ -16,7 +19,11 @@ account holds of clusters whose state is gone from everywhere (``Provider.accoun
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from dataclasses import dataclass, field
+
+import psutil
 
 from infractl import access, cluster, proc, providers
 from infractl.config import ClusterSpec
@@ -25,6 +32,9 @@ from infractl.output import Output
 from infractl.state import ClusterState, Orphan, ledger, started_clusters
 
 __all__ = ["Found", "collect", "find"]
+
+# What /proc says a process of this Python runs (a venv's python is a link to it).
+_PYTHON = os.path.realpath(sys.executable)
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ def find(account: ClusterSpec | None = None) -> Found:
     orphans = [
         Orphan("process", f"{process.pid} of {cluster_dir}", functools.partial(proc.kill, [process]))
         for cluster_dir, process in proc.marked()
-        if not cluster_dir.exists()
+        if not cluster_dir.exists() and _started_by_infractl(process)
     ]
     owned = {s.short_id for s in started}
     for provider in providers.every():
@@ -63,6 +73,18 @@ def find(account: ClusterSpec | None = None) -> Found:
     if account is not None:
         orphans += providers.get(account.provider).account_orphans(account)
     return Found(interrupted, orphans)
+
+
+def _started_by_infractl(process: psutil.Process) -> bool:
+    """Whether ``process`` (it carries a cluster's marker) can be one infractl started on this
+    machine: run by the user gc runs as, really and effectively, from the Python infractl runs
+    with (its agents, servers and Ansible run there). A process of another user, or of another
+    program, that shows a marker is never taken for one."""
+    try:
+        uids = process.uids()
+        return uids.real == uids.effective == os.geteuid() and process.exe() == _PYTHON
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def collect(found: Found, out: Output) -> Found:

@@ -1,14 +1,19 @@
 """``infractl gc``: what no cluster owns any more, planted here one of each kind, is listed without
-being touched, then removed with --yes; what a started cluster owns is never listed. In a cloud
+being touched, then removed with --yes; what a started cluster owns, and a process that only looks
+like an orphan (another user's, or another program's), is never listed. In a cloud
 account (``--account``, on moto): the clusters whose Terraform state is gone, and no other."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +21,7 @@ import pytest
 
 from infractl import proc
 from infractl.config import load_cluster
+from infractl.providers.base import free_port, port_open
 from infractl.state import ClusterState, ledger, started_clusters
 
 from conftest import REPO, Cli, new_bucket_name, s3_client, write
@@ -26,6 +32,8 @@ from conftest import REPO, Cli, new_bucket_name, s3_client, write
 pytestmark = pytest.mark.xdist_group("aws-emulated")
 
 _SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+_SSHD = "/usr/sbin/sshd"
+_NOBODY = 65534
 
 
 def _free_id() -> str:
@@ -48,6 +56,35 @@ def _namespaces() -> set[str]:
 def _links() -> set[str]:
     listed = subprocess.run(["ip", "-json", "link", "show"], capture_output=True, text=True, check=True).stdout
     return {entry["ifname"] for entry in json.loads(listed)}
+
+
+def _sshd(state_dir: Path, keys: Path, *, user: int | None = None) -> subprocess.Popen[bytes]:
+    """A real sshd (as root, or as ``user``) listening on loopback with its config where a netns
+    node's is (``<state_dir>/ssh/nodes/node-0/sshd_config``), which ``gc`` matches it by; its host
+    key in ``keys``. Returned once it listens."""
+    config = state_dir / "ssh" / "nodes" / "node-0" / "sshd_config"
+    config.parent.mkdir(parents=True)
+    keys.mkdir(exist_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / "host")], check=True)
+    port = free_port("127.0.0.1")
+    config.write_text(f"ListenAddress 127.0.0.1:{port}\nHostKey {keys / 'host'}\nPidFile none\n")
+    if user is not None:  # its config readable by it, its host key its own
+        subprocess.run(["chmod", "-R", "a+rX", str(state_dir), str(keys)], check=True)
+        (keys / "host").chmod(0o600)
+        os.chown(keys / "host", user, user)
+    Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
+    sshd = subprocess.Popen(
+        [_SSHD, "-D", "-f", str(config)],
+        stderr=subprocess.DEVNULL,
+        user=user,
+        group=user,
+        extra_groups=None if user is None else [],
+    )
+    deadline = time.monotonic() + 10
+    while not port_open("127.0.0.1", port):
+        assert sshd.poll() is None and time.monotonic() < deadline, "the planted sshd did not start"
+        time.sleep(0.1)
+    return sshd
 
 
 def _mounted(below: Path) -> list[str]:
@@ -74,11 +111,33 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
     _ip("link", "add", veth, "type", "veth", "peer", "name", f"gcp{orphan}")
     (runroot / "overlay").mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(runroot / "overlay")], check=True)
+    # Another user's state directory, which that user can read (/tmp/pytest-of-root cannot be).
+    theirs = Path(tempfile.mkdtemp(prefix="infractl-gc-theirs-"))
+    theirs.chmod(0o755)
     processes = {
         "in namespace": subprocess.Popen(["ip", "netns", "exec", namespace, *_SLEEP]),
         "marked": subprocess.Popen(_SLEEP, env={**os.environ, proc.CLUSTER_ENV: str(gone)}),
-        "sshd": subprocess.Popen([*_SLEEP, "-f", f"{gone}/ssh/nodes/node-0/sshd_config"]),
+        "sshd": _sshd(gone, tmp_path / "keys"),
     }
+    # What only looks like them: the marker, or an sshd's config path, in a process of another
+    # user (nobody's), or of another program. gc must never list or kill one.
+    lookalikes = {
+        # The same Python, become nobody (who could not start it: it lives under /root here).
+        "marked, another user's": subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import os, time; os.setgroups([]); os.setgid({_NOBODY}); os.setuid({_NOBODY}); time.sleep(600)",
+            ],
+            env={**os.environ, proc.CLUSTER_ENV: str(gone)},
+        ),  # fmt: skip
+        "marked, another program": subprocess.Popen(["sleep", "600"], env={**os.environ, proc.CLUSTER_ENV: str(gone)}),
+        "sshd, another user's": _sshd(theirs / "state", theirs / "keys", user=_NOBODY),
+        "sshd, another program": subprocess.Popen([*_SLEEP, "-f", f"{gone}/ssh/nodes/node-1/sshd_config"]),
+    }
+    # Every state directory named in them is gone now, as after an `rm -rf` without a teardown.
+    shutil.rmtree(gone)
+    shutil.rmtree(theirs)
     yield {
         "gone": gone,
         "owner": owner,
@@ -87,8 +146,9 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
         "links": {bridge, veth},
         "runroot": runroot,
         "processes": processes,
+        "lookalikes": lookalikes,
     }
-    for process in processes.values():
+    for process in [*processes.values(), *lookalikes.values()]:
         process.kill()
         process.wait()
     for group in groups.values():
@@ -111,6 +171,7 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     spec = load_cluster(config)
     halfway.start({"name": "halfway", "spec": spec.model_dump(mode="json"), "store": f"file://{halfway.default_store}"})
     processes: dict[str, subprocess.Popen[bytes]] = planted["processes"]  # type: ignore[assignment]
+    lookalikes: dict[str, subprocess.Popen[bytes]] = planted["lookalikes"]  # type: ignore[assignment]
     groups: dict[str, str] = planted["groups"]  # type: ignore[assignment]
     runroot: Path = planted["runroot"]  # type: ignore[assignment]
     expected = {
@@ -126,6 +187,8 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
 
     found = {(o["kind"], o["name"]) for o in listed["orphans"]}
     assert expected <= found, listed
+    named = " ".join(o["name"] for o in listed["orphans"])
+    assert not [what for what, p in lookalikes.items() if re.search(rf"\b{p.pid}\b", named)], listed
     assert not any(groups["owned"] == o["name"] for o in listed["orphans"]), listed
     assert {"name": "halfway", "dir": str(halfway.dir.resolve())} in listed["interrupted"]
     # Listed, not touched.
@@ -138,6 +201,7 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     assert not halfway.dir.exists() and not (ledger() / f"{halfway.short_id}.json").exists()
     for process in processes.values():
         assert process.wait(timeout=30) != 0
+    assert [what for what, process in lookalikes.items() if process.poll() is not None] == []
     assert not proc.group_exists(groups["orphan"]) and proc.group_exists(groups["owned"])
     assert planted["namespace"] not in _namespaces()
     assert not planted["links"] & _links()  # type: ignore[operator]

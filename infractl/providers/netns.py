@@ -412,12 +412,19 @@ def _container_leftovers(state: ClusterState) -> list[str]:
 
 def _sshds(state: ClusterState | None) -> list[psutil.Process]:
     """The nodes' sshd processes (of every netns cluster with None), by their config path: sshd
-    overwrites its environment with its process title, so the cluster's marker does not find them."""
+    overwrites its environment with its process title, so the cluster's marker does not find them.
+    Only ``/usr/sbin/sshd`` run by root, as node.sh starts it: anyone can start a process whose
+    command line shows such a path, and gc kills what this finds."""
     configs = str(state.dir / "ssh" / "nodes") + "/" if state is not None else "/ssh/nodes/"
     found = []
     for process in psutil.process_iter():
         try:
-            if configs in " ".join(process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE:
+            if (
+                configs in " ".join(process.cmdline())
+                and process.status() != psutil.STATUS_ZOMBIE
+                and process.exe() == _SSHD
+                and process.uids().real == 0
+            ):
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
