@@ -30,7 +30,7 @@ _DELETE = ["s3:DeleteObject"]
 # a granting role's member runs it. Nothing that changes a document: a member who could write one
 # could write their own as `Action: *`. Documents are made and changed with the credentials of the
 # operator who runs infractl (``apply_policies``, ``remove_policies``), never through a role.
-_READ_POLICIES = ["iam:GetPolicy", "iam:GetPolicyVersion", "iam:ListEntitiesForPolicy", "iam:ListPolicyVersions"]
+_READ_POLICIES = ["iam:GetPolicyVersion", "iam:ListEntitiesForPolicy"]
 
 
 def _policy_arn(name: str) -> str:
