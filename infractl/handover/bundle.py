@@ -159,8 +159,13 @@ def check_out(out: Path) -> Path:
     anything else, and whatever is in it, the state root, the current directory, a folder inside
     the state root or one that holds either (a bundle is replaced whole: ``--out .`` or ``--out ~``
     would take the checkout's or the user's files, and the cluster's keys and state with them)."""
-    where = out.resolve()
-    state_root, cwd = home().resolve(), Path.cwd().resolve()
+    try:
+        where = out.resolve()
+        state_root, cwd = home().resolve(), Path.cwd().resolve()
+        exists, is_dir = where.exists(), where.is_dir()
+        foreign = is_dir and any(where.iterdir()) and not _is_bundle(where)
+    except (OSError, ValueError) as exc:  # a name too long, a folder that cannot be read
+        raise UsageError(f"{out} cannot be written: {getattr(exc, 'strerror', None) or exc}", field="--out") from None
     if where.is_relative_to(state_root) or state_root.is_relative_to(where):
         raise UsageError(
             f"{out} is, holds or lies inside infractl's state root {state_root} (the clusters' keys and state): "
@@ -173,9 +178,9 @@ def check_out(out: Path) -> Path:
             "empty folder (the default is handover/<cluster>)",
             field="--out",
         )
-    if where.exists() and not where.is_dir():
+    if exists and not is_dir:
         raise UsageError(f"{out} is a file, and a bundle replaces it whole: name a new or empty folder", field="--out")
-    if where.is_dir() and any(where.iterdir()) and not _is_bundle(where):
+    if foreign:
         raise UsageError(
             f"{out} holds files that are not a bundle infractl wrote (no {MARKER} in it), and a bundle replaces its "
             "folder whole: name a new or empty folder",
