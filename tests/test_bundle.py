@@ -177,7 +177,8 @@ def test_no_file_of_a_bundle_holds_a_private_key_or_a_planted_secret(cluster: Cl
     manifest.extra["environment"]["GITHUB_TOKEN"] = _PLANTED["fingerprint's token"]
     store.put_bytes(f"{runstore.checkpoint_prefix('handed', step)}/MANIFEST.json", manifest.to_json())
 
-    copy("bundle", "--out", "bundle")
+    # The operator's own environment holds the run's token: the bundle is checked against it too.
+    copy("bundle", "--out", "bundle", env={"HF_TOKEN": _PLANTED["run's token"]})
 
     files = tree(tmp_path / "bundle")
     for name, content in files.items():
@@ -195,10 +196,16 @@ def test_no_file_of_a_bundle_holds_a_private_key_or_a_planted_secret(cluster: Cl
     assert yaml.safe_load(files["configs/runs/handed.yaml"])["env"] == {"HF_TOKEN": "(redacted)"}
 
 
-def test_a_bundle_that_still_holds_a_private_key_is_not_written(tmp_path: Path) -> None:
+def test_a_bundle_that_still_holds_a_private_key_or_a_token_of_the_operator_is_not_written() -> None:
+    environ = {"HF_TOKEN": "hf_abcdefgh12345678", "HOME": "/root", "GITHUB_TOKEN": "ghp_00000000"}
+    redaction.refuse_secrets({"index.html": b"<p>/root</p>"}, environ)  # HOME is no secret
     files = {"index.html": b"<p>ok</p>", "configs/notes.md": f"a key:\n{_PRIVATE_KEY}".encode()}
-    with pytest.raises(InfractlError, match="the bundle's configs/notes.md holds a private key"):
-        redaction.refuse_private_keys(files)
+    with pytest.raises(InfractlError, match="the bundle's configs/notes.md holds a private key, which"):
+        redaction.refuse_secrets(files, environ)
+    files = {"baseline/r.json": b'{"note": "hf_abcdefgh12345678"}'}
+    with pytest.raises(InfractlError, match=r"baseline/r.json holds the value of \$HF_TOKEN, which") as refused:
+        redaction.refuse_secrets(files, environ)
+    assert "hf_abcdefgh12345678" not in str(refused.value)
 
 
 def test_out_onto_the_users_own_files_or_a_folder_that_holds_them_is_refused_and_changes_nothing(cli: Cli) -> None:

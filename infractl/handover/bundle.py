@@ -10,7 +10,8 @@ times), so regenerating from unchanged inputs gives the same bytes.
 only nothing, an empty folder or a bundle (the marker file ``.infractl-bundle`` at its root, whose
 bytes never change), and never the state root, the current directory or a folder that holds
 either. Readers of a bundle are not trusted (DESIGN.md, Roles and trust): every config is written
-with its secrets redacted (redaction.py), and a bundle in which a private key is left is not written.
+with its secrets redacted (redaction.py), and a bundle in which a private key or a token of the
+operator's environment is left is not written.
 
     index.html, style.css   one static page that shows and links everything (opens from disk),
                             from the templates in the repository's bundle/ (page.py)
@@ -97,7 +98,7 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     files |= runbooks.render_runbooks(cluster, records)
     files |= access_docs.bundle_files(state)
     files |= page.render(cluster["name"], [r.run_id for r in records], files)
-    redaction.refuse_private_keys(files)
+    redaction.refuse_secrets(files, os.environ)
     return Bundle(state.name, [r.run_id for r in records], files)
 
 

@@ -1,6 +1,7 @@
 """What no bundle may hold: secrets. Readers of a bundle are not trusted (DESIGN.md, Roles and
 trust), so every config the bundle copies is written with its secrets replaced by ``(redacted)``,
-and a bundle in which a private key is still found is not written at all.
+and a bundle in which a private key, or a token of the operator's environment, is still found is
+not written at all.
 
 A value is a secret when its name says so (``_SECRET_NAME``: a private key, a token, a password,
 a secret access key, credentials), when it holds a private key (``PRIVATE KEY``, the line every
@@ -19,7 +20,7 @@ from typing import Any
 
 from infractl.errors import InfractlError
 
-__all__ = ["REDACTED", "outputs", "redact", "refuse_private_keys", "root_module"]
+__all__ = ["REDACTED", "outputs", "redact", "refuse_secrets", "root_module"]
 
 #: What a secret is written as.
 REDACTED = "(redacted)"
@@ -71,14 +72,18 @@ def outputs(state_outputs: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def refuse_private_keys(files: Mapping[str, bytes]) -> None:
+def refuse_secrets(files: Mapping[str, bytes], environ: Mapping[str, str]) -> None:
     """The last check before anything is written: ``InfractlError`` naming the first file of a
-    bundle (relative path -> bytes) that holds a private key."""
+    bundle (relative path -> bytes) that holds a private key, or the value of a variable of the
+    operator's environment ``environ`` named like a secret (``HF_TOKEN``: named, never shown)."""
+    secrets = {name: value.encode() for name, value in environ.items() if _SECRET_NAME.search(name) and len(value) >= 8}
     for relative, content in sorted(files.items()):
-        if _PRIVATE_KEY.encode() in content:
+        found = ["a private key"] if _PRIVATE_KEY.encode() in content else []
+        found += [f"the value of ${name}" for name, value in sorted(secrets.items()) if value in content]
+        if found:
             raise InfractlError(
-                f"the bundle's {relative} holds a private key, which a bundle must never hold; no bundle was "
-                "written (report this: its redaction missed one)"
+                f"the bundle's {relative} holds {' and '.join(found)}, which a bundle must never hold; no bundle "
+                "was written (report this: its redaction missed it)"
             )
 
 
