@@ -327,6 +327,7 @@ def launch(
     # earlier run of the same name, say before `--new`) can never be joined again.
     rdzv_id = f"{spec.name}-{number}-{secrets.token_hex(4)}"
     plan.record.spec = spec.model_dump(mode="json")
+    plan.record.cluster_id = plan.cluster.get("id")  # `teardown --purge` deletes the runs of this id
     plan.record.attempts.append(
         Attempt(
             attempt=number,

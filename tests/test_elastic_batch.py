@@ -22,7 +22,7 @@ from infractl import proc, runstore
 from infractl.config import load_run
 from infractl.store import FileStore
 from trainer import replicas
-from trainer.replica_server import REPLICA_ADDR_ENV
+from trainer.replica_server import REPLICA_ADDR_ENV, RunKey
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 
@@ -137,10 +137,12 @@ def newer_replica(cluster_dir: Path, node: str, run: str, store: FileStore) -> i
     (a commit newer than it, landing before the kill, would leave it unconsidered); its step."""
     # The agent set it for its workers after it started: a worker's environment has it.
     worker = next(p for p in proc.listing(cluster_dir, node=node, run=run) if p.worker)
-    address = psutil.Process(worker.pid).environ()[REPLICA_ADDR_ENV]
+    environ = psutil.Process(worker.pid).environ()
+    address, key = environ[REPLICA_ADDR_ENV], RunKey.from_environ(environ)
+    assert key is not None, "the worker was started without the run's key"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        index = json.loads(replicas._request(address, "GET", "/index"))
+        index = json.loads(replicas.get(key, address, "/index")[0])
         steps = [int(step) for step, held in index.items() if held["manifest"] is not None]
         newest = max(steps, default=0)
         if newest > (runstore.latest_committed_step(store, run) or 0) and RING_EVERY - newest % RING_EVERY >= 10:

@@ -109,6 +109,10 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
     _ip("netns", "add", namespace)
     _ip("link", "add", bridge, "type", "bridge")
     _ip("link", "add", veth, "type", "veth", "peer", "name", f"gcp{orphan}")
+    # The bridge's guard (infra/netns): a chain, and INPUT's jump to it.
+    guard = f"ixg{orphan}"
+    subprocess.run(["iptables", "-w", "-N", guard], check=True)
+    subprocess.run(["iptables", "-w", "-I", "INPUT", "1", "-i", bridge, "-j", guard], check=True)
     (runroot / "overlay").mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(runroot / "overlay")], check=True)
     # Another user's state directory, which that user can read (/tmp/pytest-of-root cannot be).
@@ -144,6 +148,7 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
         "groups": groups,
         "namespace": namespace,
         "links": {bridge, veth},
+        "guard": guard,
         "runroot": runroot,
         "processes": processes,
         "lookalikes": lookalikes,
@@ -153,6 +158,8 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
         process.wait()
     for group in groups.values():
         subprocess.run(["groupdel", group], capture_output=True)
+    subprocess.run(["iptables", "-w", "-D", "INPUT", "-i", bridge, "-j", guard], capture_output=True)
+    subprocess.run(["iptables", "-w", "-X", guard], capture_output=True)
     subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
     for link in (bridge, veth):
         subprocess.run(["ip", "link", "del", link], capture_output=True)
@@ -179,6 +186,7 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
         ("network namespace", planted["namespace"]),
         *(("interface", link) for link in planted["links"]),  # type: ignore[attr-defined]
         ("container run root", str(runroot)),
+        ("iptables chain", planted["guard"]),
         ("sshd process", str(processes["sshd"].pid)),
         ("group", groups["orphan"]),
     }
@@ -206,6 +214,8 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     assert planted["namespace"] not in _namespaces()
     assert not planted["links"] & _links()  # type: ignore[operator]
     assert not runroot.exists() and _mounted(runroot) == []
+    chains = subprocess.run(["iptables", "-w", "-S"], capture_output=True, text=True, check=True).stdout
+    assert f"-N {planted['guard']}" not in chains.splitlines() and f"-j {planted['guard']}" not in chains
     again = json.loads(cli("gc", "--json").stdout)
     assert not expected & {(o["kind"], o["name"]) for o in again["orphans"]}, again
 

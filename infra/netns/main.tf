@@ -57,6 +57,45 @@ resource "terraform_data" "bridge" {
   }
 }
 
+# The bridge's host side is the cluster's control plane (the rendezvous endpoint, the image
+# registry): it takes connections from the nodes' addresses only. Anything else plugged into the
+# bridge is refused before it reaches a server (torch's rendezvous store trusts whoever reaches it).
+resource "terraform_data" "guard" {
+  depends_on       = [terraform_data.bridge]
+  triggers_replace = "${local.bridge} ${var.subnet} ${var.nodes}"
+  input = {
+    bridge = local.bridge
+    chain  = "ixg${var.cluster_id}"
+  }
+
+  provisioner "local-exec" {
+    command = <<-EOT
+      iptables -w -N "$CHAIN" 2>/dev/null || iptables -w -F "$CHAIN"
+      iptables -w -A "$CHAIN" -m iprange --src-range "$FIRST-$LAST" -j RETURN
+      iptables -w -A "$CHAIN" -j REJECT --reject-with icmp-port-unreachable
+      iptables -w -C INPUT -i "$BRIDGE" -j "$CHAIN" 2>/dev/null || iptables -w -I INPUT 1 -i "$BRIDGE" -j "$CHAIN"
+    EOT
+    environment = {
+      BRIDGE = self.input.bridge
+      CHAIN  = self.input.chain
+      FIRST  = cidrhost(var.subnet, 2)
+      LAST   = cidrhost(var.subnet, var.nodes + 1)
+    }
+  }
+
+  provisioner "local-exec" {
+    when    = destroy
+    command = <<-EOT
+      while iptables -w -D INPUT -i "$BRIDGE" -j "$CHAIN" 2>/dev/null; do :; done
+      ! iptables -w -S "$CHAIN" >/dev/null 2>&1 || { iptables -w -F "$CHAIN" && iptables -w -X "$CHAIN"; }
+    EOT
+    environment = {
+      BRIDGE = self.input.bridge
+      CHAIN  = self.input.chain
+    }
+  }
+}
+
 # One namespace per node: a veth into the bridge (eth0 inside), its own address, its own sshd,
 # and a work directory on the shared filesystem.
 resource "terraform_data" "node" {

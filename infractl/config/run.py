@@ -480,7 +480,7 @@ class RunSpec(Spec):
     )
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="torch.profiler traces of chosen steps.")
     env: list[str] = Field(
-        default_factory=list,
+        [],
         max_length=64,
         description=(
             "Names of variables of the shell that runs `infractl train` that the trainers get too (an access "

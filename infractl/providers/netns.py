@@ -73,6 +73,7 @@ _RUNROOTS = Path("/run/infractl")
 _NAMESPACE = re.compile(r"infractl-(?P<id>[0-9a-f]{6})-\d+")
 _INTERFACE = re.compile(r"ix[bv](?P<id>[0-9a-f]{6})(-\d+)?")
 _RUNROOT = re.compile(r"(?P<id>[0-9a-f]{6})-.+")
+_GUARD = re.compile(r"-N (?P<chain>ixg(?P<id>[0-9a-f]{6}))")
 _SSHD_CONFIG = re.compile(r"-f (?P<dir>\S+)/ssh/nodes/")
 # The most processes a container may have (RLIMIT_NPROC) that runc accepted on this machine.
 _MAX_NPROC = 32768
@@ -118,6 +119,11 @@ def _bridge(state: ClusterState) -> str:
     return f"ixb{state.short_id}"
 
 
+def _guard(state: ClusterState) -> str:
+    """The iptables chain that lets only the nodes reach the bridge's host side (infra/netns)."""
+    return f"ixg{state.short_id}"
+
+
 def _ip_json(*args: str) -> list[dict[str, Any]]:
     """What ``ip -json ARGS`` lists (nothing when ip fails)."""
     listed = proc.run(["ip", "-json", *args])
@@ -147,7 +153,7 @@ class Netns(Provider):
         }
 
     def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
-        """infra/netns makes the key pair, the bridge and one ``terraform_data.node`` per node."""
+        """infra/netns makes the key pair, the bridge, its guard and one ``terraform_data.node`` per node."""
         return {
             "provider": self.name,
             "module": f"infra/{self.name}",
@@ -156,6 +162,7 @@ class Netns(Provider):
             "resources": [
                 "terraform_data.keys",
                 "terraform_data.bridge",
+                "terraform_data.guard",
                 *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
             ],
             "cost": None,
@@ -211,7 +218,8 @@ class Netns(Provider):
             )
 
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
-        """Namespaces, interfaces, sshd processes and keys ``terraform destroy`` left behind."""
+        """Namespaces, interfaces, sshd processes, the bridge's guard and keys ``terraform destroy``
+        left behind."""
         found = [f"network namespace {name}" for name in _namespaces(state)]
         found += [
             f"interface {link['ifname']}"
@@ -220,6 +228,8 @@ class Netns(Provider):
         ]
         found += [f"process {p.pid}" for p in proc.find(state.dir)]
         found += [f"sshd process {p.pid}" for p in _sshds(state)]
+        if proc.run(["iptables", "-w", "-S", _guard(state)]).returncode == 0:
+            found.append(f"iptables chain {_guard(state)}")
         ssh_dir = state.dir / "ssh"
         if ssh_dir.exists():
             found += [f"key file {p}" for p in sorted(ssh_dir.rglob("*")) if p.is_file()] or [f"directory {ssh_dir}"]
@@ -456,7 +466,22 @@ def _made(named_for: Callable[[str], bool], of_dir: Callable[[Path], bool]) -> l
         for path in runroots
         if (match := _RUNROOT.fullmatch(path.name)) and named_for(match["id"])
     ]
+    chains = proc.run(["iptables", "-w", "-S"])
+    found += [
+        Orphan("iptables chain", match["chain"], functools.partial(_delete_guard, match["chain"]))
+        for match in (_GUARD.fullmatch(line) for line in chains.stdout.splitlines() if chains.returncode == 0)
+        if match and named_for(match["id"])
+    ]
     return found
+
+
+def _delete_guard(chain: str) -> None:
+    """The bridge's guard (infra/netns): every jump to it (``-A INPUT ... -j CHAIN``), then the chain."""
+    for rule in proc.run(["iptables", "-w", "-S", "INPUT"]).stdout.splitlines():
+        if rule.split()[-2:] == ["-j", chain]:
+            _ip_or_raise(["iptables", "-w", "-D", *rule.split()[1:]])
+    _ip_or_raise(["iptables", "-w", "-F", chain])
+    _ip_or_raise(["iptables", "-w", "-X", chain])
 
 
 def _delete_namespace(name: str) -> None:
