@@ -83,3 +83,24 @@ def test_committed_schemas_are_current(tmp_path: Path) -> None:
     for path in write_schemas(tmp_path):
         committed = REPO / "schemas" / path.name
         assert committed.read_text() == path.read_text(), "run `infractl schema` and commit schemas/"
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        ("[LD_PRELOAD]", "LD_PRELOAD cannot be passed to the trainers"),
+        ("[PYTHONPATH]", "PYTHONPATH cannot be passed to the trainers"),
+        ("[INFRACTL_RUN_KEY_FILE]", "INFRACTL_RUN_KEY_FILE cannot be passed to the trainers"),
+        ("[BASH_ENV]", "BASH_ENV cannot be passed to the trainers"),
+        ("['A B']", "'A B' is not an environment variable's name"),
+        ("[HF_TOKEN, HF_TOKEN]", "names a variable twice"),
+    ],
+)
+def test_run_env_names_only_variables_a_trainer_may_be_given(tmp_path: Path, names: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"run.yaml: env: .*{message}"):
+        load_run(_write(tmp_path, f"name: r\nenv: {names}\n"))
+
+
+def test_run_env_may_name_a_token_and_the_fault_knobs(tmp_path: Path) -> None:
+    spec = load_run(_write(tmp_path, "name: r\nenv: [HF_TOKEN, NCCL_DEBUG, INFRACTL_REPLICA_CORRUPT]\n"))
+    assert spec.env == ["HF_TOKEN", "NCCL_DEBUG", "INFRACTL_REPLICA_CORRUPT"]

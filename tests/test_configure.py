@@ -15,7 +15,7 @@ import pytest
 
 from infractl import access, infra, providers, workdir
 from infractl.config import RuntimeSpec
-from infractl.configure import ConfigureResult, configure
+from infractl.configure import ConfigureResult, _unsafe_yaml, configure, network_env
 from infractl.errors import ConfigureError
 from infractl.infra import Node
 from infractl.providers import NodeControl
@@ -181,3 +181,48 @@ def test_wrong_torch_pin_is_refused_naming_node_and_field(tmp_path: Path, rendez
     assert message.startswith(("node-0: runtime: ", "node-1: runtime: "))
     assert "runtime.torch=9.9" in message
     assert len(message.splitlines()) == 1
+
+
+def test_the_network_environment_is_read_as_known_keys_never_sourced(tmp_path: Path) -> None:
+    """What the agents take from a node's network.env: the network role's variables and NCCL's and
+    libfabric's knobs, never a variable that loads code or anything else the file holds."""
+    node = Node(name="node-0", address="127.0.0.1", workdir=tmp_path / "node-0", processes=1)
+    path = workdir.network_env(node.workdir)
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "# written by the network role\n"
+        "GLOO_SOCKET_IFNAME=eth0\nNCCL_SOCKET_IFNAME=eth0\nNCCL_DEBUG=WARN\nFI_PROVIDER=efa\n"
+        "INFRACTL_NODE_ADDRESS=10.0.0.2\n"
+        "LD_PRELOAD=/tmp/evil.so\nNCCL_NET_PLUGIN=/tmp/evil.so\nFI_PROVIDER_PATH=/tmp\nPYTHONPATH=/tmp\n"
+        "export NCCL_ALGO=Ring\nNCCL_BAD=\x1b[31m\nnot a line\n"
+    )
+
+    found = network_env(_control(tmp_path, [node]), "node-0")
+
+    assert found == {
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_DEBUG": "WARN",
+        "FI_PROVIDER": "efa",
+        "INFRACTL_NODE_ADDRESS": "10.0.0.2",
+    }
+
+
+def test_what_infractl_hands_ansible_is_never_rendered_as_a_template(tmp_path: Path) -> None:
+    """Every string of the variables file is !unsafe: a template in one stays text, and the
+    lookup it asks for never runs."""
+    planted = tmp_path / "rendered"
+    variables = {"user": f"{{{{ lookup('pipe', 'touch {planted}') }}}}", "members": {"g": ["{{ 6 * 7 }}"]}, "n": 3}
+    extravars = tmp_path / "extravars.yml"
+    extravars.write_text(_unsafe_yaml(variables))
+    playbook = tmp_path / "show.yml"
+    playbook.write_text(
+        "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        "    - ansible.builtin.debug: {msg: '{{ user }} {{ members.g[0] }} {{ n + 1 }}'}\n"
+    )
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local"]
+    done = subprocess.run([*argv, "-e", f"@{extravars}", str(playbook)], capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "{{ 6 * 7 }} 4" in done.stdout and "lookup('pipe'" in done.stdout
+    assert not planted.exists()

@@ -111,9 +111,13 @@ all of `runs/`, checkpoints included), and whoever may write a directory may als
 
 Each role is a Unix group on every node; its members are the role's members. The group's ACL
 entries on the node's directories are the role's rights there (`r` read, `w` create and delete
-entries, `x` enter), set as default ACLs too, so every log file written later inherits them
-(a file written mode 0600, such as `env/network.env`, stays its owner's). The work directory is
-closed to everyone else (mode `u=rwx,o=`; the group bits show the ACL mask).
+entries, `x` enter); `logs/` has them as its default ACL too, so every log file written later
+inherits them. No role writes anything on a node: `private/` (what root reads, sources or writes
+through: the network environment, each run's spec, key and agent environment) and `work/` (the
+trainer's files) are root's alone, with no ACL, and the work directory is closed to everyone
+else (mode `u=rwx,o=`; the group bits show the ACL mask). On a node that is a host of its own
+(netns, aws), a role user's processes reach no port of the cluster's addresses but SSH, and no
+instance metadata (an iptables guard `infractl up` keeps; SECURITY.md in infractl's repository).
 
 | role | Unix group | {dirs} |
 |---|---|{rules}|
