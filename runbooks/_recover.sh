@@ -1,4 +1,5 @@
 export INFRACTL_HOME="$home"
+$require_env
 state_of_run() {
   infractl status -c $cluster --json | python3 -c '
 import json, sys

@@ -9,6 +9,7 @@ image store, registry or namespace."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import psutil
 import pytest
 
-from infractl import runstore
+from infractl import proc, runstore
 from infractl.store import FileStore
 
 from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
@@ -182,6 +183,17 @@ def test_a_killed_node_recovers_in_containers_from_the_last_commit(boxed: Cli) -
         for node in ("node-0", "node-1"):
             [container] = json.loads(_podman(boxed, node, "ps", "--format", "json").stdout)
             assert container["Names"] == [f"infractl-boxed-{node}"]
+            # No capability and none to gain: code a run brings cannot act as the node's root. (In the
+            # container's mount namespace: the engine's client that started it carries the markers too.)
+            host = os.readlink("/proc/self/ns/mnt")
+            found = proc.find(state, node=node, run="boxed")
+            contained = [p for p in found if os.readlink(f"/proc/{p.pid}/ns/mnt") != host]
+            assert contained, node
+            for process in contained:
+                status = dict(
+                    line.split(":\t", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                )
+                assert (status["CapEff"], status["CapBnd"], status["NoNewPrivs"]) == ("0" * 16, "0" * 16, "1"), status
             assert (container["Labels"]["org.infractl.run"], container["Labels"]["org.infractl.node"]) == (
                 "boxed",
                 node,

@@ -176,7 +176,7 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
     }
     records = [
         RunRecord("beta", "lab", spec={"name": "beta", "steps": 40, "nodes": {"min": 1, "max": 2}}),
-        RunRecord("alpha", "lab", spec={"name": "alpha", "steps": 30}),
+        RunRecord("alpha", "lab", spec={"name": "alpha", "steps": 30, "env": ["HF_TOKEN"]}),
     ]
     files = render_runbooks(cluster, records)
     assert sorted(files) == sorted(f"runbooks/{name}.md" for name in RUNBOOKS)
@@ -190,6 +190,16 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
         for block in bash_blocks(text):
             assert block.startswith(f'export INFRACTL_HOME="{tmp_path / "state"}"\n'), (name, block)
             assert subprocess.run(["bash", "-n", "-c", block], capture_output=True).returncode == 0, (name, block)
+    # A run that passes a variable from the shell (run.yaml env:): its launching blocks stop first,
+    # naming it, where it is not set, before `train` or `rejoin` would refuse.
+    restart = files["runbooks/full-restart.md"].decode()
+    [launch] = [b for b in bash_blocks(restart) if "infractl train ../configs/runs/alpha.yaml" in b]
+    guard = launch.splitlines()[1]
+    unset = subprocess.run(["bash", "-c", guard], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert unset.returncode != 0 and "run alpha passes HF_TOKEN to its trainers" in unset.stderr, unset
+    set_ = subprocess.run(["bash", "-c", guard], capture_output=True, env={"PATH": "/usr/bin:/bin", "HF_TOKEN": "x"})
+    assert set_.returncode == 0
+    assert not [b for b in bash_blocks(restart) if "alpha" not in b and "HF_TOKEN" in b]
     node_failure = files["runbooks/node-failure.md"].decode()
     assert node_failure.index("## Run `beta`") < node_failure.index("## Run `alpha`")  # the given order
     assert "infractl rejoin" in node_failure and "infractl train ../configs/runs/alpha.yaml -c lab" in node_failure

@@ -107,6 +107,12 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
         "step_timeout": str(math.ceil(spec.watchdog.step_timeout_s)),
         "grace": f"{spec.preemption.grace_s:g}",
         "ckpt": ckpt,
+        # What the run.yaml's `env:` passes from the shell: `train` and `rejoin` refuse without it,
+        # so a block that runs them says first which is missing (nothing for a run that passes none).
+        "require_env": "".join(
+            f': "${{{name}:?run {record.run_id} passes {name} to its trainers (its run.yaml env:): set it}}"\n'
+            for name in spec.env
+        ),
         # The run's committed steps, oldest first, on one line (any store: `infractl status` reads them).
         "commits": (
             f"infractl status -c {cluster['name']} --json | python3 -c 'import json, sys; print(*next("

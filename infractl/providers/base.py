@@ -212,14 +212,16 @@ class ContainerEngine:
         env: Iterable[str] = (),
         volumes: Iterable[Path] = (),
         workdir: Path | None = None,
+        confined: bool = False,
     ) -> list[str]:
         """The command line before the image and its command that runs a container as a process
         of the node would run: in the node's network, PID and IPC namespaces (collectives bind the
         node's address; status, drills and ``kill`` find and signal its processes as the node's),
-        as root (the node's folders are root's) but with every capability dropped and no way to
-        gain one (setuid binaries included), never pulling (``up`` pulled and verified the image).
-        ``env``: names of variables passed from the caller's environment; ``volumes``: folders at
-        the same paths inside."""
+        as root (the node's folders are root's), never pulling (``up`` pulled and verified the
+        image). ``confined`` (the trainer's: code a run brings runs there) drops every capability
+        and any way to gain one (setuid binaries included); infractl's own node side keeps root's
+        (it reads and signals every process of the node). ``env``: names of variables passed from
+        the caller's environment; ``volumes``: folders at the same paths inside."""
         return [
             *self.argv,
             "run",
@@ -230,8 +232,7 @@ class ContainerEngine:
             "--pid=host",
             "--ipc=host",
             "--user=root",
-            "--cap-drop=ALL",
-            "--security-opt=no-new-privileges",
+            *(["--cap-drop=ALL", "--security-opt=no-new-privileges"] if confined else []),
             *([f"--workdir={workdir}"] if workdir else []),
             *self.run_options,
             *(f"--label={key}={value}" for key, value in (labels or {}).items()),

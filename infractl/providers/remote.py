@@ -210,6 +210,7 @@ class SshNodes(NodeControl):
             env=env,
             volumes=[workdir, *mounts],
             workdir=workdir,
+            confined=True,
         )
         return [*prefix, image, *argv]
 
