@@ -21,7 +21,7 @@ from infractl.image import registry
 from infractl.output import Output
 from infractl.planning.devices import Device
 from infractl.planning.plan import format_bytes
-from infractl.providers.base import NodeControl, ServerHost
+from infractl.providers.base import IMAGE_UID, NodeControl, ServerHost
 from infractl.state import ClusterState
 from infractl.store import Store, StoreUnavailable, open_store
 
@@ -317,6 +317,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     out.info(f"ansible: {configured.changed} task(s) changed")
     if 0 < configured.changed <= _NAMED_CHANGES:
         out.info("ansible: changed " + "; ".join(configured.changed_tasks))
+    if pulled:  # the trainer runs as the image's user: a store of files the nodes share is its to write
+        store.admit_trainer(IMAGE_UID)
 
     device = provider.device(spec, os.environ)
     out.info(device_line(device))
@@ -360,6 +362,8 @@ def _stop_and_destroy(
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
     if access.remove_from_store(state, store_for(state)):
         out.info("access: the roles' rights in the store are taken back")
+    if record.get("image"):
+        store_for(state).admit_trainer(IMAGE_UID, admitted=False)
     nodes = providers.control(state)
     stopped, survived = nodes.stop_all(timeout=20)
     # Then the cluster's own servers (the rendezvous endpoint, the registry).

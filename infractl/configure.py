@@ -17,7 +17,7 @@ import infractl
 from infractl import proc, templates, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
-from infractl.providers.base import IMAGE_PYTHON, ContainerEngine, NodeControl
+from infractl.providers.base import IMAGE_PYTHON, IMAGE_UID, ContainerEngine, NodeControl
 from infractl.state import write_private
 
 __all__ = [
@@ -117,8 +117,11 @@ def configure(
         "container_runtime_registry_ca": registry_ca.read_text() if registry_ca is not None else None,
         # host:port of the cluster's registry, for an engine that trusts it in a system-wide folder.
         "container_runtime_registry": image.split("/", 1)[0] if image and registry_ca else None,
-        # Every node's address and the rendezvous endpoint's: only root reaches their ports.
+        # The trainer's user: the image's, in its container (work/ is its), else root.
+        "base_trainer_uid": IMAGE_UID if image else 0,
+        # Every node's address and the rendezvous endpoint's: only root and the trainer reach their ports.
         "firewall_addresses": sorted({n.address for n in nodes.nodes.values()} | {host}) if nodes.guards_ports else [],
+        "firewall_trusted_uids": [0, IMAGE_UID] if image else [0],
         **access,
     }
     runner, events = _run_playbook(state_dir, nodes, _PLAYBOOK, extravars, cancel=cancel)

@@ -25,7 +25,7 @@ from infractl.planning.devices import EMULATED_MEMORY_ENV, Device
 from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
 from infractl.providers import NodeControl
-from infractl.providers.base import IMAGE_PYTHON
+from infractl.providers.base import IMAGE_PYTHON, IMAGE_RUN_DIR
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.state import ClusterState, write_private
 from infractl.store import Store
@@ -429,14 +429,17 @@ def _start_agent(
     name = node["name"]
     home = Path(node["workdir"])
     private = workdir.run_private(home, spec.name)
-    spec_path = private / "spec.json"
-    nodes.write_file(name, spec_path, spec.model_dump_json(indent=1))
-    key_file = None
-    if key is not None:
-        key_file = private / "run.key"
-        nodes.write_file(name, key_file, key + "\n")
-    # The image a cluster pulled and verified at `up` (None: the trainer is the node's own Python).
+    # The image a cluster pulled and verified at `up` (None: the trainer is the node's own Python,
+    # as root). In a container the trainer is the image's user, which cannot enter the root-only
+    # folder its spec and key lie in: each is mounted alone in the container, at ``IMAGE_RUN_DIR``.
     image = cluster.get("image")
+    handed = {private / "spec.json": spec.model_dump_json(indent=1)}
+    if key is not None:
+        handed[private / "run.key"] = key + "\n"
+    for path, text in handed.items():
+        nodes.write_file(name, path, text)
+    inside = {path: IMAGE_RUN_DIR / path.name if image else path for path in handed}
+    spec_path, key_file = inside[private / "spec.json"], inside.get(private / "run.key")
     argv = torchrun_argv(
         spec,
         python=IMAGE_PYTHON if image else nodes.python(name),
@@ -459,6 +462,7 @@ def _start_agent(
         header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
         image=image,
         mounts=_mounts(spec, store),
+        files=inside if image else None,
     )
 
 

@@ -208,7 +208,7 @@ def test_a_tls_only_bucket_policy_is_what_the_store_check_asks_for(s3_server: st
     s3.put_public_access_block(Bucket=bucket, PublicAccessBlockConfiguration={setting: True for setting in settings})
     store = open_store(f"s3://{bucket}/runs?endpoint_url={s3_server}", field="store")
     assert isinstance(store, S3Store)
-    store.check_bucket(tls=False)
+    store.check_safeguards(tls=False)
 
     def statement(condition: dict[str, Any], resources: list[str]) -> dict[str, Any]:
         return {"Effect": "Deny", "Principal": "*", "Action": "s3:*", "Resource": resources, "Condition": condition}
@@ -222,10 +222,10 @@ def test_a_tls_only_bucket_policy_is_what_the_store_check_asks_for(s3_server: st
         if wrong is not None:
             s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [wrong]}))
         with pytest.raises(ConfigError, match=r"set a bucket policy statement that denies s3:\* .*aws:SecureTransport"):
-            store.check_bucket(tls=True)
+            store.check_safeguards(tls=True)
     right = statement({"Bool": {"aws:SecureTransport": "false"}}, both)
     s3.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [right]}))
-    store.check_bucket(tls=True)
+    store.check_safeguards(tls=True)
 
 
 def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: Cli, s3_server: str) -> None:

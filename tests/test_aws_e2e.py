@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-e2e"), pytest.mark.u
 
 #: Not tests/awsemu.py's default: that one is tests/test_aws_emulated.py's, which may run meanwhile.
 VPC_CIDR = "10.76.0.0/16"
+
+
+# An IMDSv2 session token from the instance's metadata service (what anything on it asks first).
+_IMDS_TOKEN = (
+    "import urllib.request as r; print(r.urlopen(r.Request('http://169.254.169.254/latest/api/token', method='PUT', "
+    "headers={'X-aws-ec2-metadata-token-ttl-seconds': '60'}), timeout=5).read().decode())"
+)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +143,12 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
         agent_env = workdir.run_private(Path("/mnt/infractl"), "quickstart") / "agent.env"
         leaked = ssh(nodes[0], f"test ! -e {agent_env} && ! grep -rl AWS_SECRET_ACCESS_KEY /mnt/infractl")
         assert leaked.returncode == 0, (leaked.stdout, leaked.stderr)
+        # The instance's metadata (the node role's credentials, the user data) is root's (and the
+        # trainer's: its agent reads spot notices there): any other user of the instance is refused.
+        token = shlex.quote(_IMDS_TOKEN)
+        assert ssh(nodes[0], f"/usr/bin/python3 -c {token}").stdout.strip(), "root got no metadata token"
+        refused = ssh(nodes[0], f"runuser -u nobody -- /usr/bin/python3 -c {token}")
+        assert refused.returncode != 0 and "Connection refused" in refused.stderr, (refused.stdout, refused.stderr)
 
         # One run, three faults of main-1: a kill, a partition, a spot interruption notice.
         cli("train", str(write(cli.cwd / "drilled.yaml", DRILLED_RUN)), "-c", name, "--detach")

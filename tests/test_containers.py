@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from infractl import proc, runstore
+from infractl.providers.base import IMAGE_UID
 from infractl.store import FileStore
 
 from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
@@ -183,8 +184,9 @@ def test_a_killed_node_recovers_in_containers_from_the_last_commit(boxed: Cli) -
         for node in ("node-0", "node-1"):
             [container] = json.loads(_podman(boxed, node, "ps", "--format", "json").stdout)
             assert container["Names"] == [f"infractl-boxed-{node}"]
-            # No capability and none to gain: code a run brings cannot act as the node's root. (In the
-            # container's mount namespace: the engine's client that started it carries the markers too.)
+            # The image's user, with no capability and none to gain: code a run brings cannot act as
+            # the node's root. (In the container's mount namespace: the engine's client that started
+            # it carries the markers too.)
             host = os.readlink("/proc/self/ns/mnt")
             found = proc.find(state, node=node, run="boxed")
             contained = [p for p in found if os.readlink(f"/proc/{p.pid}/ns/mnt") != host]
@@ -194,6 +196,8 @@ def test_a_killed_node_recovers_in_containers_from_the_last_commit(boxed: Cli) -
                     line.split(":\t", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
                 )
                 assert (status["CapEff"], status["CapBnd"], status["NoNewPrivs"]) == ("0" * 16, "0" * 16, "1"), status
+                # As the image's user, never the node's root.
+                assert status["Uid"].split()[:2] == [str(IMAGE_UID)] * 2, status
             assert (container["Labels"]["org.infractl.run"], container["Labels"]["org.infractl.node"]) == (
                 "boxed",
                 node,

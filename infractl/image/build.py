@@ -40,6 +40,7 @@ import psutil
 import infractl
 from infractl.config import IMAGE_REFERENCE
 from infractl.errors import InfractlError, UsageError
+from infractl.providers.base import IMAGE_UID
 
 __all__ = ["FLAVOURS", "BuiltImage", "build", "cache_root", "infractl_wheel", "locate", "lock_path", "push"]
 
@@ -57,7 +58,7 @@ _PLATFORMS = ("manylinux2014_x86_64", *(f"manylinux_2_{minor}_x86_64" for minor 
 #: What the trainer needs from Debian (bookworm's python3 is 3.11, the pinned CPU torch's Python).
 _PACKAGES = ("python3", "python3-venv", "ca-certificates")
 #: The image's user (images/trainer/README.md's contract), and its Python first on PATH.
-_USER, _UID = "trainer", 10001
+_USER, _UID = "trainer", IMAGE_UID
 _PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: Every command a cpu build runs, and the Debian package that has it.
 _TOOLS = {"mmdebstrap": "mmdebstrap", "buildah": "buildah", "skopeo": "skopeo"}

@@ -53,7 +53,7 @@ from infractl.providers.base import (
 )
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.state import ClusterState, Orphan, write_private
-from infractl.store import S3Store, open_store
+from infractl.store import open_store
 
 __all__ = [
     "Aws",
@@ -948,7 +948,7 @@ _QUOTAS = {
 def check_account(spec: ClusterSpec) -> None:
     """What the account must offer before anything is created, each missing thing in one line
     naming it: credentials (STS), the state bucket, the store's bucket where the cluster does not
-    create it (``S3Store.check_bucket``: public access blocked, versioned, TLS only), every
+    create it (``Store.check_safeguards``: public access blocked, versioned, TLS only), every
     instance type offered in the zone, and the vCPU quota of each instance family where the
     Service Quotas API answers (a private or emulated AWS may not). Raises ``UsageError`` or
     ``ConfigError``."""
@@ -984,9 +984,7 @@ def check_account(spec: ClusterSpec) -> None:
             field="aws.state_bucket",
         ) from None
     if not aws.create_bucket:
-        store = open_store(spec.store or "", field="store")
-        assert isinstance(store, S3Store)  # _check: provider aws has an s3:// store
-        store.check_bucket(tls=_tls(aws))
+        open_store(spec.store or "", field="store").check_safeguards(tls=_tls(aws))
     groups = aws.node_groups.values()
     types = sorted({g.instance_type for g in groups} | {aws.controller_instance_type})
     if aws.availability_zone is not None:
@@ -1150,9 +1148,6 @@ _PODMAN = ContainerEngine(
     argv=("podman",),
     home=None,
     certs_dir=Path("/etc/containers/certs.d"),
-    # Privileged: podman then tells the container which image it runs (/run/.containerenv, which the
-    # checkpoints' fingerprint reads). It shares the instance's namespaces and runs as root anyway.
-    run_options=("--privileged",),
     named_options=("--replace",),
 )
 

@@ -57,6 +57,12 @@ NETEM_HINT = " (netem: this kernel lacks the sch_netem qdisc)"
 
 #: The trainer image's Python, first on its PATH (images/trainer/README.md's contract).
 IMAGE_PYTHON = "python"
+#: The trainer image's user, ``trainer``, and its group (the same contract): the trainer's
+#: container runs as it, so a node's root is never the trainer's.
+IMAGE_UID = 10001
+#: Where the trainer's container finds the files of its run that the launcher hands it (its spec,
+#: its key), each mounted there alone and read-only: the folder they live in on the node is root's.
+IMAGE_RUN_DIR = Path("/run/infractl")
 
 #: Seconds a server (rendezvous endpoint, image registry) may take to listen once started.
 SERVER_START_S = 60
@@ -211,17 +217,19 @@ class ContainerEngine:
         labels: Mapping[str, str] | None = None,
         env: Iterable[str] = (),
         volumes: Iterable[Path] = (),
+        files: Mapping[Path, Path] | None = None,
         workdir: Path | None = None,
         confined: bool = False,
     ) -> list[str]:
         """The command line before the image and its command that runs a container as a process
         of the node would run: in the node's network, PID and IPC namespaces (collectives bind the
         node's address; status, drills and ``kill`` find and signal its processes as the node's),
-        as root (the node's folders are root's), never pulling (``up`` pulled and verified the
-        image). ``confined`` (the trainer's: code a run brings runs there) drops every capability
-        and any way to gain one (setuid binaries included); infractl's own node side keeps root's
-        (it reads and signals every process of the node). ``env``: names of variables passed from
-        the caller's environment; ``volumes``: folders at the same paths inside."""
+        never pulling (``up`` pulled and verified the image). ``confined`` (the trainer's: code a
+        run brings runs there) runs as the image's user (``IMAGE_UID``) with no capability and no
+        way to gain one (setuid binaries included); otherwise as root (infractl's own node side,
+        which reads and signals every process of the node). ``env``: names of variables passed
+        from the caller's environment; ``volumes``: folders at the same paths inside; ``files``:
+        files of the node (keys) mounted read-only at the paths inside (values)."""
         return [
             *self.argv,
             "run",
@@ -231,13 +239,17 @@ class ContainerEngine:
             "--network=host",
             "--pid=host",
             "--ipc=host",
-            "--user=root",
-            *(["--cap-drop=ALL", "--security-opt=no-new-privileges"] if confined else []),
+            *(
+                [f"--user={IMAGE_UID}:{IMAGE_UID}", "--cap-drop=ALL", "--security-opt=no-new-privileges"]
+                if confined
+                else ["--user=root"]
+            ),
             *([f"--workdir={workdir}"] if workdir else []),
             *self.run_options,
             *(f"--label={key}={value}" for key, value in (labels or {}).items()),
             *(f"--env={variable}" for variable in env),
             *(f"--volume={path}:{path}" for path in volumes),
+            *(f"--volume={path}:{inside}:ro" for path, inside in (files or {}).items()),
         ]
 
     def remove_store(self) -> None:
@@ -454,13 +466,15 @@ class NodeControl(ABC):
         header: str,
         image: str | None = None,
         mounts: Sequence[Path] = (),
+        files: Mapping[Path, Path] | None = None,
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``node`` detached, in ``workdir``, with ``env`` (the cluster's markers
         included), its output and first ``header`` line appended to ``log_path`` on the node. The
         handle exits with the command's exit code (a local process, or the session that runs it).
-        With ``image`` (pulled and verified by ``up``), ``argv`` runs in a container of it, in the
-        node's network, with ``workdir`` and ``mounts`` (folders of the node, a ``file://`` store
-        say) at the same paths in it."""
+        With ``image`` (pulled and verified by ``up``), ``argv`` runs in a container of it as the
+        image's user, in the node's network, with ``workdir`` and ``mounts`` (folders of the node,
+        a ``file://`` store say) at the same paths in it, and ``files`` (files of the node in a
+        folder that user cannot enter) alone and read-only at the paths inside it they map to."""
 
     # -- processes ------------------------------------------------------------------------------
 

@@ -115,6 +115,7 @@ class LocalNodes(NodeControl):
         header: str,
         image: str | None = None,
         mounts: Sequence[Path] = (),
+        files: Mapping[Path, Path] | None = None,
     ) -> subprocess.Popen[bytes]:
         if image is not None:
             raise InfractlError(f"{node}: a local node runs no image (its trainer is this machine's Python)")

@@ -37,7 +37,7 @@ from infractl.providers.base import (
     port_open,
 )
 from infractl.state import ClusterState
-from infractl.workdir import run_private
+from infractl.workdir import WORK, run_private
 
 __all__ = ["SYSTEM_PYTHON", "RemoteServers", "SshNodes"]
 
@@ -160,11 +160,14 @@ class SshNodes(NodeControl):
         header: str,
         image: str | None = None,
         mounts: Sequence[Path] = (),
+        files: Mapping[Path, Path] | None = None,
     ) -> subprocess.Popen[bytes]:
         """sshd gives a session a clean environment, so the agent's comes from a 0600 file in the
         node's root-only ``private/`` folder (never a command line, where every user could read its
         secrets), removed as soon as the session has read it. The agent writes its log itself: a
-        link that goes down must not stall it on a full SSH channel.
+        link that goes down must not stall it on a full SSH channel. ``files`` are made readable
+        for the container's user to open where they are mounted: the root-only folder they lie in
+        keeps everyone else of the node out.
 
         The ssh client stays connected and exits with the agent's code, so ``train`` follows an SSH
         node as it follows a local one; it carries none of the markers, so a node whose link is cut
@@ -172,12 +175,14 @@ class SshNodes(NodeControl):
         names = sorted(k for k in env if _SHELL_NAME.match(k) and k not in self.withheld)
         env_file = run_private(workdir, env[proc.RUN_ENV]) / "agent.env"
         self.write_file(node, env_file, "".join(f"{k}={shlex.quote(env[k])}\n" for k in names))
+        readable = ""
         if image is not None:
             passed = [k for k in names if k not in _HOST_ONLY]
-            argv = self._in_container(node, image, argv, env[proc.RUN_ENV], passed, workdir, mounts)
+            argv = self._in_container(node, image, argv, env[proc.RUN_ENV], passed, workdir, mounts, files or {})
+            readable = "".join(f"chmod 0644 -- {shlex.quote(str(path))} && " for path in files or {})
         log = shlex.quote(str(log_path))
         command = (
-            f"mkdir -p {shlex.quote(str(log_path.parent))} && echo {shlex.quote(header)} >>{log} && "
+            f"mkdir -p {shlex.quote(str(log_path.parent))} && echo {shlex.quote(header)} >>{log} && {readable}"
             f"set -a && . {shlex.quote(str(env_file))} && set +a && rm -f -- {shlex.quote(str(env_file))} && "
             f"cd {shlex.quote(str(workdir))} && "
             f"exec {shlex.join(argv)} >>{log} 2>&1 </dev/null"
@@ -200,16 +205,20 @@ class SshNodes(NodeControl):
         env: Sequence[str],
         workdir: Path,
         mounts: Sequence[Path],
+        files: Mapping[Path, Path],
     ) -> list[str]:
-        """``argv`` in a container of ``image`` by the node's engine, with the environment the
-        session sourced (``env``: the variables' names) and the folders it works in; named and
-        labelled after the cluster, the run and the node."""
+        """``argv`` in a confined container of ``image`` by the node's engine, with the environment
+        the session sourced (``env``: the variables' names), the trainer's own folder of the work
+        directory (the rest of it is root's: the container's user could not enter it) and the other
+        folders it works in, and ``files``; named and labelled after the cluster, the run and the
+        node."""
         prefix = self.containers(node).run_prefix(
             name=f"infractl-{run}-{node}",
             labels={"org.infractl.cluster": str(self.state.dir), "org.infractl.run": run, "org.infractl.node": node},
             env=env,
-            volumes=[workdir, *mounts],
-            workdir=workdir,
+            volumes=[workdir / WORK, *mounts],
+            files=files,
+            workdir=workdir / WORK,
             confined=True,
         )
         return [*prefix, image, *argv]

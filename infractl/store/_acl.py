@@ -27,7 +27,7 @@ from infractl import proc
 from infractl.errors import StoreError
 from infractl.store.rights import RoleRights
 
-__all__ = ["apply_acls", "remove_acls"]
+__all__ = ["admit_user", "apply_acls", "remove_acls"]
 
 # Seconds one setfacl may take: it walks the whole directory (every checkpoint shard).
 _SETFACL_TIMEOUT_S = 600
@@ -81,6 +81,15 @@ def apply_acls(root: Path, uri: str, roles: Sequence[RoleRights]) -> None:
             continue
         (root / directory).mkdir(exist_ok=True)
         _setfacl(uri, ["-R", "-m", ",".join([*entries, *(f"default:{e}" for e in entries)])], root / directory)
+
+
+def admit_user(root: Path, uri: str, uid: int, *, admitted: bool = True) -> None:
+    """Give the user ``uid`` read and write on ``root`` and everything under it, as the default for
+    what is written later too (``admitted=False``: take the entries back)."""
+    if admitted:
+        _setfacl(uri, ["-R", "-m", f"user:{uid}:rwX,default:user:{uid}:rwX"], root)
+    elif root.is_dir():
+        _setfacl(uri, ["-R", "-x", f"user:{uid},default:user:{uid}"], root)
 
 
 def remove_acls(root: Path, uri: str, roles: Sequence[RoleRights]) -> None:

@@ -99,6 +99,18 @@ class Store(ABC):
         backend has no identity for, ``StoreError`` for anything else."""
 
     @abstractmethod
+    def check_safeguards(self, *, tls: bool) -> None:
+        """A store that a cluster keeps its checkpoints in but did not make: its own settings keep
+        its objects private and recoverable (with ``tls``, refusing requests without TLS too);
+        ``ConfigError`` naming ``self.field``, one line saying what to set, otherwise."""
+
+    @abstractmethod
+    def admit_trainer(self, uid: int, *, admitted: bool = True) -> None:
+        """Let the trainer, running as the user ``uid`` on the nodes (the image's user, in its
+        container), write the store, or take it back (``admitted=False``, the cluster's teardown).
+        Only a backend whose objects are files the nodes share (``file://``) has a user to admit."""
+
+    @abstractmethod
     def remove_access(self, roles: Sequence[RoleRights]) -> None:
         """Take back everything ``apply_access`` granted for ``roles`` (the cluster's teardown)."""
 

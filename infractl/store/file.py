@@ -224,6 +224,18 @@ class FileStore(Store):
         with self._io("remove access ACLs", None):
             _acl.remove_acls(self.root, self.uri, roles)
 
+    def check_safeguards(self, *, tls: bool) -> None:
+        """Nothing to check: a folder on the nodes' filesystem has no settings of its own beside its
+        modes and ACLs, which ``check`` and the access roles keep."""
+
+    def admit_trainer(self, uid: int, *, admitted: bool = True) -> None:
+        """An ACL entry for the user ``uid`` on everything in the store, and as the default for
+        what is written later (the trainer writes checkpoints and metrics in folders the
+        operator's infractl made, and reads what it wrote there)."""
+        with self._io("set the trainer's ACL", None):
+            self._root_exists()
+            _acl.admit_user(self.root, self.uri, uid, admitted=admitted)
+
     @contextlib.contextmanager
     def outage(self) -> Iterator[dict[str, Any]]:
         """The directory is moved aside (as an unmounted volume vanishes) and moved back."""

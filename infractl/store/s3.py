@@ -73,7 +73,7 @@ _TRANSIENT_CODES = frozenset(
 )
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# A bucket's public access block: every setting must be on (``S3Store.check_bucket``).
+# A bucket's public access block: every setting must be on (``check_safeguards``).
 _PUBLIC_ACCESS_BLOCK = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets")
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _S3_QUERY_KEYS = ("endpoint_url", "region")
@@ -451,6 +451,10 @@ class S3Store(Store):
     def remove_access(self, roles: Sequence[RoleRights]) -> None:
         _iam.remove_policies(self._iam_client(), self.uri, [r.policy for r in roles])
 
+    def admit_trainer(self, uid: int, *, admitted: bool = True) -> None:
+        """Nothing: the nodes reach the bucket with credentials of their own (an instance role,
+        the operator's keys where the nodes have none), whatever user their trainer runs as."""
+
     def outage(self) -> AbstractContextManager[dict[str, Any]]:
         """An S3 endpoint served on this machine (moto, MinIO, ...) is paused (SIGSTOP) and
         resumed: requests hang until the client's timeouts, as with a network partition."""
@@ -500,7 +504,7 @@ class S3Store(Store):
         except (ClientError, BotoCoreError) as e:
             raise ConfigError(f"cannot {step} {where}: {self._reason(e, checking=True)}", field=self.field) from None
 
-    def check_bucket(self, *, tls: bool) -> None:
+    def check_safeguards(self, *, tls: bool) -> None:
         """A bucket a cluster keeps its store in but does not create: its public access blocked
         (all four settings of the bucket's own block), versioning on (a deleted or overwritten
         checkpoint stays recoverable) and, with ``tls``, a bucket policy that refuses requests
