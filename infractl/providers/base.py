@@ -227,9 +227,10 @@ class ContainerEngine:
         never pulling (``up`` pulled and verified the image). ``confined`` (the trainer's: code a
         run brings runs there) runs as the image's user (``IMAGE_UID``) with no capability and no
         way to gain one (setuid binaries included); otherwise as root (infractl's own node side,
-        which reads and signals every process of the node). ``env``: names of variables passed
-        from the caller's environment; ``volumes``: folders at the same paths inside; ``files``:
-        files of the node (keys) mounted read-only at the paths inside (values)."""
+        which reads and signals every process of the node, the trainer's user's among them).
+        ``env``: names of variables passed from the caller's environment; ``volumes``: folders at
+        the same paths inside; ``files``: files of the node (keys) mounted read-only at the paths
+        inside (values)."""
         return [
             *self.argv,
             "run",
@@ -242,7 +243,8 @@ class ContainerEngine:
             *(
                 [f"--user={IMAGE_UID}:{IMAGE_UID}", "--cap-drop=ALL", "--security-opt=no-new-privileges"]
                 if confined
-                else ["--user=root"]
+                # Reading another user's /proc/PID/environ (the trainer's markers) takes CAP_SYS_PTRACE.
+                else ["--user=root", "--cap-add=SYS_PTRACE"]
             ),
             *([f"--workdir={workdir}"] if workdir else []),
             *self.run_options,
