@@ -177,8 +177,8 @@ def _run_playbook(
     _refuse_templates(hosts)
     inventory.write_text(json.dumps(hosts, indent=2) + "\n")
     # ansible-runner reads env/extravars itself (-e @file): a file, not a command line every user's
-    # `ps` shows, and every string in it tagged !unsafe, so Ansible never renders what infractl
-    # hands it as a template (a user name or path holding "{{ ... }}" stays text).
+    # `ps` shows, and every string in it that could hold a template tagged !unsafe, so Ansible never
+    # renders what infractl hands it as one (a user name or path holding "{{ ... }}" stays text).
     write_private(data_dir / "env" / "extravars", _unsafe_yaml(extravars))
     runner = ansible_runner.run(
         private_data_dir=str(data_dir),
@@ -205,7 +205,9 @@ class _Unsafe(str):
 
 
 def _unsafe_yaml(value: dict[str, Any]) -> str:
-    """``value`` as YAML whose every string is tagged ``!unsafe``."""
+    """``value`` as YAML whose every string that could hold a template (a ``{``) is tagged
+    ``!unsafe``. Only those: Ansible reads an ``!unsafe`` scalar by its looks, so a tagged
+    ``'9.9'`` would come back a number."""
     import yaml
 
     class Dumper(yaml.SafeDumper):
@@ -215,7 +217,7 @@ def _unsafe_yaml(value: dict[str, Any]) -> str:
 
     def tag(item: Any) -> Any:
         if isinstance(item, str):
-            return _Unsafe(item)
+            return _Unsafe(item) if "{" in item else item
         if isinstance(item, dict):
             return {key: tag(inner) for key, inner in item.items()}
         if isinstance(item, (list, tuple)):

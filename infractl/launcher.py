@@ -53,11 +53,10 @@ _MONITOR_S = 0.25
 # Seconds an exited agent's helpers get to notice it (they go within a second when nothing is late).
 _HELPERS_GONE_S = 15.0
 #: What an agent takes from the environment of the `infractl` that starts it, besides the names a
-#: run.yaml ``env:`` lists: the process's basics, the emulated device a rehearsal trains on, and
-#: the store's credentials for nodes that reach
-#: the store with the operator's (local and netns: this machine; a provider whose nodes have a role
-#: of their own withholds them, ``NodeControl.withheld``). Nothing else: a token or a loader variable
-#: in the operator's shell stays there.
+#: run.yaml ``env:`` lists: the process's basics, the emulated device a rehearsal trains on, and the
+#: store's credentials for nodes that reach the store with the operator's (local and netns: this
+#: machine; a provider whose nodes have a role of their own withholds them, ``SshNodes.withheld``).
+#: Nothing else: a token or a loader variable in the operator's shell stays there.
 _PASSED = frozenset(
     {
         "PATH",

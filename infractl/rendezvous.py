@@ -4,6 +4,11 @@ torchrun's c10d rendezvous keeps its state in a TCPStore; whoever hosts it is a 
 failure. Hosting it here, outside every node's failure domain, lets any node (node 0 included) die
 without ending the run. Agents connect with ``--rdzv-conf=is_host=false``.
 
+torch's TCPStore has no authentication, and the agents unpickle the rendezvous state they read
+from it: whoever can connect can run code in every agent. So only the nodes may: the provider
+fences the endpoint's host to the nodes' addresses (netns: infra/netns's guard; aws: the members-only
+security group), and each node's guard keeps its other users off it (SECURITY.md).
+
 Run as ``python -m infractl.rendezvous --host H --port P``; it serves until SIGTERM.
 """
 

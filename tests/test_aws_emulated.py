@@ -343,7 +343,12 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     it would add the AWS provider's wait for its lifecycle rules, about a minute, to the apply)."""
     cli = Cli(tmp_path_factory.mktemp("killed"))
     own = f"{cli.cwd.name}-store"
-    emulation.client("s3").create_bucket(Bucket=own)
+    s3 = emulation.client("s3")
+    s3.create_bucket(Bucket=own)
+    # What `up` asks of a bucket the cluster does not create (the endpoint is plain HTTP: no TLS policy).
+    block = ("BlockPublicAcls", "IgnorePublicAcls", "BlockPublicPolicy", "RestrictPublicBuckets")
+    s3.put_public_access_block(Bucket=own, PublicAccessBlockConfiguration=dict.fromkeys(block, True))
+    s3.put_bucket_versioning(Bucket=own, VersioningConfiguration={"Status": "Enabled"})
     name, up = _up_in_its_own_group(emulation, cpu_image, cli, create_bucket=False)
     said = []
     assert up.stdout is not None
@@ -359,10 +364,10 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
     assert "is not up" in cli("status", "-c", name, expect=2).stderr  # nothing to show, one line
     done = cli("teardown", "-c", name, "--yes", "--purge")
     assert "its `up` never finished" in done.stderr, done.stderr
-    s3 = emulation.client("s3")
     assert own in [b["Name"] for b in s3.list_buckets()["Buckets"]]  # the operator's: kept
-    for kept in s3.list_objects_v2(Bucket=own).get("Contents", []):
-        s3.delete_object(Bucket=own, Key=kept["Key"])
+    listed = s3.list_object_versions(Bucket=own)
+    for kept in [*listed.get("Versions", []), *listed.get("DeleteMarkers", [])]:
+        s3.delete_object(Bucket=own, Key=kept["Key"], VersionId=kept["VersionId"])
     s3.delete_bucket(Bucket=own)
     _nothing_left(emulation, cli, name)
     # ansible-runner ran ansible-playbook in a session of its own, which the kill did not reach: teardown stopped it.

@@ -63,7 +63,8 @@ def open_in_chromium(out: Path, tmp_path: Path) -> dict[str, Any]:
 
 def assert_every_file_linked_and_shown(report: dict[str, Any], files: dict[str, bytes], images: set[str]) -> None:
     assert report["problems"] == [] and report["console_errors"] == []
-    assert {link["target"] for link in report["links"]} >= set(files) - {"index.html"}
+    # Every file the reader needs (not the page itself, nor the marker that tells infractl it wrote the folder).
+    assert {link["target"] for link in report["links"]} >= set(files) - {"index.html", bundle.MARKER}
     assert {image["src"] for image in report["images"]} >= images
     assert all(image["natural_width"] > 0 for image in report["images"])
     assert "http://" not in files["index.html"].decode() and "https://" not in files["index.html"].decode()

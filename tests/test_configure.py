@@ -212,17 +212,23 @@ def test_what_infractl_hands_ansible_is_never_rendered_as_a_template(tmp_path: P
     """Every string of the variables file is !unsafe: a template in one stays text, and the
     lookup it asks for never runs."""
     planted = tmp_path / "rendered"
-    variables = {"user": f"{{{{ lookup('pipe', 'touch {planted}') }}}}", "members": {"g": ["{{ 6 * 7 }}"]}, "n": 3}
+    variables = {
+        "user": f"{{{{ lookup('pipe', 'touch {planted}') }}}}",
+        "members": {"g": ["{{ 6 * 7 }}"]},
+        "n": 3,
+        "torch": "9.9",
+    }
     extravars = tmp_path / "extravars.yml"
     extravars.write_text(_unsafe_yaml(variables))
     playbook = tmp_path / "show.yml"
     playbook.write_text(
         "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
-        "    - ansible.builtin.debug: {msg: '{{ user }} {{ members.g[0] }} {{ n + 1 }}'}\n"
+        "    - ansible.builtin.debug: {msg: '{{ user }} {{ members.g[0] }} {{ n + 1 }} {{ torch | length }}'}\n"
     )
     argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local"]
     done = subprocess.run([*argv, "-e", f"@{extravars}", str(playbook)], capture_output=True, text=True, timeout=300)
 
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "{{ 6 * 7 }} 4" in done.stdout and "lookup('pipe'" in done.stdout
+    # ... and a string stays a string ("9.9" has a length; a number would not).
+    assert "{{ 6 * 7 }} 4 3" in done.stdout and "lookup('pipe'" in done.stdout
     assert not planted.exists()

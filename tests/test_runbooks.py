@@ -458,9 +458,10 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     assert re.search(rf"\b51\b.*{losses[51]:.4f}", shown), shown
     # As the runbook says: the engineer picks the newest committed step before the jump.
     to = max(step for step in runstore.committed_steps(store, name) if step <= 50)
-    write(run_file, spec)  # the bad update's cause, fixed: the run.yaml no longer passes the knob
     fault_time = time.time()
-    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to)})
+    # The run's env: passes the knob, so the runbook's launch needs it set: to nothing it ever meets
+    # (the bad update's cause, fixed).
+    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to), CORRUPT_ENV: "none"})
 
     assert f"infractl stop --run {name} --no-save" in transcript and f"run {name} recovered: " in transcript
     assert rolled_back(store, name, transcript) == to == 40
