@@ -72,10 +72,11 @@ watchdog: {{step_timeout_s: 8}}
 # them a partition of each node (node-0's link down, node-1's packets dropped). The run must outlast
 # the series, and trains between and during faults: at full speed 5,000 steps, which the reference
 # run trained again after it at the cost of the series' own time in CPU. Paced (`min_step_s`), the
-# run trains about 190 s (some 500 steps) in the 5.5-minute series; 800 steps at 0.375 s give it 1.6
+# run trains about 190 s (some 500 steps) in the 5.5-minute series; 800 steps at 0.45 s give it 1.9
 # times that, at a fraction of the CPU, and the reference (trained without the pace) takes under a
 # minute. What the run trains during the series is counted in steps more than in seconds (each fault
-# waits for commits and for the whole world), so a slower machine does not eat the margin.
+# waits for commits and for the whole world), so a slower machine eats little of the margin; the
+# series once took 7.4 minutes beside the rest of the suite, and 800 steps at 0.375 s ran out in it.
 CHAOS_SEED = 25
 CHAOS_RUN = """\
 name: storm
@@ -83,7 +84,7 @@ model: {layers: 2, hidden: 64, heads: 2, seq_len: 64}
 data: {max_bytes: 200000}
 batch_size: 8
 steps: 800
-min_step_s: 0.375
+min_step_s: 0.45
 checkpoint: {every: 10, keep: 2}
 nodes: {min: 1, max: 2}
 max_restarts: 12
@@ -226,7 +227,7 @@ def test_a_seeded_chaos_series_of_10_faults_recovers_each_and_trains_what_an_uni
     # The run kept its pace (min_step_s), the reference ran free: the same steps, in less time. A gap
     # is between two steps' records, each taken after its step's work: one step's work longer than
     # the next's takes that difference off the gap, so the median is the pace within a few ms.
-    assert _median_step_gap(store, "storm") >= 0.375 - 0.01 > _median_step_gap(store, "storm-reference")
+    assert _median_step_gap(store, "storm") >= 0.45 - 0.01 > _median_step_gap(store, "storm-reference")
     # Recorded in the store, and shown in the handover's baseline.
     [recorded] = runstore.read_chaos_records(store, "storm")
     assert recorded.to_dict() | {"results": results} == done
