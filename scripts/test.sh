@@ -67,7 +67,7 @@ checks=$!
 # timeout, a rendezvous, a poll), and 2 workers left a third of the CPU idle (36 minutes of tests;
 # 3 workers: 29). 4 overload it: recoveries slow down past the drills' fault windows (a 12 s
 # partition ended before the survivors restarted). Every worker stays busy to the end, so the suite
-# takes its whole work over 3: the slowest tests are listed at the end, to keep it inside CI's 45
+# takes its whole work over 3: the slowest tests are listed at the end, to keep it inside CI's 60
 # minutes.
 # Where the environment sets PYTHONDONTWRITEBYTECODE, no process of the suite writes the bytecode
 # of infractl's and the trainer's modules, and every CLI call, agent and rank compiles them again
