@@ -209,8 +209,8 @@ def test_the_network_environment_is_read_as_known_keys_never_sourced(tmp_path: P
 
 
 def test_what_infractl_hands_ansible_is_never_rendered_as_a_template(tmp_path: Path) -> None:
-    """Every string of the variables file is !unsafe: a template in one stays text, and the
-    lookup it asks for never runs."""
+    """Every string of the variables file that could hold a template is !unsafe: a template in one
+    stays text, the lookup it asks for never runs, and the other strings stay strings."""
     planted = tmp_path / "rendered"
     variables = {
         "user": f"{{{{ lookup('pipe', 'touch {planted}') }}}}",
