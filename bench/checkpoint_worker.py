@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from infractl.store import open_store
 from trainer.checkpoint import Checkpointer
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
-from trainer.state import ModelState, optimizer_state
+from trainer.stateful import ModelState, optimizer_state
 
 
 def main() -> None:

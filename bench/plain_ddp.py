@@ -27,7 +27,7 @@ from trainer.engine import GRAD_CLIP
 from trainer.model import GPT, VOCAB_SIZE, GPTConfig
 from trainer.optimizer import build_optimizer, build_scheduler
 from trainer.parallelize import compute_dtype
-from trainer.state import seed_everything
+from trainer.stateful import seed_everything
 
 
 def main() -> None:

@@ -121,7 +121,7 @@ def probe(spec: RunSpec, *, steps: int, tmp: Path) -> dict[str, Any]:
     (run_dir / "store").mkdir(parents=True)
     spec_path = run_dir / "spec.json"
     # torchrun --standalone starts both ranks on one node, and the trainer sizes a pass for
-    # nodes.max nodes of that node's ranks (trainer/layout.py): a run of 2 nodes would be read as
+    # nodes.max nodes of that node's ranks (trainer/mesh.py): a run of 2 nodes would be read as
     # 2 x 2 ranks, half the micro-batch in two passes. One node of nodes.max ranks is the layout
     # `plan --measure` runs on the local cluster's nodes.max nodes of one rank.
     ranks = spec.nodes.max

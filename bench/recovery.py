@@ -14,7 +14,7 @@ completed after resume), the median of each of its phases (detect, stop, rendezv
 load, first_step: infractl/drill/recovery.py), rejoin_s (rejoin -> first step on 2 nodes again),
 and one line per other kind. Then the same kill-node series on a fresh cluster whose run.yaml
 restarts cold (``COLD_RESTART``: a new Python per worker and the rendezvous timing before
-trainer/rendezvous.py's defaults) and no in-memory replicas (``replicate_every: 0``: a resume
+trainer/rendezvous_patch.py's defaults) and no in-memory replicas (``replicate_every: 0``: a resume
 from the store's commit), side by side, and the ratio of the two median restart_s. The default
 series replicates every step; both runs are paced at ``PACE_S`` a step, as a real step is longer
 than a replica's copy (this tiny model's is not).
@@ -64,7 +64,7 @@ max_restarts: {budget}
 watchdog: {{step_timeout_s: 20}}
 """
 PACE_S = 0.1
-# The side-by-side series: the restart before trainer/rendezvous.py's defaults (a new Python per
+# The side-by-side series: the restart before trainer/rendezvous_patch.py's defaults (a new Python per
 # worker, a keep-alive every 2 s with 3 misses, a 3 s last call), and no replicas.
 COLD_RESTART = "restart: {warm: false, keep_alive_s: 2, keep_alive_misses: 3, last_call_s: 3}\n"
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infractl import __version__, access, configure, image, infra, proc, providers, runs, runstore
+from infractl import __version__, access, image, infra, playbook, proc, providers, runs, runstore
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, InfraError, Interrupted, UsageError
 from infractl.image import registry
@@ -22,8 +22,9 @@ from infractl.output import Output
 from infractl.planning.devices import Device
 from infractl.planning.plan import format_bytes
 from infractl.providers.base import IMAGE_UID, NodeControl, ServerHost
-from infractl.state import ClusterState
-from infractl.store import Store, StoreUnavailable, open_store
+from infractl.servers import ensure_registry, ensure_rendezvous
+from infractl.statedir import ClusterState
+from infractl.store import Store, StoreUnavailable, for_cluster, open_store
 
 __all__ = [
     "UpResult",
@@ -32,16 +33,8 @@ __all__ = [
     "preflight",
     "up",
     "teardown",
-    "store_for",
-    "ensure_rendezvous",
-    "keep_rendezvous",
-    "rendezvous_running",
-    "RENDEZVOUS_NODE",
 ]
 
-RENDEZVOUS_NODE = "rendezvous"
-# Debian's docker-registry package: the CNCF distribution registry.
-_REGISTRY = "docker-registry"
 # In the state directory once `terraform destroy` succeeded: a teardown run again only looks for leftovers.
 _DESTROYED = "destroyed"
 #: Seconds before each new try of a failed ``terraform destroy`` (then the failure stands).
@@ -80,55 +73,6 @@ class TeardownResult:
 
 def store_uri(state: ClusterState, spec: ClusterSpec) -> str:
     return spec.store or state.default_store.as_uri()
-
-
-def store_for(state: ClusterState) -> Store:
-    """The object store of a cluster that is up, for the control plane: a person is waiting, so
-    an unreachable store fails within seconds (``StoreUnavailable``)."""
-    return open_store(state.read()["store"], field="cluster.store", interactive=True)
-
-
-def ensure_rendezvous(
-    servers: ServerHost, host: str, previous: dict[str, Any] | None, image: str | None
-) -> tuple[int, bool]:
-    """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
-    a new cluster), in ``image`` where the servers' host runs infractl from the cluster's image;
-    return (port, started_now). ``train`` calls it too, so a server lost with its machine comes
-    back before the agents need it."""
-    port = int(previous["rendezvous"]["port"]) if previous else servers.new_port(RENDEZVOUS_NODE, host)
-    argv = [servers.python, "-m", "infractl.rendezvous", "--host", host, "--port", str(port)]
-    in_image = image if servers.runs_image else None
-    return port, servers.keep(RENDEZVOUS_NODE, argv, host=host, port=port, image=in_image)
-
-
-def keep_rendezvous(state: ClusterState, record: dict[str, Any]) -> None:
-    """``ensure_rendezvous`` for a cluster that is up (``record``: its state file)."""
-    servers = providers.get(record["spec"]["provider"]).servers(state)
-    ensure_rendezvous(servers, record["rendezvous"]["host"], record, record.get("image"))
-
-
-def _ensure_registry(
-    state: ClusterState, servers: ServerHost, host: str, previous: dict[str, Any] | None
-) -> tuple[registry.Registry, bool]:
-    """Keep the cluster's image registry running on ``host`` at its recorded port (a new one for a
-    cluster that had none); return it and whether it was started now."""
-    recorded = (previous or {}).get("registry")
-    port = int(recorded["port"]) if recorded else servers.new_port(registry.REGISTRY_NODE, host)
-    ca, cert, key = registry.certificate_authority(state.dir, host)
-    folder = servers.home / "registry"
-    servers.put(folder / "tls" / cert.name, cert.read_text())
-    servers.put(folder / "tls" / key.name, key.read_text())
-    servers.put(folder / "config.yml", registry.config(folder, host, port))
-    argv = [_REGISTRY, "serve", str(folder / "config.yml")]
-    started = servers.keep(registry.REGISTRY_NODE, argv, host=host, port=port)
-    return registry.Registry(host=host, port=port, ca=ca), started
-
-
-def rendezvous_running(state: ClusterState) -> bool:
-    """Whether the cluster's rendezvous server runs."""
-    record = state.read()
-    servers = providers.get(record["spec"]["provider"]).servers(state)
-    return servers.running(RENDEZVOUS_NODE, host=record["rendezvous"]["host"], port=int(record["rendezvous"]["port"]))
 
 
 def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
@@ -186,7 +130,7 @@ def _serve_image(
         return None, None, False
     host = provider.image_registry_host(spec, state)
     assert host is not None
-    served, started = _ensure_registry(state, servers, host, previous)
+    served, started = ensure_registry(state, servers, host, previous)
     out.info(f"registry: {served.address} ({'started' if started else 'already running'})")
     with servers.reach(served.host, served.port) as (via_host, via_port):
         pulled, pushed = registry.publish(served, spec.runtime.image, progress=out.info, via=f"{via_host}:{via_port}")
@@ -237,7 +181,7 @@ def interruptible(state: ClusterState) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        proc.kill_all(state.dir, node=configure.ANSIBLE_NODE, timeout=20)
+        proc.kill_all(state.dir, node=playbook.ANSIBLE_NODE, timeout=20)
         raise Interrupted(
             f"interrupted: `infractl up -c {state.name}` again picks up where this one stopped; "
             f"`infractl teardown -c {state.name}` removes what it made"
@@ -254,12 +198,12 @@ def _configure(
     rendezvous: tuple[str, int],
     image: str | None,
     registry_ca: Path | None,
-) -> configure.ConfigureResult:
+) -> playbook.ConfigureResult:
     """Ansible's run of ``up``, cancelled through its callback when ``interruptible`` is told to stop."""
     members = access.node_vars(state, access.load_members(state))
     _CANCELLABLE.set()
     try:
-        configured = configure.configure(
+        configured = playbook.configure(
             state.dir,
             nodes,
             runtime=spec.runtime,
@@ -358,12 +302,12 @@ def _stop_and_destroy(
     """Teardown's first half: every process of the cluster stopped, its containers removed, with
     ``purge`` its runs deleted, then ``terraform destroy``. (Processes stopped, runs purged.)"""
     if purge:
-        store_for(state).ping()  # a purge that cannot reach the store must fail before anything goes
+        for_cluster(state).ping()  # a purge that cannot reach the store must fail before anything goes
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
-    if access.remove_from_store(state, store_for(state)):
+    if access.remove_from_store(state, for_cluster(state)):
         out.info("access: the roles' rights in the store are taken back")
     if record.get("image"):
-        store_for(state).admit_trainer(IMAGE_UID, admitted=False)
+        for_cluster(state).admit_trainer(IMAGE_UID, admitted=False)
     nodes = providers.control(state)
     stopped, survived = nodes.stop_all(timeout=20)
     # Then the cluster's own servers (the rendezvous endpoint, the registry).
@@ -388,7 +332,7 @@ def _purge_runs(state: ClusterState, record: dict[str, Any], out: Output) -> lis
     id, never a run of another cluster of the same name that shares the store. A run recorded
     before runs carried an id is this cluster's only when the cluster has none either (both from
     before ids): otherwise it is kept and named. Returns the runs deleted."""
-    store = store_for(state)
+    store = for_cluster(state)
     purged, unclaimed = [], []
     for run in runs.cluster_runs(state, store):
         if run.cluster_id == record.get("id"):

@@ -29,7 +29,7 @@ from infractl import access, cluster, proc, providers
 from infractl.config import ClusterSpec
 from infractl.errors import InfractlError
 from infractl.output import Output
-from infractl.state import ClusterState, Orphan, ledger, started_clusters
+from infractl.statedir import ClusterState, Orphan, ledger, started_clusters
 
 __all__ = ["Found", "collect", "find"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from infractl import templates
 from infractl.errors import InfraError
-from infractl.state import write_private
+from infractl.statedir import write_private
 
 __all__ = [
     "Node",

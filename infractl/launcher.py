@@ -15,20 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from infractl import proc, providers, runs, runstore, workdir
-from infractl.cluster import keep_rendezvous, store_for
 from infractl.config import PreemptionSpec, RunSpec, check_layout
-from infractl.configure import network_env
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
 from infractl.planning.devices import EMULATED_MEMORY_ENV, Device
 from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
+from infractl.playbook import network_env
 from infractl.providers import NodeControl
 from infractl.providers.base import IMAGE_PYTHON, IMAGE_RUN_DIR
 from infractl.runstore import Attempt, Rejoin, RunRecord
-from infractl.state import ClusterState, write_private
-from infractl.store import Store
+from infractl.servers import keep_rendezvous
+from infractl.statedir import ClusterState, write_private
+from infractl.store import Store, for_cluster
 from trainer.replica_server import MAX_BYTES_ENV, RUN_KEY_FILE_ENV
 
 __all__ = [
@@ -114,7 +114,7 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     cluster = state.read()
     nodes = cluster["nodes"]
     _check_fits(state, spec, run_file, cluster)
-    store = store_for(state)
+    store = for_cluster(state)
     store.ping()  # an unreachable store fails here, before the dataset is hashed
     version = dataset_version(spec.data)
     fresh = RunRecord(run_id=spec.name, cluster=state.name, dataset_version=version)
@@ -222,7 +222,7 @@ def torchrun_argv(
         # dies, the survivors wait until its keep-alives have been missing for interval x attempts
         # (torchrun's default: 15 s), then wait last_call_timeout for more nodes once nodes.min
         # joined (default: 30 s): both dominate the restart (run.yaml's restart section). A launch's
-        # first round waits launch_last_call instead (trainer/rendezvous.py).
+        # first round waits launch_last_call instead (trainer/rendezvous_patch.py).
         f"--rdzv-conf=is_host=false,last_call_timeout={spec.restart.last_call_s},"
         f"{proc.LAUNCH_LAST_CALL_KEY}={spec.restart.launch_wait_s},"
         f"keep_alive_interval={spec.restart.keep_alive_s},keep_alive_max_attempt={spec.restart.keep_alive_misses}",
@@ -500,7 +500,7 @@ def rejoin(
     run, live = runs.running_run(state, run)
     if node_name in live:
         raise UsageError(f"node {node_name!r} is already running run {run!r}", field="NODE")
-    store = store_for(state)
+    store = for_cluster(state)
     record = runstore.read_run_record(store, run)
     attempt = record.last_attempt if record is not None else None
     if record is None or attempt is None or record.spec is None:
@@ -549,7 +549,7 @@ def stop(state: ClusterState, *, run: str | None = None, save: bool = True) -> S
     run's newest commit stays its newest (a rollback wants no newer one). ``infractl train`` of
     the same run.yaml resumes it."""
     run, live = runs.running_run(state, run)
-    store = store_for(state)
+    store = for_cluster(state)
     control = providers.control(state)
     left = control.processes(run=run)
     if save:

@@ -67,7 +67,7 @@ SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
 #: the checkpoints' environment fingerprint records it. Unset on a node's own Python.
 IMAGE_ENV = "INFRACTL_IMAGE"
 #: The agent's ``--rdzv-conf`` key of the seconds a launch's first rendezvous round waits for its
-#: nodes (``trainer.rendezvous``; torch ignores the key).
+#: nodes (``trainer.rendezvous_patch``; torch ignores the key).
 LAUNCH_LAST_CALL_KEY = "launch_last_call"
 
 

@@ -17,7 +17,7 @@ from infractl import providers, runstore
 from infractl.config import RunSpec
 from infractl.errors import StateError, UsageError
 from infractl.runstore import RunRecord, StepRecord
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import Store
 
 __all__ = [

@@ -28,7 +28,7 @@ from infractl import proc, providers, runstore
 from infractl.cli import main
 from infractl.errors import InfractlError
 from infractl.providers import aws
-from infractl.state import ClusterState, started_clusters
+from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
 
 from awsemu import NETWORK_RECORD, remove_network

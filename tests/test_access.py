@@ -22,7 +22,7 @@ import pytest
 from infractl import access, runstore
 from infractl.errors import ConfigError
 from infractl.handover import access_docs
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import Store, StoreError, StoreKeyError, UnknownUser, open_store
 
 from conftest import Cli, S3AuthServer, module_cluster, one_line, s3_client

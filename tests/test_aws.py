@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from infractl import configure
+from infractl import playbook
 from infractl.config import load_cluster
 from infractl.errors import ConfigError
 from infractl.infra import Node, SshLogin
 from infractl.planning.devices import CATALOG, Device
 from infractl.providers import aws
 from infractl.providers.base import provider_named
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import S3Store, open_store
 
 from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
@@ -402,7 +402,7 @@ def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None
         for i, name in enumerate(["gpu-0", "cpu-0"])
     ]
     control = aws.AwsNodes(state, nodes, instance_types={"gpu-0": "g5.12xlarge", "cpu-0": "c7i.4xlarge"})
-    inventory = configure.inventory_of(state.dir, control)
+    inventory = playbook.inventory_of(state.dir, control)
     assert inventory["all"]["children"] == {"gpu": {"hosts": {"gpu-0": {}}}, "cpu": {"hosts": {"cpu-0": {}}}}
     hosts = inventory["all"]["hosts"]
     assert (hosts["gpu-0"]["node_instance_type"], hosts["gpu-0"]["ansible_become"]) == ("g5.12xlarge", True)
@@ -421,7 +421,7 @@ def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None
     def listed(what: str) -> list[str]:
         done = subprocess.run(
             [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(path), what, "site.yml"],
-            cwd=configure.playbook_dir(),
+            cwd=playbook.playbook_dir(),
             capture_output=True,
             text=True,
             check=True,

@@ -22,7 +22,7 @@ from test_aws_emulated import cluster_yaml, ssh
 from infractl import providers, runstore, workdir
 from infractl.infra import Node
 from infractl.providers import aws
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import open_store
 
 from awsemu import STATE_BUCKET, EmulatedAws, emulated_aws

@@ -24,7 +24,7 @@ from infractl.config import ClusterSpec, load_cluster
 from infractl.errors import InfraError
 from infractl.infra import Node
 from infractl.providers import aws
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 
 from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
 from conftest import BuiltImage, Cli, write

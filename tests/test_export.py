@@ -24,7 +24,7 @@ from infractl.cli import model as model_cli
 from infractl.model import export
 from infractl.model.sample import generate
 from infractl.runstore import RunRecord, checkpoint_prefix
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import Store
 from trainer.engine import config_hash
 from trainer.model import GPT, GPTConfig

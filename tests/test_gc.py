@@ -22,7 +22,7 @@ import pytest
 from infractl import proc
 from infractl.config import load_cluster
 from infractl.providers.base import free_port, port_open
-from infractl.state import ClusterState, ledger, started_clusters
+from infractl.statedir import ClusterState, ledger, started_clusters
 
 from conftest import REPO, Cli, new_bucket_name, s3_client, write
 

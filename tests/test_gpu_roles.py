@@ -23,7 +23,7 @@ import ansible_runner
 import pytest
 import yaml
 
-from infractl.configure import container_vars, playbook_dir
+from infractl.playbook import container_vars, playbook_dir
 from infractl.providers import aws
 
 from conftest import REPO

@@ -20,7 +20,7 @@ import pytest
 
 from infractl import proc
 from infractl.access import ROLE_NAMES, group_name
-from infractl.state import ClusterState, ledger
+from infractl.statedir import ClusterState, ledger
 
 from conftest import Cli, write
 

@@ -27,7 +27,7 @@ import pytest
 from infractl import providers, runstore, workdir
 from infractl.drill import KINDS, recovery
 from infractl.providers.base import NodeControl
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import FileStore
 
 from conftest import Cli, module_cluster, one_line, running_runs, stop_runs, wait_for_commit, wait_for_world, write

@@ -66,7 +66,7 @@ def test_refusal_inside_the_lock_removes_the_cluster_directory_the_lock_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from infractl.errors import ConfigError
-    from infractl.state import ClusterState
+    from infractl.statedir import ClusterState
 
     state = ClusterState("c4", tmp_path / ".infractl" / "c4")
     with pytest.raises(ConfigError), state.lock("up"):
@@ -82,9 +82,9 @@ def test_refusal_inside_the_lock_removes_the_cluster_directory_the_lock_made(
 def test_an_up_that_cannot_list_its_cluster_in_the_ledger_is_refused_before_it_makes_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from infractl import state as state_module
+    from infractl import statedir as state_module
     from infractl.errors import StateError
-    from infractl.state import ClusterState
+    from infractl.statedir import ClusterState
 
     blocker = write(tmp_path / "a-file", "not a directory\n")
     monkeypatch.setattr(state_module, "ledger", lambda: blocker / "clusters")

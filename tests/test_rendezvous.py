@@ -1,4 +1,4 @@
-"""trainer.rendezvous: each change to torch's dynamic rendezvous, on its own shared state (the
+"""trainer.rendezvous_patch: each change to torch's dynamic rendezvous, on its own shared state (the
 restarts they shorten are measured by bench/recovery.py and exercised by tests/test_drill.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_rendezvous
 
-from trainer import rendezvous
+from trainer import rendezvous_patch
 
 A, B, C = (torch_rendezvous._NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in (1, 2, 3))
 SETTINGS = torch_rendezvous.RendezvousSettings(
@@ -30,7 +30,7 @@ def state(*, round: int, complete: bool, participants: list[Any], alive: list[An
 
 
 def join(node: Any, shared: Any) -> Any:
-    return rendezvous._JoinOp()(torch_rendezvous._RendezvousContext(node, shared, SETTINGS), float("inf"))
+    return rendezvous_patch._JoinOp()(torch_rendezvous._RendezvousContext(node, shared, SETTINGS), float("inf"))
 
 
 def test_a_keep_alive_is_due_half_an_interval_after_the_last() -> None:
@@ -39,20 +39,20 @@ def test_a_keep_alive_is_due_half_an_interval_after_the_last() -> None:
     shared = state(round=0, complete=True, participants=[A], alive=[A])
     context = torch_rendezvous._RendezvousContext(A, shared, SETTINGS)
     shared.last_heartbeats[A] = datetime.now(UTC) - timedelta(seconds=0.9)
-    assert rendezvous._keep_alive_due(context) and not torch_rendezvous._should_keep_alive(context)
+    assert rendezvous_patch._keep_alive_due(context) and not torch_rendezvous._should_keep_alive(context)
     shared.last_heartbeats[A] = datetime.now(UTC) - timedelta(seconds=0.2)
-    assert not rendezvous._keep_alive_due(context)
+    assert not rendezvous_patch._keep_alive_due(context)
     del shared.last_heartbeats[A]  # dropped: nothing to keep alive
-    assert not rendezvous._keep_alive_due(context)
+    assert not rendezvous_patch._keep_alive_due(context)
 
 
 def test_a_wait_polls_at_most_every_quarter_second(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[object] = []
-    monkeypatch.setattr(rendezvous, "_torch_delay", slept.append)
-    rendezvous._delay(1)
-    rendezvous._delay(0.1)
-    rendezvous._delay((0, 0.3))  # torch's random start-up skew is left alone
-    assert slept == [rendezvous.POLL_S, 0.1, (0, 0.3)]
+    monkeypatch.setattr(rendezvous_patch, "_torch_delay", slept.append)
+    rendezvous_patch._delay(1)
+    rendezvous_patch._delay(0.1)
+    rendezvous_patch._delay((0, 0.3))  # torch's random start-up skew is left alone
+    assert slept == [rendezvous_patch.POLL_S, 0.1, (0, 0.3)]
 
 
 def test_a_restart_round_closes_once_every_live_node_joined() -> None:
@@ -72,7 +72,7 @@ def test_a_launch_first_round_keeps_its_last_call() -> None:
 def test_a_launch_first_round_waits_the_launch_last_call_for_its_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A's last call ran out, but the launch's (longer) has not: B, whose agent started late, is
     still waited for; once the launch's runs out too, the run starts without it."""
-    monkeypatch.setattr(rendezvous, "_launch_last_call", SETTINGS.timeout.last_call * 2)
+    monkeypatch.setattr(rendezvous_patch, "_launch_last_call", SETTINGS.timeout.last_call * 2)
     ran_out = state(round=0, complete=False, participants=[A], alive=[A])
     ran_out.deadline = datetime.now(UTC) - timedelta(seconds=1)  # nodes.min joined one last call and 1 s ago
     assert join(A, ran_out) in (Action.SYNC, Action.KEEP_ALIVE)
@@ -98,11 +98,11 @@ def test_a_node_the_rendezvous_dropped_counts_as_a_waiting_node() -> None:
         return SimpleNamespace(_this_node=node, _state_holder=holder, _heartbeat_lock=threading.Lock())
 
     running = state(round=1, complete=True, participants=[A, B], alive=[A, B])
-    assert rendezvous._num_nodes_waiting(handler(A, running)) == 0
+    assert rendezvous_patch._num_nodes_waiting(handler(A, running)) == 0
     running.wait_list = {C}
-    assert rendezvous._num_nodes_waiting(handler(A, running)) == 1
+    assert rendezvous_patch._num_nodes_waiting(handler(A, running)) == 1
     dropped = state(round=2, complete=False, participants=[], alive=[])
-    assert rendezvous._num_nodes_waiting(handler(A, dropped)) == 1
+    assert rendezvous_patch._num_nodes_waiting(handler(A, dropped)) == 1
 
 
 def test_a_node_whose_round_lost_a_peer_restarts_its_workers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,17 +112,17 @@ def test_a_node_whose_round_lost_a_peer_restarts_its_workers(monkeypatch: pytest
     shared = state(round=1, complete=True, participants=[A, B, C], alive=[A, B, C])
     holder = SimpleNamespace(state=shared, sync=lambda: None)
     handler = SimpleNamespace(_this_node=A, _state_holder=holder, _heartbeat_lock=threading.Lock())
-    monkeypatch.setattr(rendezvous, "_torch_next_rendezvous", lambda handler: "info")
-    assert rendezvous._next_rendezvous(handler) == "info"
-    assert rendezvous._num_nodes_waiting(handler) == 0 and not rendezvous.peer_lost(handler)
+    monkeypatch.setattr(rendezvous_patch, "_torch_next_rendezvous", lambda handler: "info")
+    assert rendezvous_patch._next_rendezvous(handler) == "info"
+    assert rendezvous_patch._num_nodes_waiting(handler) == 0 and not rendezvous_patch.peer_lost(handler)
     del shared.participants[C]  # C's keep-alives expired: torch's sanitize removed it
-    assert rendezvous._num_nodes_waiting(handler) == 1 and rendezvous.peer_lost(handler) == {C}
+    assert rendezvous_patch._num_nodes_waiting(handler) == 1 and rendezvous_patch.peer_lost(handler) == {C}
     shared.round, shared.participants = 2, dict.fromkeys([A, B], 0)  # the next round
-    rendezvous._next_rendezvous(handler)
-    assert rendezvous._num_nodes_waiting(handler) == 0 and not rendezvous.peer_lost(handler)
+    rendezvous_patch._next_rendezvous(handler)
+    assert rendezvous_patch._num_nodes_waiting(handler) == 0 and not rendezvous_patch.peer_lost(handler)
     shared.round = 3  # a round this node has not joined is torch's to judge
     shared.participants = dict.fromkeys([A], 0)
-    assert rendezvous._num_nodes_waiting(handler) == 0
+    assert rendezvous_patch._num_nodes_waiting(handler) == 0
 
 
 def test_a_node_drops_no_peer_until_it_synced_steadily_for_one_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,23 +130,23 @@ def test_a_node_drops_no_peer_until_it_synced_steadily_for_one_expiry(monkeypatc
     alike) its peers' old keep-alives drop nobody; after one expiry of steady syncs, a node whose
     keep-alives stopped is dropped as torch drops it."""
     clock = [100.0]
-    monkeypatch.setattr(rendezvous.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(rendezvous_patch.time, "monotonic", lambda: clock[0])
     shared = state(round=1, complete=True, participants=[A, B, C], alive=[A, B, C])
     stale = datetime.now(UTC) - timedelta(seconds=5)  # past the expiry: 1 s x 3
     shared.last_heartbeats[B] = shared.last_heartbeats[C] = stale
     holder = SimpleNamespace(_state=shared, _settings=SETTINGS, _dead_nodes=[])
 
-    rendezvous._sanitize(holder)  # the first sync after the stall
+    rendezvous_patch._sanitize(holder)  # the first sync after the stall
     assert set(shared.participants) == {A, B, C} and holder._dead_nodes == []
     for _ in range(3):  # steady: a sync a second, B's keep-alives resumed and C's did not
         clock[0] += 1
         shared.last_heartbeats[A] = shared.last_heartbeats[B] = datetime.now(UTC)
-        rendezvous._sanitize(holder)
+        rendezvous_patch._sanitize(holder)
     assert set(shared.participants) == {A, B} and holder._dead_nodes == [C]
 
     clock[0] += 2.5  # a pause longer than two intervals: judged again only after one expiry
     shared.last_heartbeats[B] = stale
-    rendezvous._sanitize(holder)
+    rendezvous_patch._sanitize(holder)
     assert set(shared.participants) == {A, B}
 
 
@@ -160,10 +160,10 @@ def test_install_patches_what_the_pinned_torch_calls(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(handler, "next_rendezvous", handler.next_rendezvous)
     holder = torch_rendezvous._BackendRendezvousStateHolder
     monkeypatch.setattr(holder, "_sanitize", holder._sanitize)
-    rendezvous.install()
-    assert torch_rendezvous._should_keep_alive is rendezvous._keep_alive_due
-    assert torch_rendezvous._delay is rendezvous._delay  # type: ignore[attr-defined]
-    assert torch_rendezvous._RendezvousJoinOp is rendezvous._JoinOp
-    assert handler.num_nodes_waiting is rendezvous._num_nodes_waiting
-    assert handler.next_rendezvous is rendezvous._next_rendezvous  # type: ignore[comparison-overlap]
-    assert holder._sanitize is rendezvous._sanitize  # type: ignore[comparison-overlap]
+    rendezvous_patch.install()
+    assert torch_rendezvous._should_keep_alive is rendezvous_patch._keep_alive_due
+    assert torch_rendezvous._delay is rendezvous_patch._delay  # type: ignore[attr-defined]
+    assert torch_rendezvous._RendezvousJoinOp is rendezvous_patch._JoinOp
+    assert handler.num_nodes_waiting is rendezvous_patch._num_nodes_waiting
+    assert handler.next_rendezvous is rendezvous_patch._next_rendezvous  # type: ignore[comparison-overlap]
+    assert holder._sanitize is rendezvous_patch._sanitize  # type: ignore[comparison-overlap]

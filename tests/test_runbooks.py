@@ -25,7 +25,7 @@ from infractl.handover.runbooks import render_runbooks, section
 from infractl.planning.plan import format_bytes, run_budget
 from infractl.runs import Attention, RunState, attention
 from infractl.runstore import Manifest, RunRecord, StepRecord
-from infractl.state import ClusterState, write_private
+from infractl.statedir import ClusterState, write_private
 from infractl.store import FileStore, Store
 from trainer.engine import CORRUPT_ENV
 

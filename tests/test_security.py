@@ -34,7 +34,7 @@ from test_access import _throwaway_users
 
 from infractl import proc, runstore, workdir
 from infractl.runstore import Manifest, ManifestEntry
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import FileStore
 from trainer.replica_server import REPLICA_ADDR_ENV, SHA256_HEADER, SIGNATURE_HEADER
 

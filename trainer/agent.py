@@ -8,12 +8,12 @@ worker that answers SIGTERM uses that time to save an emergency checkpoint and e
 ``trainer.watchdog``). A worker that is stopped (SIGSTOP, a frozen container, a debugger) can do
 neither: it only holds its node out of the next rendezvous for the full 30 s, which is most of the
 restart time after a hang. This agent SIGKILLs stopped workers at once, and every worker once the
-rendezvous dropped a peer of their round (``trainer.rendezvous.peer_lost``: they wait on it in a
+rendezvous dropped a peer of their round (``trainer.rendezvous_patch.peer_lost``: they wait on it in a
 collective); otherwise workers keep the SIGTERM and its grace period.
 
     python -m trainer.agent [torchrun options] -m trainer.train [trainer options]
 
-Its rendezvous restarts sooner than torch's (``trainer.rendezvous``). Nothing else of torchrun
+Its rendezvous restarts sooner than torch's (``trainer.rendezvous_patch``). Nothing else of torchrun
 changes: preemption (SIGTERM to the agent) still forwards SIGTERM and waits ``--shutdown-timeout``.
 
 With ``--start-method=forkserver`` (run.yaml ``restart.warm``, the default), the workers of ``-m
@@ -59,7 +59,7 @@ from torch.distributed.launcher import api as launcher_api
 from infractl import no_collection_at_exit
 from infractl.log import get_logger
 from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
-from trainer import rendezvous, replica_server, warm
+from trainer import rendezvous_patch, replica_server, warm
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -87,8 +87,8 @@ class StopStoppedWorkersAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         pids = self._pcontext.pids().values() if self._pcontext is not None else ()
         # Workers waiting on a peer the rendezvous dropped sit in a collective, deaf to SIGTERM
-        # until it times out, and cannot save without that peer (trainer.rendezvous.peer_lost).
-        waiting = bool(rendezvous.peer_lost(worker_group.spec.rdzv_handler))
+        # until it times out, and cannot save without that peer (trainer.rendezvous_patch.peer_lost).
+        waiting = bool(rendezvous_patch.peer_lost(worker_group.spec.rdzv_handler))
         for pid in pids:
             stopped = _stopped(pid)
             if waiting or stopped:
@@ -149,7 +149,7 @@ def _warm_config(args: Any) -> tuple[Any, Callable[..., None] | str, list[str]]:
 
 def _options(argv: list[str]) -> tuple[str, float | None]:
     """From torchrun's arguments: ``--local-addr`` (the address this node's peers reach it at, else
-    loopback) and the launch's last call in ``--rdzv-conf`` (see ``trainer.rendezvous``)."""
+    loopback) and the launch's last call in ``--rdzv-conf`` (see ``trainer.rendezvous_patch``)."""
     parsed, _ = torchrun.get_args_parser().parse_known_args(argv)
     launch_last_call = _parse_rendezvous_config(parsed.rdzv_conf).get(LAUNCH_LAST_CALL_KEY)
     return str(parsed.local_addr or "127.0.0.1"), None if launch_last_call is None else float(launch_last_call)
@@ -161,7 +161,7 @@ def main() -> None:
     launcher_api.LocalElasticAgent = StopStoppedWorkersAgent  # type: ignore[attr-defined]
     torchrun.config_from_args = _warm_config
     local_addr, launch_last_call = _options(sys.argv[1:])
-    rendezvous.install(launch_last_call)
+    rendezvous_patch.install(launch_last_call)
     timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")  # trainer/watchdog.py's TIMER_FILE_ENV
     if timer_file:  # torchrun's timer server makes its pipe there, not the folder
         os.makedirs(os.path.dirname(timer_file), mode=0o700, exist_ok=True)

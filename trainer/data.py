@@ -9,7 +9,7 @@ data-parallel rank ``r`` of ``world_size`` takes its contiguous share of them
 So a rank's batch is a pure function of ``(seed, step, rank, world_size)``, ranks never share a
 sample within a step, the global batch does not depend on the world size, and resuming at step
 ``s`` needs no replay. ``rank`` and ``world_size`` here are data-parallel: the tensor- and
-pipeline-parallel ranks of one model copy train on the same samples (trainer/layout.py).
+pipeline-parallel ranks of one model copy train on the same samples (trainer/mesh.py).
 """
 
 from __future__ import annotations

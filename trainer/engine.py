@@ -47,7 +47,7 @@ from trainer.distributed import DistEnv
 from trainer.errors import RunRefused
 from trainer.fingerprint import environment_fingerprint
 from trainer.held import EmulatedDevice
-from trainer.layout import Layout
+from trainer.mesh import Layout
 from trainer.metrics import CommTimer, MetricsWriter, StepClock
 from trainer.model import GPT, GPTConfig, token_loss
 from trainer.optimizer import build_optimizer, build_scheduler
@@ -56,7 +56,7 @@ from trainer.preemption import PreemptionNotice
 from trainer.profiling import StepProfiler
 from trainer.replicas import Replicas
 from trainer.saves import Saves
-from trainer.state import (
+from trainer.stateful import (
     ModelState,
     RNGState,
     TrainState,

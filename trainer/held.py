@@ -33,7 +33,7 @@ from torch import nn
 from infractl.config import RunSpec
 from infractl.planning.devices import EMULATED_MEMORY_ENV, emulated_memory
 from infractl.planning.plan import spec_budget
-from trainer.layout import Layout
+from trainer.mesh import Layout
 from trainer.parallelize import local_tensor
 
 __all__ = ["EmulatedDevice", "SavedTensors", "optimizer_bytes", "tensor_bytes"]

@@ -7,7 +7,7 @@ Data parallel alone (tp = pp = 1) runs on the default process group:
 - ``fsdp``: FSDP2 ``fully_shard`` on each transformer block and at the root: weights,
   gradients and optimizer state are DTensors sharded over the ranks.
 
-Tensor and pipeline parallel run on a ``(pp, dp, tp)`` device mesh (trainer/layout.py), the
+Tensor and pipeline parallel run on a ``(pp, dp, tp)`` device mesh (trainer/mesh.py), the
 way torchtitan composes PyTorch's own parts:
 
 - ``tp``: DTensor ``parallelize_module`` on each block: Q, K, V and the MLP's up projection
@@ -54,7 +54,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from infractl.config import ParallelSpec, RunSpec
-from trainer.layout import Layout
+from trainer.mesh import Layout
 from trainer.model import GPT
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from infractl.config import ParallelSpec
-from trainer.layout import Layout
+from trainer.mesh import Layout
 from trainer.model import token_loss
 
 __all__ = ["Pipeline"]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from infractl.runstore import StepRecord
 from trainer.distributed import DistEnv
-from trainer.layout import Layout
+from trainer.mesh import Layout
 from trainer.metrics import Mark, StepClock, peak_memory_bytes
 
 __all__ = ["PendingStep", "StepLog"]

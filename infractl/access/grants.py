@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from infractl import configure, proc, providers
+from infractl import playbook, proc, providers
 from infractl.access.roles import (
     ROLE_NAMES,
     USER_PATTERN,
@@ -26,7 +26,7 @@ from infractl.access.roles import (
 )
 from infractl.errors import ConfigureError, InfractlError, UsageError
 from infractl.providers import NodeControl
-from infractl.state import ClusterState, Orphan
+from infractl.statedir import ClusterState, Orphan
 from infractl.store import Store, StoreError, UnknownUser
 
 __all__ = ["Change", "grant", "remove_from_store", "remove_groups", "revoke"]
@@ -111,7 +111,7 @@ def _apply(
         store.access_policy(role)
     nodes = providers.control(state)
     try:
-        applied = configure.apply_access(state.dir, nodes, node_vars(state, after, require=require))
+        applied = playbook.apply_access(state.dir, nodes, node_vars(state, after, require=require))
     except ConfigureError as exc:
         raise _rolled_back(exc, state, store, nodes, before, store_reached=False) from None
     if applied.missing_users:
@@ -146,7 +146,7 @@ def _rolled_back(
     """Put the nodes and the store back to ``before`` after ``exc``; return ``exc`` when that
     worked, else an error that says both."""
     try:
-        configure.apply_access(state.dir, nodes, node_vars(state, before))
+        playbook.apply_access(state.dir, nodes, node_vars(state, before))
         if store_reached:
             store.apply_access(rights(state), before)
     except InfractlError as again:

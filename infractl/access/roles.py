@@ -12,7 +12,7 @@ from typing import Any
 
 from infractl import workdir
 from infractl.errors import StateError
-from infractl.state import ClusterState, write_private
+from infractl.statedir import ClusterState, write_private
 from infractl.store import RoleRights
 
 __all__ = [

@@ -8,10 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from infractl import access, cluster
+from infractl import access
 from infractl.cli._common import ClusterOpt, JsonOpt, output
 from infractl.output import Output
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -52,7 +53,7 @@ def grant(user: UserArg, role: RoleArg, cluster_opt: ClusterOpt = None, json_mod
     state, _ = resolve_cluster(cluster_opt)
     state.read()  # refuse a cluster that is not up before taking its lock
     with state.lock("access grant"):
-        change = access.grant(state, cluster.store_for(state), user, role)
+        change = access.grant(state, for_cluster(state), user, role)
     _report(
         out,
         change,
@@ -68,7 +69,7 @@ def revoke(user: UserArg, role: RoleArg, cluster_opt: ClusterOpt = None, json_mo
     state, _ = resolve_cluster(cluster_opt)
     state.read()
     with state.lock("access revoke"):
-        change = access.revoke(state, cluster.store_for(state), user, role)
+        change = access.revoke(state, for_cluster(state), user, role)
     _report(
         out,
         change,

@@ -14,11 +14,11 @@ from rich.text import Text
 
 from infractl import runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, output
-from infractl.cluster import store_for
 from infractl.config import MAX_PROFILE_STEPS, load_run
 from infractl.errors import StateError
 from infractl.scaling import bench, report
-from infractl.state import ClusterState, resolve_cluster
+from infractl.statedir import ClusterState, resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -77,7 +77,7 @@ def bench_command(
         profile_steps=profile,
     )
     _check_idle(state)
-    store = store_for(state)
+    store = for_cluster(state)
     store.ping()  # an unreachable store fails here, before any count runs
     started, bench_id = time.time(), bench.new_bench_id()
     measured = bench.run_trials(state, planned, progress=out.info)

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, output
-from infractl.state import resolve_cluster, write_private
+from infractl.statedir import resolve_cluster, write_private
 
 __all__ = ["register"]
 

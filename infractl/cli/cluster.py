@@ -22,8 +22,9 @@ from infractl.errors import InfractlError, StateError, StoreError
 from infractl.handover import runbooks
 from infractl.launcher import node_log
 from infractl.providers import NodeControl
-from infractl.state import ClusterState, known_clusters, resolve_cluster
-from infractl.store import Store
+from infractl.servers import rendezvous_running
+from infractl.statedir import ClusterState, known_clusters, resolve_cluster
+from infractl.store import Store, for_cluster
 
 __all__ = ["register"]
 
@@ -278,7 +279,7 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     nodes, live, training = _node_rows(record, control)
     store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
     try:
-        runs = _run_rows(state, cluster.store_for(state), control, live, training)
+        runs = _run_rows(state, for_cluster(state), control, live, training)
     except StoreError as exc:
         store_status |= {
             "reachable": False,
@@ -290,7 +291,7 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         "cluster": record["name"],
         "provider": record["spec"]["provider"],
         "store": store_status,
-        "rendezvous": {**rdzv, "running": cluster.rendezvous_running(state)},
+        "rendezvous": {**rdzv, "running": rendezvous_running(state)},
         # What the nodes run the trainer in (pulled by digest at `up`); None: their own Python.
         "image": record.get("image"),
         "nodes": nodes,

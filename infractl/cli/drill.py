@@ -12,10 +12,10 @@ import typer
 from infractl import drill as drills
 from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunOpt, finite_option, name_option, output
-from infractl.cluster import store_for
 from infractl.output import Output
 from infractl.runstore import ChaosRecord, DrillRecord
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -209,7 +209,7 @@ def chaos_command(
     for fault in plan.faults:
         out.info(f"chaos seed {seed}, fault {fault.index}: {fault.describe()}")
     record = chaos.run_chaos(state, plan, timeout=timeout, progress=out.info)
-    _report_chaos(out, record, runstore.read_drill_records(store_for(state), record.run_id))
+    _report_chaos(out, record, runstore.read_drill_records(for_cluster(state), record.run_id))
     if not record.passed:
         raise typer.Exit(1)
 

@@ -12,10 +12,11 @@ from typing import Annotated, Literal
 
 import typer
 
-from infractl import cluster, runstore
+from infractl import runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, finite_option, output
 from infractl.errors import StoreError, UsageError
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -52,7 +53,7 @@ def export(
     out_ = output(json_mode)
     exporting.check_destination(out, force=force)  # before the store: a refusal costs nothing
     state, _ = resolve_cluster(cluster_opt)
-    store = cluster.store_for(state)
+    store = for_cluster(state)
     with exporting.consolidate(store, run, step=step) as consolidated:
         described = exporting.export(consolidated, out, fmt=fmt)
     # The store keeps where the file went and how it was made: the handover bundle names it.
@@ -108,7 +109,7 @@ def sample(
     except UnicodeEncodeError:
         raise UsageError("is not text that can be encoded as UTF-8", field="--prompt") from None
     state, _ = resolve_cluster(cluster_opt)
-    with exporting.consolidate(cluster.store_for(state), run, step=step) as consolidated:
+    with exporting.consolidate(for_cluster(state), run, step=step) as consolidated:
         model = consolidated.model()
     generated = generate(model, prompt_bytes, tokens=tokens, temperature=temperature, seed=seed)
     text = (prompt_bytes + generated).decode("utf-8", errors="replace")

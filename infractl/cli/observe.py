@@ -8,12 +8,13 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from infractl import cluster, providers, runs, runstore
+from infractl import providers, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, RunOpt, name_option, output
 from infractl.errors import InfractlError, StoreError, UsageError
 from infractl.launcher import node_log
 from infractl.runstore import RunRecord
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -34,7 +35,7 @@ def logs(
     out = output()
     state, _ = resolve_cluster(cluster_opt)
     nodes = state.read()["nodes"] if node is None else [runs.node(state, node, field="--node")]
-    store = cluster.store_for(state)
+    store = for_cluster(state)
     if run is None:
         run = runs.latest_run(state, store)
     store_error: StoreError | None = None
@@ -80,7 +81,7 @@ def metrics(
     """Per-step records of a run: loss, validation loss, step time, tokens/s, world size (--json: all fields)."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    store = cluster.store_for(state)
+    store = for_cluster(state)
     records = runstore.read_metrics(store, run)
     if not records and runstore.read_run_record(store, run) is None:
         raise UsageError(f"no run named {run!r} in the store {store.uri}", field="RUN")

@@ -30,7 +30,7 @@ from infractl.planning.plan import (
     run_budget,
     way_label,
 )
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
 
 __all__ = ["register"]
 

@@ -18,14 +18,14 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from infractl import cluster, runs, runstore
+from infractl import runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, finite_option, output
 from infractl.config import RunSpec, parse_step_window
 from infractl.errors import InfractlError, StateError, UsageError
 from infractl.output import Output
 from infractl.runstore import ProfileRequest, StepRecord
-from infractl.state import ClusterState, resolve_cluster
-from infractl.store import ObjectInfo, Store
+from infractl.statedir import ClusterState, resolve_cluster
+from infractl.store import ObjectInfo, Store, for_cluster
 
 __all__ = ["PICKUP_S", "register"]
 
@@ -76,7 +76,7 @@ def profile(
     state, _ = resolve_cluster(cluster_opt)
     state.read()  # refused when the cluster is not up
     if window is None:
-        store = cluster.store_for(state)
+        store = for_cluster(state)
         every = runstore.profile_traces(store, run)
         if not every and runstore.read_run_record(store, run) is None:
             raise UsageError(f"no run named {run!r} in the store {store.uri}", field="RUN")
@@ -94,7 +94,7 @@ def _request(out: Output, state: ClusterState, run: str, window: tuple[int, int]
             'run (for a run you are about to start, set `profile: {steps: "FIRST:LAST"}` in its run.yaml)',
             field="RUN",
         )
-    store = cluster.store_for(state)
+    store = for_cluster(state)
     spec = _spec(store, run)
     newest = runstore.latest_metrics(store, run)
     if newest is None:

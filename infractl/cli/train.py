@@ -22,12 +22,12 @@ from infractl.cli._common import (
     confirm,
     output,
 )
-from infractl.cluster import store_for
 from infractl.config import RunSpec, load_run
 from infractl.errors import StateError, StoreError, TrainingError, UsageError
 from infractl.output import Output
 from infractl.runstore import Attempt
-from infractl.state import resolve_cluster
+from infractl.statedir import resolve_cluster
+from infractl.store import for_cluster
 
 __all__ = ["register"]
 
@@ -192,7 +192,7 @@ def rollback(
     """Roll RUN back to an earlier committed step: every newer step is moved aside in the store, kept, not deleted."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    store = store_for(state)
+    store = for_cluster(state)
     with state.lock("rollback"):
         if run in runs.running(state):
             raise StateError(f"run {run!r} is running: stop it first (`infractl stop --run {run}`)", field="RUN")

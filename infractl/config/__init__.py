@@ -8,6 +8,7 @@ splits and layout checks the trainer shares). The names below are the public API
 
 from __future__ import annotations
 
+from infractl.config.batch import check_layout, even_passes, micro_batch, split_batch
 from infractl.config.cluster import (
     IMAGE_REFERENCE,
     ClusterSpec,
@@ -20,7 +21,6 @@ from infractl.config.cluster import (
     parse_cluster,
     register_provider,
 )
-from infractl.config.layout import check_layout, even_passes, micro_batch, split_batch
 from infractl.config.loader import MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, MAX_CONFIG_NODES
 from infractl.config.run import (
     DP_SHORTHANDS,

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from infractl import launcher, providers, runstore
-from infractl.cluster import store_for
 from infractl.config import RunSpec, derive_run
 from infractl.config.loader import validate
 from infractl.drill import recovery
@@ -38,8 +37,8 @@ from infractl.drill.run import select
 from infractl.drill.series import Series, drill_whole_again, whole_again
 from infractl.errors import InfractlError, StateError, UsageError
 from infractl.runstore import ChaosRecord
-from infractl.state import ClusterState
-from infractl.store import Store
+from infractl.statedir import ClusterState
+from infractl.store import Store, for_cluster
 
 __all__ = ["ChaosPlan", "Fault", "draw", "plan_chaos", "run_chaos"]
 
@@ -126,7 +125,7 @@ def plan_chaos(
 ) -> ChaosPlan:
     """Check the run, the kinds and the reference, and draw the series; change nothing."""
     target = select(state, kind_named(_NO_RESTART), None, run)
-    store = store_for(state)
+    store = for_cluster(state)
     spec = _spec(target.spec, target.run_id)
     if not spec.deterministic:
         raise UsageError(
@@ -160,7 +159,7 @@ def plan_chaos(
 
 def run_chaos(state: ClusterState, plan: ChaosPlan, *, timeout: float, progress: Progress) -> ChaosRecord:
     """Strike ``plan``'s faults in order, then compare the finished run with its reference."""
-    store = store_for(state)
+    store = for_cluster(state)
     record = ChaosRecord(
         series_id=f"chaos-{plan.seed}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}",
         run_id=plan.run_id,
@@ -215,7 +214,7 @@ def _strike(
     recovered = kind_named(result.drill).succeeded(result)
     if recovered and whole_again(result):
         return None
-    if (runstore.latest_committed_step(store_for(state), plan.run_id) or 0) >= plan.spec.steps:
+    if (runstore.latest_committed_step(for_cluster(state), plan.run_id) or 0) >= plan.spec.steps:
         return f"run {plan.run_id!r} finished during {where}: give it more steps"
     if not recovered:
         return f"{where}: {result.outcome}, resumed from step {result.resumed_from_step} (drill {result.drill_id})"

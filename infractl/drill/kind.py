@@ -19,7 +19,7 @@ from infractl.errors import UsageError
 from infractl.proc import NodeProcess
 from infractl.providers import NodeControl, Watch
 from infractl.runstore import DrillRecord
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import Store
 
 __all__ = ["Drill", "Kind", "KindOption", "KINDS", "Progress", "Target", "kind_named", "register"]

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 from infractl import providers, runs, runstore
-from infractl.cluster import store_for
 from infractl.drill import recovery
 from infractl.drill.kind import Drill, Kind, Progress, Target, kind_named
 from infractl.errors import StateError, UsageError
 from infractl.runstore import DrillRecord
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
+from infractl.store import for_cluster
 
 __all__ = ["run_drill", "select"]
 
@@ -27,10 +27,10 @@ def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -
     cluster_nodes = [n["name"] for n in state.read()["nodes"]]
     if node is not None:
         runs.node(state, node, field="--node")
-    store_for(state).ping()
+    for_cluster(state).ping()
     run, running_on = runs.running_run(state, run)
     live = [n for n in cluster_nodes if n in running_on]
-    record = runstore.read_run_record(store_for(state), run)
+    record = runstore.read_run_record(for_cluster(state), run)
     if record is None or record.spec is None:
         raise StateError(f"run {run!r} has no run.json with its spec in the store of cluster {state.name!r}")
     spec = record.spec
@@ -69,7 +69,7 @@ def run_drill(
     the store (``runs/<run>/drills/<id>.json``) and return the record."""
     kind = kind_named(kind_name)
     target = select(state, kind, node, run)
-    store = store_for(state)
+    store = for_cluster(state)
     nodes = providers.control(state)
     with nodes.watch(target.run_id) as watch:
         if not watch.wait_reported(_REPORTED_TIMEOUT_S):

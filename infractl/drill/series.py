@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infractl import launcher, providers, runstore
-from infractl.cluster import store_for
 from infractl.drill import recovery
 from infractl.drill.kind import Progress, kind_named
 from infractl.drill.run import run_drill, select
 from infractl.errors import UsageError
 from infractl.runstore import DrillRecord
-from infractl.state import ClusterState
-from infractl.store import Store
+from infractl.statedir import ClusterState
+from infractl.store import Store, for_cluster
 
 __all__ = ["Series", "drill_whole_again", "run_series", "whole_again"]
 
@@ -138,7 +137,7 @@ def drill_whole_again(
     # down too) rejoins; a kind that brings its node back itself does so.
     shrunk = _shrunk(record)
     if record.outcome == "recovered" and rejoin and record.node is not None and shrunk and not kind.rejoins:
-        store = store_for(state)
+        store = for_cluster(state)
         _rejoin(state, store, record, timeout=timeout, progress=progress)
         runstore.write_drill_record(store, record)
     return record

@@ -18,7 +18,7 @@ from infractl.access.roles import (
     policy_name,
     rights,
 )
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.store import open_store
 
 __all__ = ["bundle_files"]

@@ -40,14 +40,13 @@ from typing import Any
 import yaml
 
 from infractl import providers, runs, runstore
-from infractl.cluster import store_for
-from infractl.configure import network_env
 from infractl.errors import UsageError
 from infractl.handover import access_docs, baseline, page, redaction, runbooks, topology
 from infractl.handover.reference import ClickCommand, render_reference
+from infractl.playbook import network_env
 from infractl.runstore import RunRecord
-from infractl.state import ClusterState, home
-from infractl.store import Store
+from infractl.statedir import ClusterState, home
+from infractl.store import Store, for_cluster
 
 __all__ = ["MARKER", "Bundle", "assemble", "check_out", "write"]
 
@@ -77,7 +76,7 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     depends on where the bundle is written: it can be copied anywhere. ``cli``: the root command
     of infractl's command line, for the reference."""
     cluster = state.read()
-    store = store_for(state)
+    store = for_cluster(state)
     records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
     if run is not None:
         records = [r for r in records if r.run_id == run]

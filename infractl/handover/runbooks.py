@@ -26,7 +26,7 @@ from infractl import templates
 from infractl.config import RunSpec
 from infractl.handover.reference import RUNBOOKS
 from infractl.runstore import RunRecord, checkpoint_prefix
-from infractl.state import ClusterState, home
+from infractl.statedir import ClusterState, home
 
 __all__ = ["AFTER_RUNS", "PER_RUN", "render_runbooks", "runbook_dir", "section"]
 

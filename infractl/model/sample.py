@@ -25,7 +25,7 @@ def generate(model: GPT, prompt: bytes, *, tokens: int, temperature: float, seed
     generator = torch.Generator().manual_seed(seed)
     context = list(prompt or _START)
     generated = bytearray()
-    # One thread: the thread count is part of the CPU arithmetic (trainer.state.make_deterministic),
+    # One thread: the thread count is part of the CPU arithmetic (trainer.stateful.make_deterministic),
     # and a logit that moves in its last bit may change a sampled byte on another machine.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from infractl import launcher, runstore
-from infractl.cluster import store_for
 from infractl.config import RunSpec, derive_run
 from infractl.errors import TrainingError
 from infractl.log import LogFormat
 from infractl.planning import plan
-from infractl.state import ClusterState
-from infractl.store import Store
+from infractl.statedir import ClusterState
+from infractl.store import Store, for_cluster
 
 __all__ = ["COMPONENTS", "Comparison", "compare", "read_reports", "run_probe"]
 
@@ -69,7 +68,7 @@ def run_probe(state: ClusterState, spec: RunSpec, run_file: Path, *, steps: int,
         log_format=log_format,
         trainer_args=["--measure-memory", str(steps)],
     )
-    store = store_for(state)
+    store = for_cluster(state)
     result = compare(spec, read_reports(store, probe.name), steps=steps)
     store.put_bytes(runstore.plan_measured_key(spec.name), json.dumps(result.to_dict(), indent=1).encode())
     store.delete_prefix(runstore.run_prefix(probe.name) + "/")

@@ -23,7 +23,7 @@ import pkgutil
 
 from infractl.infra import Node
 from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, every_provider, provider_named
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 
 __all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of", "register_every"]
 

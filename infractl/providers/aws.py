@@ -52,7 +52,7 @@ from infractl.providers.base import (
     register,
 )
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
-from infractl.state import ClusterState, Orphan, write_private
+from infractl.statedir import ClusterState, Orphan, write_private
 from infractl.store import open_store
 
 __all__ = [

@@ -29,7 +29,7 @@ from infractl.errors import InfractlError, UsageError
 from infractl.infra import ApplyResult, Node, RootSettings
 from infractl.planning.devices import Device, shared_cpu
 from infractl.proc import NodeProcess
-from infractl.state import ClusterState, Orphan, write_private
+from infractl.statedir import ClusterState, Orphan, write_private
 
 __all__ = [
     "DOCKER",

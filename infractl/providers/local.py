@@ -23,7 +23,7 @@ from infractl.errors import InfractlError
 from infractl.infra import Node
 from infractl.proc import NodeProcess
 from infractl.providers.base import NodeControl, Provider, Watch, register
-from infractl.state import ClusterState, write_private
+from infractl.statedir import ClusterState, write_private
 
 __all__ = ["Local", "LocalNodes", "node_directories"]
 

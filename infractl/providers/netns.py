@@ -48,7 +48,7 @@ from infractl.infra import Node
 from infractl.providers.base import LINK_FAULTS, NETEM_HINT, ContainerEngine, NodeControl, Provider, register
 from infractl.providers.local import node_directories
 from infractl.providers.remote import SshNodes
-from infractl.state import ClusterState, Orphan
+from infractl.statedir import ClusterState, Orphan
 
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 

@@ -36,7 +36,7 @@ from infractl.providers.base import (
     free_port,
     port_open,
 )
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 from infractl.workdir import WORK, run_private
 
 __all__ = ["SYSTEM_PYTHON", "RemoteServers", "SshNodes"]

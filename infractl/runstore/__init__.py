@@ -57,7 +57,7 @@ from infractl.runstore.commit import (
     step_objects,
     verify_checkpoint,
 )
-from infractl.runstore.layout import (
+from infractl.runstore.keys import (
     PREFIXES,
     MetricsTail,
     bench_prefix,

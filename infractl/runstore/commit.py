@@ -13,7 +13,7 @@ import time
 from pathlib import Path, PurePosixPath
 
 from infractl.errors import InfractlError, StoreError
-from infractl.runstore.layout import checkpoint_prefix, run_prefix
+from infractl.runstore.keys import checkpoint_prefix, run_prefix
 from infractl.runstore.records import Manifest, ManifestEntry
 from infractl.store import Store, StoreKeyError
 

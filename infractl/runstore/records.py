@@ -59,7 +59,7 @@ class StepRecord(TypedDict):
     peak_memory_bytes: int  # CPU: the process's max RSS; CUDA: max memory allocated by torch
     grad_norm: NotRequired[float]  # the global gradient norm before clipping (since log_every)
     # How each data-parallel rank took its share of the global batch at this world size:
-    # forward/backward passes of at most micro_batch samples (trainer/layout.py).
+    # forward/backward passes of at most micro_batch samples (trainer/mesh.py).
     micro_batch: NotRequired[int]
     accumulation: NotRequired[int]
     val_loss: NotRequired[float]  # on evaluation steps only (run.yaml eval.every)

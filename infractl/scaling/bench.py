@@ -54,13 +54,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from infractl import launcher, runstore
-from infractl.cluster import store_for
 from infractl.config import RunSpec, check_layout, derive_run
 from infractl.errors import ConfigError, TrainingError, UsageError
 from infractl.launcher import Launch
 from infractl.planning import memory
 from infractl.runstore import StepRecord
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
+from infractl.store import for_cluster
 
 __all__ = [
     "WARMUP_STEPS",
@@ -300,7 +300,7 @@ def run_trials(state: ClusterState, bench: Bench, *, progress: Callable[[str], N
             )
         records = [
             r
-            for r in runstore.read_metrics(store_for(state), spec.name)
+            for r in runstore.read_metrics(for_cluster(state), spec.name)
             if r["attempt"] == attempt.attempt and r["world_size"] == trial.ranks
         ]
         if len(trial.figured(records)) < trial.steps - WARMUP_STEPS:

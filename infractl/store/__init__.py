@@ -31,6 +31,7 @@ a role may do is a ``RoleRights`` (``rights.py``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from infractl.errors import ConfigError, StoreError
@@ -39,6 +40,9 @@ from infractl.store.errors import StoreKeyError, StoreUnavailable, UnknownUser
 from infractl.store.file import FileStore
 from infractl.store.rights import RoleRights
 from infractl.store.s3 import S3Store, open_s3
+
+if TYPE_CHECKING:
+    from infractl.statedir import ClusterState
 
 __all__ = [
     "SUPPORTED_SCHEMES",
@@ -51,6 +55,7 @@ __all__ = [
     "StoreUnavailable",
     "StoreKeyError",
     "UnknownUser",
+    "for_cluster",
     "open_store",
 ]
 
@@ -76,3 +81,9 @@ def open_store(uri: str, *, field: str = "store", interactive: bool = False) -> 
         return open_s3(uri, field=field, interactive=interactive)
     allowed = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
     raise ConfigError(f"unsupported store URI {uri!r} (use {allowed})", field=field)
+
+
+def for_cluster(state: ClusterState) -> Store:
+    """The object store of a cluster that is up, for the control plane: a person is waiting, so
+    an unreachable store fails within seconds (``StoreUnavailable``)."""
+    return open_store(state.read()["store"], field="cluster.store", interactive=True)

@@ -6,7 +6,7 @@ adds ``--latency-ms`` (see ``providers.LINK_FAULTS``; the provider makes them: n
 every kind from the host, an SSH node such as an aws instance makes ``drop`` and ``delay`` itself,
 with its SSH port spared). The cut node's keep-alives stop reaching the rendezvous, which drops
 it (``restart.keep_alive_s`` x ``keep_alive_misses``); the other nodes' agents then kill their
-workers, waiting on it in a collective (``trainer.rendezvous.peer_lost``; the collective's timeout
+workers, waiting on it in a collective (``trainer.rendezvous_patch.peer_lost``; the collective's timeout
 is the backstop), and re-rendezvous without it (the endpoint is outside every node, on the host
 or the controller, so the cut node can never form a world of its own); the run goes on from
 the last committed step or a newer replica. Once the link is back the node comes back into the run: its agent

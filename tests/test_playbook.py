@@ -1,4 +1,4 @@
-"""infractl.configure: real ansible-runner on real Terraform nodes, through a real rendezvous."""
+"""infractl.playbook: real ansible-runner on real Terraform nodes, through a real rendezvous."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 
 from infractl import access, infra, providers, workdir
 from infractl.config import RuntimeSpec
-from infractl.configure import ConfigureResult, _unsafe_yaml, configure, network_env
 from infractl.errors import ConfigureError
 from infractl.infra import Node
+from infractl.playbook import ConfigureResult, _unsafe_yaml, configure, network_env
 from infractl.providers import NodeControl
-from infractl.state import ClusterState
+from infractl.statedir import ClusterState
 
 
 def _free_port() -> int:
@@ -45,7 +45,7 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout_s: float
 def rendezvous() -> Iterator[tuple[str, int]]:
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "infractl.rendezvous", "--port", str(port)],
+        [sys.executable, "-m", "infractl.servers.tcpstore", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -9,7 +9,7 @@ from it: whoever can connect can run code in every agent. So only the nodes may:
 fences the endpoint's host to the nodes' addresses (netns: infra/netns's guard; aws: the members-only
 security group), and each node's guard keeps its other users off it (SECURITY.md).
 
-Run as ``python -m infractl.rendezvous --host H --port P``; it serves until SIGTERM.
+Run as ``python -m infractl.servers.tcpstore --host H --port P``; it serves until SIGTERM.
 """
 
 from __future__ import annotations

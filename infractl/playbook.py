@@ -18,7 +18,7 @@ from infractl import proc, templates, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.providers.base import IMAGE_PYTHON, IMAGE_UID, ContainerEngine, NodeControl
-from infractl.state import write_private
+from infractl.statedir import write_private
 
 __all__ = [
     "ANSIBLE_NODE",
