@@ -5,8 +5,8 @@
 #     log_every and at log_every 1), tokens/s and MFU;
 #  2. on a one-node local cluster: `infractl plan --measure` (the planner's prediction beside
 #     torch.cuda.max_memory_allocated, component by component) and a one-node `infractl bench`.
-# It prints the figures to paste in the README. Nothing in CI needs a GPU; this is for the
-# machines the project runs on for real.
+# It prints the figures to paste in docs/performance.md and docs/sizing.md. Nothing in CI needs a
+# GPU; this is for the machines the project runs on for real.
 #
 #   bench/gpu.sh [more bench/trainer.py options, e.g. --json gpu.json]
 #

@@ -28,8 +28,8 @@ says what the published model has instead.
 
     python bench/published_configs.py [--json out.json]
 
-Instant: nothing is trained, no device is needed. The README's "Published configurations" table
-is this script's output.
+Instant: nothing is trained, no device is needed. docs/sizing.md's "Published configurations"
+table is this script's output.
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ def _their_layout_cell(r: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The markdown table the README shows."""
+    """The markdown table docs/sizing.md shows."""
     lines = [
         "| model (ours: layers x hidden, heads, sequence; parameters) | device x devices | published "
         "| `plan` recommends (per-device budget) | their layout, our budget | source |",

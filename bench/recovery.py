@@ -31,7 +31,7 @@ restart_s, the steps lost, the comparison, and one line per kind.
 --kinds picks the other kinds (default: all of the provider's; ``none`` for the kill-node series
 alone). The CI smoke tests run ``--drills 1 --kinds none`` and ``--chaos 1 --seed 0 --steps 300``
 (seed 0 draws a store outage): every kind is a test of its own in tests/test_drill.py, and a
-10-fault chaos series one in tests/test_netns.py. netns needs root (see the README).
+10-fault chaos series one in tests/test_netns.py. netns needs root (see docs/netns.md).
 
 Not a test: it asserts nothing. The numbers depend on the machine and its load.
 """

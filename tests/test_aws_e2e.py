@@ -1,4 +1,4 @@
-"""One aws cluster's whole life against an emulated AWS (tests/awsemu.py), as the README walks it:
+"""One aws cluster's whole life against an emulated AWS (tests/awsemu.py), as docs/aws.md walks it:
 ``up`` through the real Terraform and AWS provider, the pinned image pulled by digest, training
 with checkpoints in the emulated S3, recoveries from a killed node, a partition and a spot
 interruption, the bundle, and ``teardown --purge`` proving nothing is left.
@@ -97,7 +97,7 @@ def _remove_leaks(emulation: EmulatedAws, planted: list[str]) -> None:
     ec2.release_address(AllocationId=address)
 
 
-# long: one cluster's whole life on the emulated AWS, as the README walks it (bringing it up takes minutes).
+# long: one cluster's whole life on the emulated AWS, as docs/aws.md walks it (bringing it up takes minutes).
 def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     emulation: EmulatedAws, cpu_image: BuiltImage, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -1,5 +1,5 @@
 """The benchmarks cannot rot: each runs here as a smoke test. It must finish and report every
-field; no timing is asserted (the figures are the README's, from the full runs)."""
+field; no timing is asserted (the figures are docs/'s, from the full runs)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:
 
 
 def test_published_configurations_are_planned(tmp_path: Path) -> None:
-    # The README's table: every published run gets a way to train it that fits the device.
+    # docs/sizing.md's table: every published run gets a way to train it that fits the device.
     results = _bench("published_configs.py", out=tmp_path / "published.json", timeout=60)
     assert len(results) >= 2, results
     for r in results:

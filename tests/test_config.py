@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from infractl.cli.schema import write_schemas
-from infractl.config import RunSpec, cluster_model, default_cluster, even_passes, load_cluster, load_run, micro_batch
+from infractl.config import default_cluster, even_passes, load_cluster, load_run, micro_batch
 from infractl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,16 +67,6 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
 def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_run(_write(tmp_path, "- a\n- b\n"))
-
-
-def test_readme_documents_every_field() -> None:
-    readme = (REPO / "README.md").read_text()
-    for model in (cluster_model(), RunSpec):
-        for name, field in model.model_fields.items():
-            sub = getattr(field.annotation, "model_fields", None)
-            keys = [f"{name}.{s}" for s in sub] if sub else [name]
-            for key in keys:
-                assert f"`{key}`" in readme, f"README config reference lacks {key}"
 
 
 def test_committed_schemas_are_current(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""infractl/handover/reference.py: reference.md covers every config field and every command (unit)."""
+"""infractl/handover/reference.py: reference.md covers every config field (every provider's section
+included) and every command, and the committed docs/reference.md is that text (unit)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import pytest
 import typer.main
@@ -42,17 +44,36 @@ def row(text: str, first_cell: str) -> list[str]:
 
 
 def leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every field of ``model`` that is not itself a section, by dotted path, with its default."""
+    """Every field of ``model`` that is not itself a section, by dotted path, with its default
+    (``REQUIRED`` when it has none): optional sections (each provider's) and the entries of a
+    mapping of sections (``<name>`` for the key) are walked like the others."""
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            yield from leaves(annotation, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field.get_default(call_default_factory=True)
+        section = _model_in(field.annotation)
+        if section is not None:
+            yield from leaves(section, f"{prefix}{name}.")
+            continue
+        yield f"{prefix}{name}", REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
+        entries = _model_in(get_args(field.annotation)[-1]) if get_origin(field.annotation) is dict else None
+        if entries is not None:
+            yield from leaves(entries, f"{prefix}{name}.<name>.")
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model an annotation holds: ``Model`` or ``Model | None``."""
+    optional = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ()
+    for candidate in (annotation, *optional):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+REQUIRED = object()
 
 
 def shown(default: Any) -> str:
     """A default as reference.md writes it: YAML's spelling in a code span; None as unset."""
+    if default is REQUIRED:
+        return "required"
     if default is None:
         return "unset"
     if isinstance(default, str):
@@ -67,9 +88,28 @@ def test_every_config_field_appears_with_its_default(reference: str, heading: st
     assert paths
     for path, default in paths:
         cells = row(table, f"`{path}`")
-        expected = "required" if model is RunSpec and path == "name" else shown(default)
-        assert cells[2] == expected, (path, cells)
+        assert cells[2] == shown(default), (path, cells)
         assert cells[4], f"{path} has no meaning"
+
+
+def test_every_provider_section_is_expanded(reference: str) -> None:
+    cluster = section(reference, "## cluster.yaml")
+    assert row(cluster, "`aws`")[1:3] == ["section", "unset"]
+    assert row(cluster, "`aws.node_groups`")[1:4] == [
+        "mapping of section",
+        "required",
+        "1..8 entries; names: pattern `^[a-z][a-z0-9]{0,15}$`",
+    ]
+    assert row(cluster, "`aws.node_groups.<name>.spot`")[2] == "`false`"
+    assert row(cluster, "`aws.ssh_ingress_cidrs`")[1:4] == ["list of string", "required", "1..16 items"]
+    assert row(cluster, "`aws.tags`")[1:3] == ["mapping of string", "`{}`"]
+    assert row(cluster, "`netns.subnet`")[2] == "unset"
+    assert "key_name" not in reference
+
+
+def test_committed_reference_is_current(reference: str) -> None:
+    committed = (REPO / "docs" / "reference.md").read_text()
+    assert committed == reference, "docs/reference.md is stale: run `infractl reference` and commit docs/reference.md"
 
 
 def test_constraints_come_from_the_schema(reference: str) -> None:

@@ -29,8 +29,9 @@ A replica of step N (every rank, collectively, over a gloo group of its own)::
 
 Not ``dcp.async_save``: its planning collectives and its file per item (each a ``torch.save`` of
 its own) made the recovery benchmark's replicas slower than its 0.1 s steps, so replicas were
-skipped and the newest whole one fell behind the run (README, Recovery). Loading is DCP's (``ReplicaReader``), so a
-replica reshards into another world size or layout as a store checkpoint does.
+skipped and the newest whole one fell behind the run (docs/reliability.md). Loading is DCP's
+(``ReplicaReader``), so a replica reshards into another world size or layout as a store
+checkpoint does.
 
 A step is a replica once an agent holds its manifest; it is whole while every file the manifest
 lists is held by some live agent. On restart (``Checkpointer.load``), rank 0 asks every node's

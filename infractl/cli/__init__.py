@@ -22,6 +22,7 @@ from infractl.cli import (
     observe,
     plan,
     profile,
+    reference,
     schema,
     train,
 )
@@ -64,7 +65,22 @@ def _root(
 # Every invocation imports every command module (Typer reads each command's signature for its
 # help), so a module imports at its top what registering its commands needs; what only some of
 # its commands need, they import themselves.
-for module in (cluster, train, observe, plan, bench, profile, model, bundle, data, image, schema, drill, access):
+for module in (
+    cluster,
+    train,
+    observe,
+    plan,
+    bench,
+    profile,
+    model,
+    bundle,
+    data,
+    image,
+    schema,
+    reference,
+    drill,
+    access,
+):
     module.register(app)
 
 

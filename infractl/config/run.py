@@ -73,7 +73,7 @@ class DataSpec(Spec):
         return self
 
 
-#: checkpoint.replicate_every's default. bench/trainer.py on 2 CPU cores (README, Performance): one
+#: checkpoint.replicate_every's default. bench/trainer.py on 2 CPU cores (docs/performance.md): one
 #: replica costs about half a step's time (135 ms against 272 ms), so every 100 steps it costs 0.5%.
 REPLICATE_EVERY = 100
 

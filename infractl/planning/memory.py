@@ -248,8 +248,8 @@ class PeakBand:
         return asdict(self)
 
 
-#: The band of `python bench/planner_vs_peers.py --sweep 24 --seed 1` (seeds 2 to 6 beside it: README,
-#: Sizing memory).
+#: The band of `python bench/planner_vs_peers.py --sweep 24 --seed 1` (seeds 2 to 6 beside it:
+#: docs/sizing.md).
 PEAK_BAND = PeakBand(
     low=-0.1053,
     median=-0.0632,

@@ -5,8 +5,8 @@ Used by ``FileStore``; ``setfacl`` comes from Debian's ``acl`` package.
 
 Directories are coarser than key patterns: a role gets a top-level directory whole (read if any
 of its read patterns lies under it, write if any write or delete pattern does), and on POSIX
-whoever may create entries in a directory may also remove them. README's access section lists
-what that means for each role.
+whoever may create entries in a directory may also remove them. docs/access.md lists what that
+means for each role.
 
 What only the nodes write (``RoleRights.nodes_only``, the runs' checkpoints) cannot be carved out
 of a directory a role writes: the role could make the run's ``ckpt/`` itself before the trainer
