@@ -317,6 +317,7 @@ COMMANDS: dict[tuple[str, ...], tuple[list[Any], dict[str, Any]]] = {
         },
     ),
     ("schema",): ([], {"--out": st.one_of(st.just("schemas-out"), arg_text)}),
+    ("reference",): ([], {"--out": st.one_of(st.just("reference-out.md"), arg_text)}),
     ("plan",): (
         ["RUN_FILE"],
         {
