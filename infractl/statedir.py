@@ -279,9 +279,13 @@ def known_clusters() -> list[KnownCluster]:
     return found
 
 
-def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | None]:
+def resolve_cluster(option: str | None, *, down_ok: bool = False) -> tuple[ClusterState, ClusterSpec | None]:
     """Interpret ``-c/--cluster``: a cluster.yaml path, the name of a cluster in the state root, or
-    nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any."""
+    nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any.
+
+    With ``down_ok``, a name is taken for a cluster that is not up, or no longer: a ``teardown``
+    retried after one that finished (``--purge`` leaves no directory to know the name by) has
+    nothing left to do, which is no error."""
     if option is None:
         name = default_cluster_name()
         return ClusterState(name, home() / name), None
@@ -289,7 +293,7 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     if path.suffix in (".yaml", ".yml") or _is_file(path):
         spec = load_cluster(path)
         return ClusterState(spec.name, home() / spec.name), spec
-    if re.fullmatch(NAME_PATTERN, option) and ClusterState(option, home() / option).was_started():
+    if re.fullmatch(NAME_PATTERN, option) and (down_ok or ClusterState(option, home() / option).was_started()):
         return ClusterState(option, home() / option), None
     raise ConfigError(f"{option!r} is neither a cluster file nor a cluster that is up", field="--cluster")
 

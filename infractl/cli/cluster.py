@@ -18,7 +18,7 @@ from rich.text import Text
 from infractl import cluster, providers, runs, runstore
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import RunSpec, default_cluster, load_cluster
-from infractl.errors import InfractlError, StateError, StoreError
+from infractl.errors import InfractlError, StoreError
 from infractl.handover import runbooks
 from infractl.launcher import node_log
 from infractl.providers import NodeControl
@@ -98,9 +98,13 @@ def teardown(
 ) -> None:
     """Stop every job, destroy the nodes, and verify nothing of the cluster is left."""
     out = output(json_mode)
-    state, _ = resolve_cluster(cluster_opt)
+    state, _ = resolve_cluster(cluster_opt, down_ok=True)
+    # A cluster that is already down is no error: a teardown retried after one that was killed
+    # once it had removed everything (automation after a training window) succeeds.
     if not state.was_started():
-        raise StateError(f"nothing to tear down: cluster {state.name!r} is not up")
+        out.success(f"nothing to tear down: cluster {state.name!r} is not up")
+        out.result(asdict(cluster.TeardownResult(state.name, 0, 0, [], already_down=True)))
+        return
     confirm(f"Destroy cluster {state.name!r}{' and purge its runs' if purge else ''}?", yes=yes)
     with state.lock("teardown"):
         result = cluster.teardown(state, out, purge=purge)
