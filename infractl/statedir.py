@@ -123,6 +123,12 @@ class ClusterState:
         """After ``teardown``: nothing of the cluster is left for the ledger to own."""
         (ledger() / f"{self.short_id}.json").unlink(missing_ok=True)
 
+    def in_use(self) -> bool:
+        """Whether the directory holds a cluster: an ``up`` began and no ``teardown`` finished, or a
+        command holds the lock (an ``up`` about to begin). A directory deleted in part, its state
+        files gone while running agents still write ``nodes/``, holds none."""
+        return self.was_started() or self.busy()
+
     def busy(self) -> bool:
         """Whether a command holds the cluster's lock now."""
         try:
@@ -253,7 +259,7 @@ def started_clusters() -> list[ClusterState]:
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         if path.is_dir() and re.fullmatch(NAME_PATTERN, path.name):
             found.setdefault(path.resolve(), ClusterState(path.name, path.resolve()))
-    return [state for state in found.values() if state.was_started() or state.busy()]
+    return [state for state in found.values() if state.in_use()]
 
 
 def known_clusters() -> list[KnownCluster]:
