@@ -69,6 +69,8 @@ class TeardownResult:
     processes_killed: int
     nodes_removed: int
     runs_purged: list[str]
+    already_down: bool = False
+    """Nothing was left to tear down: the cluster was not up."""
 
 
 def store_uri(state: ClusterState, spec: ClusterSpec) -> str:

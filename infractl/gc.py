@@ -4,7 +4,9 @@ removed.
 A cluster owns what carries its state directory's ``short_id`` in its name (access groups, netns
 namespaces and interfaces, container run roots) for as long as the directory holds a started
 cluster (``up`` wrote its intent, and no ``teardown`` finished), and what carries the directory
-in its marker (processes, a netns node's sshd) for as long as the directory exists. Anyone can
+in its marker: processes for as long as the directory holds a started cluster too (or a command
+holds its lock), so a directory deleted in part (its state files gone, ``nodes/`` still written by
+running agents) hides none of them; a netns node's sshd for as long as the directory exists. Anyone can
 start a process that carries a marker, so gc kills only a process that is what it expects: one
 run by the user gc runs as (root, for root's gc) from this machine's Python that runs infractl,
 and an sshd only when it is ``/usr/sbin/sshd`` run by root (providers/netns.py). Every ``up``
@@ -60,11 +62,11 @@ def find(account: ClusterSpec | None = None) -> Found:
     started = started_clusters()
     interrupted = [s for s in started if not s.is_up() and not s.busy()]
     # Processes first: a namespace or group goes more easily once nothing uses it. A process
-    # outlives its cluster only when the state directory went without a teardown.
+    # outlives its cluster only when the state directory went, whole or in part, without a teardown.
     orphans = [
         Orphan("process", f"{process.pid} of {cluster_dir}", functools.partial(proc.kill, [process]))
         for cluster_dir, process in proc.marked()
-        if not cluster_dir.exists() and _started_by_infractl(process)
+        if _started_by_infractl(process) and not ClusterState(cluster_dir.name, cluster_dir).in_use()
     ]
     owned = {s.short_id for s in started}
     for provider in providers.every():

@@ -1,5 +1,6 @@
-"""Which run, which node, and what state a run is in: the control plane's questions about runs,
-answered one way for every caller (the CLI, the launcher, drills and status).
+"""Which run, which node, what state a run is in, and the rows of ``infractl status``: the
+control plane's questions about runs, answered one way for every caller (the CLI, the launcher,
+drills and status).
 
 "The run" of a command that acts on a running job (drill, rejoin) is the run named by ``--run``
 if it is running, else the one run that is running. Commands that read a run's past (logs) take
@@ -9,16 +10,22 @@ run records in the store: the store is the source of truth, not files on this ma
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from infractl import providers, runstore
+from pydantic import ValidationError
+
+from infractl import providers, runstore, workdir
 from infractl.config import RunSpec
-from infractl.errors import StateError, UsageError
+from infractl.errors import StateError, StoreError, UsageError
+from infractl.handover import runbooks
+from infractl.providers import NodeControl
 from infractl.runstore import RunRecord, StepRecord
+from infractl.servers import rendezvous_running
 from infractl.statedir import ClusterState
-from infractl.store import Store
+from infractl.store import Store, for_cluster
 
 __all__ = [
     "LOG_TAIL_BYTES",
@@ -32,6 +39,7 @@ __all__ = [
     "cluster_runs",
     "full_world",
     "run_state",
+    "status",
 ]
 
 RunState = Literal["running", "restarting", "completed", "failed", "stopped"]
@@ -171,3 +179,145 @@ def attention(
     if since is not None and now - since > limit:
         return Attention("stalled", f"no step recorded for {now - since:.0f} s (limit {limit:.0f} s)", "hung-job")
     return None
+
+
+def status(state: ClusterState) -> dict[str, Any]:
+    """What ``infractl status`` shows of a cluster that is up: the cluster, its rendezvous server,
+    its nodes with their live processes, and every run of it in the store with its state, last
+    committed step, newest metrics and, for a run that needs a person, where its runbook section
+    is. With the store unreachable, the runs are what the nodes' processes tell, and the store's
+    entry says so and where the store-outage runbook is."""
+    record = state.read()
+    control = providers.control(state)
+    nodes, live, training = _node_rows(record, control)
+    store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
+    try:
+        rows = _run_rows(state, for_cluster(state), control, live, training)
+    except StoreError as exc:
+        store_status |= {
+            "reachable": False,
+            "error": exc.message,
+            "runbook": runbooks.section(state, "store-outage", None),
+        }
+        rows = _running_rows(live)
+    return {
+        "cluster": record["name"],
+        "provider": record["spec"]["provider"],
+        "store": store_status,
+        "rendezvous": {**record["rendezvous"], "running": rendezvous_running(state)},
+        # What the nodes run the trainer in (pulled by digest at `up`); None: their own Python.
+        "image": record.get("image"),
+        "nodes": nodes,
+        "runs": rows,
+    }
+
+
+def _node_rows(
+    record: dict[str, Any], control: NodeControl
+) -> tuple[list[dict[str, Any]], dict[str, set[str]], set[str]]:
+    """Each node with how many processes of the cluster it runs (None: it did not answer), run id
+    -> the nodes running it, and the runs with workers (a run with agents alone is restarting)."""
+    processes = control.processes()
+    live: dict[str, set[str]] = {}
+    for p in processes:
+        if p.run is not None:
+            live.setdefault(p.run, set()).add(p.node)
+    rows = [
+        {
+            **n,
+            "live_processes": None
+            if n["name"] in control.unreachable
+            else sum(1 for p in processes if p.node == n["name"]),
+        }
+        for n in record["nodes"]
+    ]
+    return rows, live, {p.run for p in processes if p.run is not None and p.worker}
+
+
+def _run_rows(
+    state: ClusterState, store: Store, nodes: NodeControl, live: dict[str, set[str]], training: set[str]
+) -> list[dict[str, Any]]:
+    """Every run of the cluster: its state, attempts, last committed step, newest metrics, and
+    the runbook section of a run that needs a person (failed, degraded or stalled). ``live``: run
+    -> the nodes running it; ``training``: the runs with workers."""
+    rows = []
+    for record in cluster_runs(state, store):
+        try:
+            spec: RunSpec | None = RunSpec.model_validate(record.spec)
+        except ValidationError:
+            spec = None  # a record without a valid spec (written by another version): still listed
+        steps = spec.steps if spec else None
+        committed = runstore.committed_steps(store, record.run_id)
+        last = committed[-1] if committed else None
+        latest = runstore.latest_metrics(store, record.run_id)
+        current = run_state(
+            record,
+            is_running=record.run_id in live,
+            training=record.run_id in training,
+            last_committed=last,
+            steps=steps,
+        )
+        needs = (
+            attention(
+                spec,
+                current,
+                newest=latest,
+                live_nodes=len(live.get(record.run_id, ())),
+                cluster_nodes=len(nodes.nodes),
+                processes_per_node=next(iter(nodes.nodes.values())).processes,
+                started=record.last_attempt.started if record.last_attempt else None,
+                log_tails=_log_tails(nodes, record.run_id) if current == "failed" else [],
+                now=time.time(),
+                unreachable=sorted(nodes.unreachable),
+            )
+            if spec
+            else None
+        )
+        rows.append(
+            {
+                "run": record.run_id,
+                "state": current,
+                "attempts": len(record.attempts),
+                "steps": steps,
+                "last_committed_step": last,
+                "committed_steps": committed,
+                "last_step": latest["step"] if latest else None,
+                "loss": latest["loss"] if latest else None,
+                "world_size": latest["world_size"] if latest else None,
+                "attention": None
+                if not needs
+                else {
+                    "condition": needs.condition,
+                    "why": needs.why,
+                    **runbooks.section(state, needs.runbook, record.run_id),
+                },
+            }
+        )
+    return rows
+
+
+def _log_tails(nodes: NodeControl, run: str) -> list[bytes]:
+    return [
+        nodes.tail_bytes(name, workdir.run_log(node.workdir, run), size=LOG_TAIL_BYTES)
+        for name, node in nodes.nodes.items()
+    ]
+
+
+def _running_rows(live: dict[str, set[str]]) -> list[dict[str, Any]]:
+    """Without the store, what the processes show: each run that runs, and on which nodes."""
+    return [
+        {
+            "run": run_id,
+            "state": "running",
+            "nodes": sorted(nodes),
+            "attempts": None,
+            "steps": None,
+            "last_committed_step": None,
+            "committed_steps": None,
+            "last_step": None,
+            "loss": None,
+            "world_size": None,
+            "attention": None,
+        }
+        for run_id, nodes in sorted(live.items())
+    ]

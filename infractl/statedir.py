@@ -123,6 +123,12 @@ class ClusterState:
         """After ``teardown``: nothing of the cluster is left for the ledger to own."""
         (ledger() / f"{self.short_id}.json").unlink(missing_ok=True)
 
+    def in_use(self) -> bool:
+        """Whether the directory holds a cluster: an ``up`` began and no ``teardown`` finished, or a
+        command holds the lock (an ``up`` about to begin). A directory deleted in part, its state
+        files gone while running agents still write ``nodes/``, holds none."""
+        return self.was_started() or self.busy()
+
     def busy(self) -> bool:
         """Whether a command holds the cluster's lock now."""
         try:
@@ -253,7 +259,7 @@ def started_clusters() -> list[ClusterState]:
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         if path.is_dir() and re.fullmatch(NAME_PATTERN, path.name):
             found.setdefault(path.resolve(), ClusterState(path.name, path.resolve()))
-    return [state for state in found.values() if state.was_started() or state.busy()]
+    return [state for state in found.values() if state.in_use()]
 
 
 def known_clusters() -> list[KnownCluster]:
@@ -279,9 +285,13 @@ def known_clusters() -> list[KnownCluster]:
     return found
 
 
-def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | None]:
+def resolve_cluster(option: str | None, *, down_ok: bool = False) -> tuple[ClusterState, ClusterSpec | None]:
     """Interpret ``-c/--cluster``: a cluster.yaml path, the name of a cluster in the state root, or
-    nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any."""
+    nothing (the built-in ``local`` cluster). Returns the state and the spec read from a file, if any.
+
+    With ``down_ok``, a name is taken for a cluster that is not up, or no longer: a ``teardown``
+    retried after one that finished (``--purge`` leaves no directory to know the name by) has
+    nothing left to do, which is no error."""
     if option is None:
         name = default_cluster_name()
         return ClusterState(name, home() / name), None
@@ -289,7 +299,7 @@ def resolve_cluster(option: str | None) -> tuple[ClusterState, ClusterSpec | Non
     if path.suffix in (".yaml", ".yml") or _is_file(path):
         spec = load_cluster(path)
         return ClusterState(spec.name, home() / spec.name), spec
-    if re.fullmatch(NAME_PATTERN, option) and ClusterState(option, home() / option).was_started():
+    if re.fullmatch(NAME_PATTERN, option) and (down_ok or ClusterState(option, home() / option).was_started()):
         return ClusterState(option, home() / option), None
     raise ConfigError(f"{option!r} is neither a cluster file nor a cluster that is up", field="--cluster")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["DIRECTORIES", "LOGS", "PRIVATE", "WORK", "network_env", "run_private", "timer_file"]
+__all__ = ["DIRECTORIES", "LOGS", "PRIVATE", "WORK", "network_env", "run_log", "run_private", "timer_file"]
 
 LOGS = "logs"
 PRIVATE = "private"
@@ -29,6 +29,11 @@ DIRECTORIES = (LOGS, PRIVATE, WORK)
 def network_env(workdir: Path) -> Path:
     """The network role's variables for the node's agents."""
     return workdir / PRIVATE / "network.env"
+
+
+def run_log(workdir: Path, run: str) -> Path:
+    """The log of the run's agent and workers on the node."""
+    return workdir / LOGS / f"{run}.log"
 
 
 def run_private(workdir: Path, run: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 
 import pytest
@@ -107,9 +108,27 @@ def test_train_before_up(cli: Cli) -> None:
     assert "infractl up" in result.stderr
 
 
-def test_teardown_of_nothing(cli: Cli) -> None:
-    result = cli("teardown", "--yes", expect=2)
+def test_teardown_of_a_cluster_already_down_succeeds(cli: Cli) -> None:
+    """A teardown retried (by automation, after one that was killed once it had removed
+    everything) finds nothing to do: that is exit 0, whichever way the cluster is named."""
+    result = cli("teardown", "--yes")
     assert "nothing to tear down: cluster 'local' is not up" in result.stderr
+    by_name = json.loads(cli("teardown", "-c", "gone", "--purge", "--yes", "--json").stdout)
+    assert by_name == {
+        "cluster": "gone",
+        "processes_killed": 0,
+        "nodes_removed": 0,
+        "runs_purged": [],
+        "already_down": True,
+    }
+    config = write(cli.cwd / "cluster.yaml", "name: c4\nprovider: local\n")
+    assert "nothing to tear down: cluster 'c4' is not up" in cli("teardown", "-c", str(config), "--yes").stderr
+    assert not cli.home.exists()
+
+
+def test_teardown_of_a_cluster_file_that_does_not_exist_is_refused(cli: Cli) -> None:
+    result = cli("teardown", "-c", "missing.yaml", "--yes", expect=2)
+    assert "cluster file not found: missing.yaml" in result.stderr
 
 
 def test_up_while_another_command_holds_the_lock(cli: Cli) -> None:

@@ -112,6 +112,40 @@ def test_a_restart_splits_into_phases_that_run_from_the_last_point_seen() -> Non
     assert phases == {"detect": 0.3, "stop": None, "rendezvous": None, "startup": 4.2, "load": None, "first_step": 1.5}
 
 
+@pytest.mark.parametrize(
+    ("recovered", "resumed", "final_committed", "outcome"),
+    [
+        (True, True, True, ("recovered", None)),
+        # A partition of 30 s: the run resumed without node-1 in 3.9 s and committed its final
+        # step 24 s after the link came back, before node-1 had rejoined.
+        (False, True, True, ("recovered", "run ended before node-1 rejoined")),
+        (True, True, False, ("failed", None)),
+        (False, True, False, ("failed", None)),
+        (False, False, True, ("failed", None)),
+        (False, False, False, ("failed", None)),
+    ],
+)
+def test_a_run_that_ends_before_its_whole_world_is_back_recovered_if_it_resumed_and_committed_its_end(
+    recovered: bool, resumed: bool, final_committed: bool, outcome: tuple[str, str | None]
+) -> None:
+    assert recovery.ended(recovered=recovered, resumed=resumed, final_committed=final_committed, node="node-1") == (
+        outcome
+    )
+
+
+def test_the_drill_line_says_the_run_ended_before_the_node_rejoined() -> None:
+    from infractl.cli.drill import _line
+
+    outcome, note = recovery.ended(recovered=False, resumed=True, final_committed=True, node="node-1")
+    record = runstore.DrillRecord(
+        drill_id="d", drill="partition", run_id="r", cluster="c", node="node-1", survivors=["node-0"],
+        fault_time=100.0, fault={"link": "down", "seconds": 30.0}, step_at_fault=50, last_committed_step=40,
+        world_size_at_fault=2, restart_s=3.9, resumed_from_step=50, expected_resume_step=50, lost_work_steps=0,
+        world_size_after=1, final_step=300, final_committed=True, steps=300, outcome=outcome, outcome_note=note,
+    )  # fmt: skip
+    assert _line(record).endswith("final step 300/300 committed: recovered, run ended before node-1 rejoined")
+
+
 @pytest.mark.xdist_group("drill")
 def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     refused = cluster("drill", "kill-node", expect=2)

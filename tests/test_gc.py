@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from infractl import proc
+from infractl import gc, proc, providers, servers
 from infractl.config import load_cluster
 from infractl.providers.base import free_port, port_open
 from infractl.statedir import ClusterState, ledger, started_clusters
@@ -218,6 +218,34 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     assert f"-N {planted['guard']}" not in chains.splitlines() and f"-j {planted['guard']}" not in chains
     again = json.loads(cli("gc", "--json").stdout)
     assert not expected & {(o["kind"], o["name"]) for o in again["orphans"]}, again
+
+
+def test_a_state_directory_deleted_in_part_leaves_its_rendezvous_server_an_orphan(tmp_path: Path) -> None:
+    """The state files of a cluster deleted, ``nodes/`` left (running agents still write it): the
+    rendezvous server ``up`` started for it belongs to no cluster, and gc lists it and removes it.
+    (No ledger entry: another gc on this machine must not take this half-cluster for its own.)"""
+    state = ClusterState("partial", tmp_path / "partial")
+    state.dir.mkdir()
+    state.intent_path.write_text("{}")
+    state.record_path.write_text("{}")
+    _, started = servers.ensure_rendezvous(providers.get("local").servers(state), "127.0.0.1", None, None)
+    server = proc.find(state.dir, node=servers.RENDEZVOUS_NODE)
+    try:
+        assert started and len(server) == 1, server
+        name = f"{server[0].pid} of {state.dir}"
+        assert name not in [o.name for o in gc.find().orphans], "a cluster's server while its state is there"
+        (state.dir / "nodes" / "node-0").mkdir(parents=True)
+        state.intent_path.unlink()
+        state.record_path.unlink()
+
+        orphans = [o for o in gc.find().orphans if o.name == name]
+
+        assert [o.kind for o in orphans] == ["process"]
+        orphans[0].remove()
+        server[0].wait(timeout=30)
+        assert proc.find(state.dir) == []
+    finally:
+        proc.kill(server)
 
 
 def test_account_gc_takes_the_aws_clusters_whose_state_is_gone_and_no_other(tmp_path: Path, s3_server: str) -> None:

@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import typer
-from pydantic import ValidationError
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, providers, runs, runstore
+from infractl import cluster, providers, runs
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
-from infractl.config import RunSpec, default_cluster, load_cluster
-from infractl.errors import InfractlError, StateError, StoreError
-from infractl.handover import runbooks
-from infractl.launcher import node_log
-from infractl.providers import NodeControl
-from infractl.servers import rendezvous_running
+from infractl.config import default_cluster, load_cluster
+from infractl.errors import InfractlError
 from infractl.statedir import ClusterState, known_clusters, resolve_cluster
-from infractl.store import Store, for_cluster
 
 __all__ = ["register"]
 
@@ -98,9 +91,13 @@ def teardown(
 ) -> None:
     """Stop every job, destroy the nodes, and verify nothing of the cluster is left."""
     out = output(json_mode)
-    state, _ = resolve_cluster(cluster_opt)
+    state, _ = resolve_cluster(cluster_opt, down_ok=True)
+    # A cluster that is already down is no error: a teardown retried after one that was killed
+    # once it had removed everything (automation after a training window) succeeds.
     if not state.was_started():
-        raise StateError(f"nothing to tear down: cluster {state.name!r} is not up")
+        out.success(f"nothing to tear down: cluster {state.name!r} is not up")
+        out.result(asdict(cluster.TeardownResult(state.name, 0, 0, [], already_down=True)))
+        return
     confirm(f"Destroy cluster {state.name!r}{' and purge its runs' if purge else ''}?", yes=yes)
     with state.lock("teardown"):
         result = cluster.teardown(state, out, purge=purge)
@@ -150,95 +147,6 @@ def gc(
     out.result(done.to_dict() | {"removed": True})
 
 
-def _run_rows(
-    state: ClusterState, store: Store, nodes: NodeControl, live: dict[str, set[str]], training: set[str]
-) -> list[dict[str, Any]]:
-    """Every run of the cluster: its state, attempts, last committed step, newest metrics, and
-    the runbook section of a run that needs a person (failed, degraded or stalled). ``live``: run
-    -> the nodes running it; ``training``: the runs with workers."""
-    rows = []
-    for record in runs.cluster_runs(state, store):
-        try:
-            spec: RunSpec | None = RunSpec.model_validate(record.spec)
-        except ValidationError:
-            spec = None  # a record without a valid spec (written by another version): still listed
-        steps = spec.steps if spec else None
-        committed = runstore.committed_steps(store, record.run_id)
-        last = committed[-1] if committed else None
-        latest = runstore.latest_metrics(store, record.run_id)
-        run_state = runs.run_state(
-            record,
-            is_running=record.run_id in live,
-            training=record.run_id in training,
-            last_committed=last,
-            steps=steps,
-        )
-        attention = (
-            runs.attention(
-                spec,
-                run_state,
-                newest=latest,
-                live_nodes=len(live.get(record.run_id, ())),
-                cluster_nodes=len(nodes.nodes),
-                processes_per_node=next(iter(nodes.nodes.values())).processes,
-                started=record.last_attempt.started if record.last_attempt else None,
-                log_tails=_log_tails(nodes, record.run_id) if run_state == "failed" else [],
-                now=time.time(),
-                unreachable=sorted(nodes.unreachable),
-            )
-            if spec
-            else None
-        )
-        rows.append(
-            {
-                "run": record.run_id,
-                "state": run_state,
-                "attempts": len(record.attempts),
-                "steps": steps,
-                "last_committed_step": last,
-                "committed_steps": committed,
-                "last_step": latest["step"] if latest else None,
-                "loss": latest["loss"] if latest else None,
-                "world_size": latest["world_size"] if latest else None,
-                "attention": None
-                if not attention
-                else {
-                    "condition": attention.condition,
-                    "why": attention.why,
-                    **runbooks.section(state, attention.runbook, record.run_id),
-                },
-            }
-        )
-    return rows
-
-
-def _log_tails(nodes: NodeControl, run: str) -> list[bytes]:
-    return [
-        nodes.tail_bytes(name, node_log(node.record(), run), size=runs.LOG_TAIL_BYTES)
-        for name, node in nodes.nodes.items()
-    ]
-
-
-def _running_rows(live: dict[str, set[str]]) -> list[dict[str, Any]]:
-    """Without the store, what the processes show: each run that runs, and on which nodes."""
-    return [
-        {
-            "run": run_id,
-            "state": "running",
-            "nodes": sorted(nodes),
-            "attempts": None,
-            "steps": None,
-            "last_committed_step": None,
-            "committed_steps": None,
-            "last_step": None,
-            "loss": None,
-            "world_size": None,
-            "attention": None,
-        }
-        for run_id, nodes in sorted(live.items())
-    ]
-
-
 def _known(headline: str) -> tuple[dict[str, Any], RenderableType]:
     clusters = [c.to_dict() for c in known_clusters()]
     table = Table(title="clusters with state here")
@@ -273,68 +181,24 @@ def status(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
         data, human = _known(headline)
         out.result(data, human)
         return
-    record = state.read()
-    rdzv = record["rendezvous"]
-    control = providers.control(state)
-    nodes, live, training = _node_rows(record, control)
-    store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
-    try:
-        runs = _run_rows(state, for_cluster(state), control, live, training)
-    except StoreError as exc:
-        store_status |= {
-            "reachable": False,
-            "error": exc.message,
-            "runbook": runbooks.section(state, "store-outage", None),
-        }
-        runs = _running_rows(live)
-    data = {
-        "cluster": record["name"],
-        "provider": record["spec"]["provider"],
-        "store": store_status,
-        "rendezvous": {**rdzv, "running": rendezvous_running(state)},
-        # What the nodes run the trainer in (pulled by digest at `up`); None: their own Python.
-        "image": record.get("image"),
-        "nodes": nodes,
-        "runs": runs,
-    }
+    data = runs.status(state)
+    store_status, rdzv, rows = data["store"], data["rendezvous"], data["runs"]
     reach = "" if store_status["reachable"] else f" UNREACHABLE ({store_status['error']})"
     header = Text(
-        f"cluster {data['cluster']} · provider {data['provider']} · store {record['store']}{reach}\n"
-        f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if data['rendezvous']['running'] else 'DOWN'}"
+        f"cluster {data['cluster']} · provider {data['provider']} · store {store_status['uri']}{reach}\n"
+        f"rendezvous {rdzv['host']}:{rdzv['port']} {'running' if rdzv['running'] else 'DOWN'}"
         + (f"\ntrainer in image {data['image']}" if data["image"] else "")
     )
-    parts: list[RenderableType] = [header, _nodes_table(nodes)]
-    if runs:
-        parts.append(_runs_table(runs, store_reachable=store_status["reachable"]))
-    parts += [Text(line) for line in _attention_lines(state, runs)]
+    parts: list[RenderableType] = [header, _nodes_table(data["nodes"])]
+    if rows:
+        parts.append(_runs_table(rows, store_reachable=store_status["reachable"]))
+    parts += [Text(line) for line in _attention_lines(state, rows)]
     if not store_status["reachable"]:
         out.warn(
             f"the store is unreachable: runs show only what the nodes' processes tell ({store_status['error']}); "
             f"{_read(state, store_status['runbook'])}"
         )
     out.result(data, Group(*parts))
-
-
-def _node_rows(
-    record: dict[str, Any], control: NodeControl
-) -> tuple[list[dict[str, Any]], dict[str, set[str]], set[str]]:
-    """Each node with how many processes of the cluster it runs (None: it did not answer), run id
-    -> the nodes running it, and the runs with workers (a run with agents alone is restarting)."""
-    processes = control.processes()
-    live: dict[str, set[str]] = {}
-    for p in processes:
-        if p.run is not None:
-            live.setdefault(p.run, set()).add(p.node)
-    rows = [
-        {
-            **n,
-            "live_processes": None
-            if n["name"] in control.unreachable
-            else sum(1 for p in processes if p.node == n["name"]),
-        }
-        for n in record["nodes"]
-    ]
-    return rows, live, {p.run for p in processes if p.run is not None and p.worker}
 
 
 def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
@@ -347,11 +211,11 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _attention_lines(state: ClusterState, runs: list[dict[str, Any]]) -> list[str]:
+def _attention_lines(state: ClusterState, rows: list[dict[str, Any]]) -> list[str]:
     """One line per run that needs a person: its condition, why, and where its runbook is."""
     return [
         f"run {r['run']} is {r['attention']['condition']} ({r['attention']['why']}): {_read(state, r['attention'])}"
-        for r in runs
+        for r in rows
         if r["attention"]
     ]
 
@@ -366,7 +230,7 @@ def _read(state: ClusterState, where: dict[str, Any]) -> str:
     return f"write the handover with `infractl bundle -c {state.name}`, then see runbooks/{where['runbook']}.md{anchor}"
 
 
-def _runs_table(runs: list[dict[str, Any]], *, store_reachable: bool) -> Table:
+def _runs_table(rows: list[dict[str, Any]], *, store_reachable: bool) -> Table:
     title = "runs" if store_reachable else "runs (from processes; the store is unreachable)"
     table = Table(title=title)
     for col in ("run", "state", "attempts", "last committed", "last step", "loss", "world"):
@@ -375,7 +239,7 @@ def _runs_table(runs: list[dict[str, Any]], *, store_reachable: bool) -> Table:
     def dash(value: Any) -> str:
         return "-" if value is None else str(value)
 
-    for r in runs:
+    for r in rows:
         table.add_row(
             r["run"],
             r["state"],

@@ -97,6 +97,7 @@ def _line(r: DrillRecord) -> str:
         f"(committed {r.last_committed_step}); detect {_s(r.detect_s)}, restart {_s(r.restart_s)}, "
         f"{drills.kind_named(r.drill).describe(r)}{extra}; final step {r.final_step}/{r.steps} "
         f"{'committed' if r.final_committed else 'not committed'}: {r.outcome}"
+        + (f", {r.outcome_note}" if r.outcome_note else "")
         + (f"\n  restart phases: {_phases(r.phases)}" if r.phases else "")
     )
 

@@ -8,10 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from infractl import providers, runs, runstore
+from infractl import providers, runs, runstore, workdir
 from infractl.cli._common import ClusterOpt, JsonOpt, RunArg, RunOpt, name_option, output
 from infractl.errors import InfractlError, StoreError, UsageError
-from infractl.launcher import node_log
 from infractl.runstore import RunRecord
 from infractl.statedir import resolve_cluster
 from infractl.store import for_cluster
@@ -49,7 +48,7 @@ def logs(
         out.raw("".join(f"{line}\n" for line in _attempt_lines(record)))
     control = providers.control(state)
     for n in nodes:
-        path: Path = node_log(n, run)
+        path = workdir.run_log(Path(n["workdir"]), run)
         out.raw(f"==> {n['name']} · run {run} · {path}\n")
         try:
             lines = control.tail(n["name"], path, lines=tail)

@@ -6,10 +6,11 @@ operator could watch: the nodes' processes and the run's objects in the store (s
 ``runs/<run>/drills/<drill-id>.json``.
 
 Rooms: ``kind`` (what a fault kind is, and the registry), ``kinds/`` (one file per kind),
-``recovery`` (watching and measuring), ``run`` (one drill), ``series`` (``--repeat N``), ``chaos``
-(a seeded series of random kinds, nodes and moments) and ``compare`` (its run against an
-uninterrupted reference run). Adding a kind is one new file in ``kinds/``, its own command-line
-options included (``Kind.options``); a chaos series draws it from then on.
+``recovery`` (measuring what was watched), ``run`` (one drill: strike, the drill loop that
+watches, record), ``series`` (``--repeat N``), ``chaos`` (a seeded series of random kinds, nodes
+and moments) and ``compare`` (its run against an uninterrupted reference run). Adding a kind is
+one new file in ``kinds/``, its own command-line options included (``Kind.options``); a chaos
+series draws it from then on.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What a drill watches, and how it turns that into measurements.
+"""What a drill watches, and how it turns that into measurements (the drill loop that watches is
+``drill.run``'s).
 
 A drill watches only what an operator could: the nodes' processes (through the provider's
 ``Watch``: a monitor on each node reports the run's processes as they change) and the run's
@@ -39,23 +40,20 @@ seconds; ``fault_time`` is taken just before the fault.
     ``step_at_fault`` is the newest step in the store at the fault; metrics are flushed every
     few steps or seconds, so it may trail the ranks by that much.
 ``outcome``
-    ``recovered`` once the run resumed and, when the drill waits for the end, its final
-    checkpoint (``spec.steps``) is committed; ``failed`` if every process of the run exited
-    without that; ``timeout`` otherwise.
+    ``recovered`` once the run recovered (by its kind's measure: a partition's node back in the
+    world too) and, when the drill waits for the end, its final checkpoint (``spec.steps``) is
+    committed; ``failed`` if every process of the run exited without that; ``timeout``
+    otherwise. A run that resumed and committed its final step but ended before its whole world
+    was back (a partition's node had not rejoined yet) recovered: ``outcome_note`` says the run
+    ended first (``ended``).
 """
 
 from __future__ import annotations
-
-import time
-from typing import TYPE_CHECKING
 
 from infractl import runstore
 from infractl.proc import NodeProcess
 from infractl.runstore import DrillRecord, Manifest
 from infractl.store import Store
-
-if TYPE_CHECKING:
-    from infractl.drill.kind import Drill, Kind
 
 __all__ = [
     "Commits",
@@ -64,7 +62,7 @@ __all__ = [
     "PROC_POLL_S",
     "STORE_POLL_S",
     "agents",
-    "observe",
+    "ended",
     "resumed",
     "split_restart",
     "uploading_step",
@@ -72,7 +70,6 @@ __all__ = [
 ]
 
 PROC_POLL_S = 0.05  # the watch: reading it costs nothing
-_COMMIT_POLL_S = 0.2  # committed steps and their manifests
 STORE_POLL_S = 0.5  # metrics records, and whether the run still has processes
 GONE_TIMEOUT_S = 30.0
 #: A restart's phases, in order (``phases`` in the module doc).
@@ -171,38 +168,16 @@ def split_restart(record: DrillRecord, timeline: dict[str, float]) -> dict[str, 
     return phases
 
 
-def observe(drill: Drill, kind: Kind, record: DrillRecord, *, watched: list[NodeProcess], wait_finish: bool) -> None:
-    """Poll processes and store until the run recovered (and finished, with ``wait_finish``)."""
-    recovered = False
-    next_commits = next_metrics = 0.0
-    while time.monotonic() < drill.deadline:
-        kind.tick(drill, record)
-        holding = kind.holds_store(drill, record)
-        if record.detect_s is None and watched and not drill.watch.all_alive(watched):
-            record.detect_s = round(time.time() - record.fault_time, 3)
-        if record.stopped_s is None and watched and drill.watch.none_alive(watched):
-            record.stopped_s = round(time.time() - record.fault_time, 3)
-        if time.monotonic() < next_commits or holding:
-            time.sleep(PROC_POLL_S)
-            continue
-        next_commits = time.monotonic() + _COMMIT_POLL_S
-        drill.commits.poll()
-        if recovered and (not wait_finish or drill.commits.newest() >= record.steps):
-            record.final_committed = drill.commits.newest() >= record.steps
-            record.outcome = "recovered"
-            return
-        if time.monotonic() < next_metrics:
-            continue
-        # Metrics records cost more than a listing of commits: less often.
-        next_metrics = time.monotonic() + STORE_POLL_S
-        if not recovered:
-            recovered = kind.recovered(drill, record)
-            if recovered:
-                kind.on_recovered(drill, record)
-                drill.progress(f"recovered: {kind.describe(record)}, {record.restart_s}s after the fault")
-                continue
-        if drill.watch.gone():
-            drill.commits.poll()
-            record.final_committed = drill.commits.newest() >= record.steps
-            record.outcome = "recovered" if recovered and record.final_committed else "failed"
-            return
+def ended(*, recovered: bool, resumed: bool, final_committed: bool, node: str | None) -> tuple[str, str | None]:
+    """The outcome of a drill whose run's processes all exited, and its note (``outcome`` in the
+    module doc), from what was seen: whether the run recovered by its kind's measure, whether it
+    resumed after the fault (``restart_s``), whether its final step is committed, and the struck
+    node. A kind that waits for its node to rejoin (partition) has not recovered until then; a
+    run that resumed without the node and committed its final step before the node was back
+    recovered all the same: only the rejoin went unseen, and the note says so."""
+    if final_committed and recovered:
+        return "recovered", None
+    if final_committed and resumed:
+        waited = f"{node} rejoined" if node is not None else "its whole world was back"
+        return "recovered", f"run ended before {waited}"
+    return "failed", None

@@ -1,4 +1,5 @@
-"""One drill: choose the target, look up what the fault needs, strike, watch, record."""
+"""One drill: choose the target, look up what the fault needs, strike, watch (the drill loop),
+record."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ __all__ = ["run_drill", "select"]
 
 # Seconds the nodes' monitors may take to make their first report (an SSH login each).
 _REPORTED_TIMEOUT_S = 60.0
+_COMMIT_POLL_S = 0.2  # committed steps and their manifests, while watching
 
 
 def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -> Target:
@@ -98,7 +100,7 @@ def run_drill(
         record = _strike(drill, kind)
         try:
             kind.settle(drill)
-            recovery.observe(drill, kind, record, watched=drill.watched, wait_finish=wait_finish)
+            _observe(drill, kind, record, wait_finish=wait_finish)
             if wait_finish and record.final_committed:
                 # The last commit comes just before the processes exit: the drill ends with the run.
                 _wait(watch.gone, timeout=recovery.GONE_TIMEOUT_S)
@@ -147,6 +149,51 @@ def _wait_started(drill: Drill) -> None:
                 field="--timeout",
             )
         time.sleep(recovery.STORE_POLL_S)
+
+
+def _observe(drill: Drill, kind: Kind, record: DrillRecord, *, wait_finish: bool) -> None:
+    """The drill loop: poll processes and store until the run recovered (and finished, with
+    ``wait_finish``) or every process of the run exited; the outcome stays ``timeout`` past the
+    drill's deadline. What each number means: ``recovery``'s module doc."""
+    watched = drill.watched
+    recovered = False
+    next_commits = next_metrics = 0.0
+    while time.monotonic() < drill.deadline:
+        kind.tick(drill, record)
+        holding = kind.holds_store(drill, record)
+        if record.detect_s is None and watched and not drill.watch.all_alive(watched):
+            record.detect_s = round(time.time() - record.fault_time, 3)
+        if record.stopped_s is None and watched and drill.watch.none_alive(watched):
+            record.stopped_s = round(time.time() - record.fault_time, 3)
+        if time.monotonic() < next_commits or holding:
+            time.sleep(recovery.PROC_POLL_S)
+            continue
+        next_commits = time.monotonic() + _COMMIT_POLL_S
+        drill.commits.poll()
+        if recovered and (not wait_finish or drill.commits.newest() >= record.steps):
+            record.final_committed = drill.commits.newest() >= record.steps
+            record.outcome = "recovered"
+            return
+        if time.monotonic() < next_metrics:
+            continue
+        # Metrics records cost more than a listing of commits: less often.
+        next_metrics = time.monotonic() + recovery.STORE_POLL_S
+        if not recovered:
+            recovered = kind.recovered(drill, record)
+            if recovered:
+                kind.on_recovered(drill, record)
+                drill.progress(f"recovered: {kind.describe(record)}, {record.restart_s}s after the fault")
+                continue
+        if drill.watch.gone():
+            drill.commits.poll()
+            record.final_committed = drill.commits.newest() >= record.steps
+            record.outcome, record.outcome_note = recovery.ended(
+                recovered=recovered,
+                resumed=record.restart_s is not None,
+                final_committed=record.final_committed,
+                node=record.node,
+            )
+            return
 
 
 def _wait(done: Callable[[], bool], *, timeout: float) -> None:

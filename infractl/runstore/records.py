@@ -189,6 +189,9 @@ class DrillRecord:
     final_committed: bool = False
     steps: int = 0
     outcome: str = "timeout"  # recovered | failed | timeout
+    # What qualifies the outcome: "run ended before node-1 rejoined" (recovered, and the run
+    # finished before its whole world was back). None: nothing to add.
+    outcome_note: str | None = None
     finished_time: float = 0.0
     timeout_s: float = 0.0
 
