@@ -43,7 +43,6 @@ __all__ = [
     "stop",
     "Stopped",
     "torchrun_argv",
-    "node_log",
     "passed_environment",
 ]
 
@@ -297,10 +296,6 @@ def _node_env(
     return env
 
 
-def node_log(node: dict[str, Any], run_id: str) -> Path:
-    return Path(node["workdir"]) / workdir.LOGS / f"{run_id}.log"
-
-
 def _key_path(state: ClusterState, run_id: str) -> Path:
     """The run's replica key on this machine, kept for the attempt's rejoins (0600)."""
     return state.dir / "runs" / f"{run_id}.key"
@@ -457,7 +452,7 @@ def _start_agent(
         argv,
         _node_env(nodes, node, spec, attempt, log_format, cluster=cluster, key_file=key_file),
         workdir=home,
-        log_path=node_log(node, spec.name),
+        log_path=workdir.run_log(Path(node["workdir"]), spec.name),
         header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
         image=image,
         mounts=_mounts(spec, store),

@@ -89,11 +89,10 @@ def teardown(
     purge: bool = typer.Option(False, "--purge", help="Also delete this cluster's runs from the store."),
     json_mode: JsonOpt = False,
 ) -> None:
-    """Stop every job, destroy the nodes, and verify nothing of the cluster is left."""
+    """Stop every job, destroy the nodes, and verify nothing of the cluster is left. A cluster
+    that is already down is success (exit 0), so a retried teardown succeeds."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt, down_ok=True)
-    # A cluster that is already down is no error: a teardown retried after one that was killed
-    # once it had removed everything (automation after a training window) succeeds.
     if not state.was_started():
         out.success(f"nothing to tear down: cluster {state.name!r} is not up")
         out.result(asdict(cluster.TeardownResult(state.name, 0, 0, [], already_down=True)))
