@@ -211,7 +211,7 @@ def _drill_row(run: str, drill: dict[str, Any]) -> str:
         _code(run),
         escape(drill["drill"]),
         escape(drill["node"] or "-"),
-        escape(drill["outcome"]),
+        escape(drill["outcome"] + (f", {drill['outcome_note']}" if drill.get("outcome_note") else "")),
         _seconds(drill["detect_s"]),
         _seconds(drill["restart_s"]),
         _number(drill["lost_work_steps"], "d"),
