@@ -21,7 +21,9 @@ from infractl.image import registry
 from infractl.output import Output
 from infractl.planning.devices import Device
 from infractl.planning.plan import format_bytes
-from infractl.providers.base import IMAGE_UID, NodeControl, ServerHost
+from infractl.providers.engines import IMAGE_UID
+from infractl.providers.nodecontrol import NodeControl
+from infractl.providers.servers import ServerHost
 from infractl.servers import ensure_registry, ensure_rendezvous
 from infractl.statedir import ClusterState
 from infractl.store import Store, StoreUnavailable, for_cluster, open_store

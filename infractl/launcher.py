@@ -24,7 +24,7 @@ from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
 from infractl.playbook import network_env
 from infractl.providers import NodeControl
-from infractl.providers.base import IMAGE_PYTHON, IMAGE_RUN_DIR
+from infractl.providers.engines import IMAGE_PYTHON, IMAGE_RUN_DIR
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.servers import keep_rendezvous
 from infractl.statedir import ClusterState, write_private

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from infractl import proc, providers, runstore
 from infractl.cli import main
 from infractl.errors import InfractlError
-from infractl.providers import aws
+from infractl.providers.aws.sweep import CLUSTER_TAG, reap
 from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
 
@@ -324,12 +324,12 @@ def aws_left_clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         if done.returncode != 0:
             shutil.rmtree(state.dir, ignore_errors=True)
             state.unlist()
-    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": aws.CLUSTER_TAG}])
+    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": CLUSTER_TAG}])
     tagged = {
-        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == aws.CLUSTER_TAG
+        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == CLUSTER_TAG
     }
     for name in sorted(tagged):
-        if removed := aws.reap(name, "us-east-1", endpoint_url=emulation.endpoint):
+        if removed := reap(name, "us-east-1", endpoint_url=emulation.endpoint):
             left.append(f"cluster {name}'s {', '.join(removed)}")
     emulation.sync()
     assert not left, f"the test left these behind (now removed): {left}"

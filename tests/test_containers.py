@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from infractl import proc, runstore
-from infractl.providers.base import IMAGE_UID
+from infractl.providers.engines import IMAGE_UID
 from infractl.store import FileStore
 
 from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write

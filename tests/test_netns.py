@@ -26,7 +26,7 @@ import pytest
 
 from infractl import providers, runstore, workdir
 from infractl.drill import KINDS, recovery
-from infractl.providers.base import NodeControl
+from infractl.providers.nodecontrol import NodeControl
 from infractl.statedir import ClusterState
 from infractl.store import FileStore
 

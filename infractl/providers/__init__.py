@@ -1,17 +1,20 @@
 """Providers: where a cluster's nodes come from (cluster.yaml's ``provider``) and how the control
-plane reaches them. One module per provider, each a ``base.Provider`` registered with its
-cluster.yaml section (``base.register``), so ``up``, ``teardown``, the launcher, status and the
-drills never branch on the provider themselves, and nothing outside this package names one.
+plane reaches them. Each provider is a ``contract.Provider`` registered with its cluster.yaml
+section (``contract.register``), so ``up``, ``teardown``, the launcher, status and the drills
+never branch on the provider themselves, and nothing outside this package names one.
 
 - ``local.py``: nodes are work directories and process trees on this machine.
 - ``netns.py``: nodes are network namespaces on this machine, each with its own address and sshd
   (infra/netns), reached over SSH.
-- ``aws.py``: GPU instances (infra/aws), swept by the cluster's tag after destroy.
+- ``aws/``: GPU instances (infra/aws), swept by the cluster's tag after destroy (its
+  ``__init__`` lists its modules).
 
-``base.py`` is the interface (``Provider``, ``NodeControl``, ``Watch``); ``remote.py`` is node
-control over SSH, for providers whose nodes are other machines. Adding a provider is one module
-here that implements ``Provider`` and calls ``register`` (plus its Terraform module in
-``infra/<name>/`` and its tests); ``register_every`` imports every module in it, the first time a
+What every provider shares, one concern a module: ``contract.py`` (``Provider`` and the registry),
+``nodecontrol.py`` (``NodeControl``, ``Watch``), ``servers.py`` (where the cluster's own servers
+run), ``engines.py`` (how a node runs containers, and the trainer image's contract); ``remote.py``
+is node control over SSH, for providers whose nodes are other machines. Adding a provider is a
+module or package here that implements ``Provider`` and calls ``register`` (plus its Terraform
+module in ``infra/<name>/`` and its tests); ``register_every`` imports every one, the first time a
 provider or cluster.yaml's table of them is needed.
 """
 
@@ -22,7 +25,8 @@ import importlib
 import pkgutil
 
 from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, NodeControl, Provider, Watch, every_provider, provider_named
+from infractl.providers.contract import Provider, every_provider, provider_named
+from infractl.providers.nodecontrol import LINK_FAULTS, NodeControl, Watch
 from infractl.statedir import ClusterState
 
 __all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of", "register_every"]
@@ -53,8 +57,8 @@ def control(state: ClusterState) -> NodeControl:
 
 @functools.cache
 def register_every() -> None:
-    """Import every provider module: each registers itself and its cluster.yaml section. Not on
-    import: every command imports this package, and ``--help`` or a command refused at its options
-    never needs a provider."""
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
+    """Import every provider module (every module of a provider's package too): each provider
+    registers itself and its cluster.yaml section. Not on import: every command imports this
+    package, and ``--help`` or a command refused at its options never needs a provider."""
+    for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+        importlib.import_module(module.name)

@@ -22,7 +22,8 @@ from infractl.config import ClusterSpec, ProviderConfig
 from infractl.errors import InfractlError
 from infractl.infra import Node
 from infractl.proc import NodeProcess
-from infractl.providers.base import NodeControl, Provider, Watch, register
+from infractl.providers.contract import Provider, register
+from infractl.providers.nodecontrol import NodeControl, Watch
 from infractl.statedir import ClusterState, write_private
 
 __all__ = ["Local", "LocalNodes", "node_directories"]

@@ -45,8 +45,10 @@ from infractl import proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, NETEM_HINT, ContainerEngine, NodeControl, Provider, register
+from infractl.providers.contract import Provider, register
+from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
+from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
 from infractl.providers.remote import SshNodes
 from infractl.statedir import ClusterState, Orphan
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from infractl import providers
 from infractl.image import registry
-from infractl.providers.base import ServerHost
+from infractl.providers.servers import ServerHost
 from infractl.statedir import ClusterState
 
 __all__ = ["RENDEZVOUS_NODE", "ensure_registry", "ensure_rendezvous", "keep_rendezvous", "rendezvous_running"]

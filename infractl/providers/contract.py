@@ -1,0 +1,140 @@
+"""The contract every provider implements (``Provider``): how a cluster's nodes are made
+(Terraform variables, preflight, what destroy may leave behind), where its servers run, and which
+``NodeControl`` reaches its nodes; and the registry of providers by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from infractl.config import ClusterSpec, ProviderConfig, register_provider
+from infractl.infra import ApplyResult, Node, RootSettings
+from infractl.planning.devices import Device, shared_cpu
+from infractl.providers.nodecontrol import NodeControl
+from infractl.providers.servers import LocalServers, ServerHost
+from infractl.statedir import ClusterState, Orphan
+
+__all__ = ["Provider", "every_provider", "provider_named", "register"]
+
+
+class Provider(ABC):
+    """One kind of node. ``up``, ``teardown`` and ``up --dry-run`` call these and never branch on
+    the provider themselves."""
+
+    name: ClassVar[str]
+    #: The nodes pull the pinned image from the cluster's own registry (``image_registry_host``).
+    serves_images: ClassVar[bool] = False
+    #: The nodes share this machine's user accounts: what ``up`` made there for the access roles
+    #: (Unix groups) outlives ``terraform destroy`` and is removed by ``teardown``. (A real node's
+    #: groups go with the machine.)
+    shares_host_accounts: ClassVar[bool] = False
+
+    @abstractmethod
+    def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
+        """The Terraform variables of ``infra/<provider>/`` for the cluster."""
+
+    @abstractmethod
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+        """What ``up`` would create (variables, resource addresses, hourly cost or None), computed
+        offline and changing nothing."""
+
+    @abstractmethod
+    def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
+        """What this machine must offer before ``up`` changes anything (a ``UsageError`` or
+        ``ConfigError`` naming the field otherwise)."""
+
+    def root_settings(self, spec: ClusterSpec, state: ClusterState) -> RootSettings:
+        """What the root module that calls ``infra/<provider>/`` adds (provider and backend blocks,
+        outputs, the Terraform CLI configuration): nothing where the module needs no provider."""
+        return RootSettings()
+
+    def device(self, spec: ClusterSpec, environ: Mapping[str, str]) -> Device:
+        """The device each rank of the cluster trains on, as ``up`` provisions it (``train`` refuses
+        a run that does not fit it). Here: nodes on this machine, whose ranks share its memory,
+        or the emulated device ``$INFRACTL_DEVICE_MEMORY`` in ``environ`` sets."""
+        return shared_cpu(spec.nodes * spec.processes_per_node, environ)
+
+    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
+        """The nodes of an apply, as the control plane reaches them (the module's inventory, where
+        it says all of that itself)."""
+        return applied.nodes
+
+    def topology(self, state: ClusterState) -> list[str]:
+        """What the handover's topology says of a cluster that is up beyond its nodes (one line of
+        Markdown each): where its hosts run, what they are. Nothing by default."""
+        return []
+
+    def makes_store(self, spec: ClusterSpec) -> bool:
+        """Whether the module creates the cluster's store (so it cannot be checked before ``up``
+        applies it)."""
+        return False
+
+    @abstractmethod
+    def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
+        """The address the cluster's rendezvous endpoint listens on, reachable from every node."""
+
+    def image_registry_host(self, spec: ClusterSpec, state: ClusterState) -> str | None:
+        """Where the cluster's own image registry listens (``infractl.image.registry``), reachable
+        from every node (once provisioned); None where the nodes run no image (``local``)."""
+        return None
+
+    def servers(self, state: ClusterState) -> ServerHost:
+        """Where the cluster's own servers run (the rendezvous endpoint, the image registry): this
+        machine, unless the provider has a host of the cluster for them."""
+        return LocalServers(state)
+
+    def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """Just before ``terraform destroy`` (every process stopped, and with ``purge`` every run
+        deleted): make the state say what destroy may remove. Lines saying what was done."""
+        return []
+
+    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+        """After ``terraform destroy`` of an ``up`` that was interrupted (its Terraform state may
+        lack what it made last): delete what is still the cluster's by the provider's own marks
+        (its tag), the store it made too with ``purge``. What was deleted, one item each; nothing
+        where destroy leaves nothing unnamed."""
+        return []
+
+    @abstractmethod
+    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+        """After ``terraform destroy`` (and after every node process was stopped): what of the
+        cluster still exists, one line each (empty when nothing is left)."""
+
+    @abstractmethod
+    def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
+        """How the control plane reaches ``nodes`` (the cluster's, as provisioned)."""
+
+    def orphans(self, owned: set[str]) -> list[Orphan]:
+        """What the provider makes on this machine under a cluster's ``short_id`` and no started
+        cluster (``owned``: their ids) owns: an interrupted test run's, a deleted state
+        directory's. Nothing where it makes nothing outside the state directory."""
+        return []
+
+    def account_orphans(self, spec: ClusterSpec) -> list[Orphan]:
+        """What the provider's account holds, where ``spec`` points (its account and region), of
+        clusters whose state is gone from everywhere, not just from this machine. Nothing for a
+        provider whose clusters live on this machine alone."""
+        return []
+
+
+_PROVIDERS: dict[str, Provider] = {}
+
+
+def register(provider: Provider, config: ProviderConfig) -> None:
+    """Make ``provider`` known, and its cluster.yaml section with it (each provider module calls
+    this once, when it is imported)."""
+    if config.name != provider.name:
+        raise ValueError(f"provider {provider.name!r} registers the config of {config.name!r}")
+    _PROVIDERS[provider.name] = provider
+    register_provider(config)
+
+
+def provider_named(name: str) -> Provider:
+    """The provider ``name`` (one of cluster.yaml's ``provider`` values)."""
+    return _PROVIDERS[name]
+
+
+def every_provider() -> list[Provider]:
+    return list(_PROVIDERS.values())
