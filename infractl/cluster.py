@@ -142,19 +142,28 @@ def _serve_image(
     return served, pulled, started or pushed
 
 
-def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[infra.ApplyResult, list[infra.Node]]:
+def _provision(
+    state: ClusterState, spec: ClusterSpec, store: Store, out: Output
+) -> tuple[infra.ApplyResult | None, list[infra.Node]]:
     """Apply the provider's module, with the store ready before (or, where the module makes it,
-    after); the apply, and its nodes as the control plane reaches them."""
+    after); the apply (None for a provider without a module: its nodes exist already), and the
+    nodes as the control plane reaches them."""
     provider = providers.get(spec.provider)
     if not provider.makes_store(spec):
         store.ensure()
     (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
+    module = provider.terraform_module()
+    if module is None:
+        out.info(f"nodes: {spec.nodes} of provider {spec.provider} (it has no Terraform module: nothing to apply)")
+        return None, provider.provisioned(spec, state, None)
+    out.info(f"terraform: applying {module.parent.name}/{module.name} for {spec.nodes} node(s)…")
     applied = infra.apply(
         state.terraform_dir,
-        infra.module_dir(spec.provider),
+        module,
         provider.variables(spec, state),
         root=provider.root_settings(spec, state),
     )
+    out.info(f"terraform: {applied.summary}")
     if provider.makes_store(spec):
         store.ensure()
     return applied, provider.provisioned(spec, state, applied)
@@ -246,10 +255,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     uri = store_uri(state, spec)
     provider = providers.get(spec.provider)
     state.start({"name": spec.name, "spec": spec.model_dump(mode="json"), "store": uri})
-    out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
-    applied, provisioned = _provision(state, spec, store)
+    applied, provisioned = _provision(state, spec, store, out)
     nodes = provider.control(state, provisioned)
-    out.info(f"terraform: {applied.summary}")
 
     servers = provider.servers(state)
     served, pulled, image_changed = _serve_image(state, spec, servers, previous, out)
@@ -287,8 +294,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     return UpResult(
         cluster=spec.name,
         nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in provisioned],
-        terraform=applied.summary,
-        terraform_changed=applied.changed,
+        terraform=applied.summary if applied is not None else "no Terraform module",
+        terraform_changed=applied is not None and applied.changed,
         rendezvous=f"{host}:{port}",
         rendezvous_started=started,
         image=pulled,
@@ -356,6 +363,8 @@ def _destroy(
 ) -> None:
     for line in provider.before_destroy(state, record, purge=purge):
         out.info(line)
+    if provider.terraform_module() is None:
+        return  # the provider made no machines: they stay, as they were before `up`
     out.info("terraform: destroying nodes…")
     for wait in (*DESTROY_RETRY_S, None):
         try:

@@ -89,7 +89,9 @@ class SshLogin:
 @dataclass(frozen=True)
 class Node:
     """One provisioned node, as the module's ``inventory`` output describes it (and the cluster's
-    state file records it: :meth:`record`, :meth:`from_record`)."""
+    state file records it: :meth:`record`, :meth:`from_record`). What a provider knows of a node
+    besides (a namespace, an instance type) is the provider's own: other fields of a record are
+    not read."""
 
     name: str
     """``node-<index>``; the index is the node's rank in the health check."""
@@ -99,8 +101,6 @@ class Node:
     """Absolute path of the node's work directory."""
     processes: int
     """Training processes (ranks) the node runs."""
-    namespace: str | None = None
-    """The node's network namespace (netns provider)."""
     ssh: SshLogin | None = None
     """None: the node is this machine, reached without a login (local provider)."""
 
@@ -112,7 +112,6 @@ class Node:
             address=item["address"],
             workdir=Path(item["workdir"]),
             processes=int(item["processes"]),
-            namespace=item.get("namespace"),
             ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"]), ssh.get("jump"))
             if ssh
             else None,
@@ -126,8 +125,6 @@ class Node:
             "workdir": str(self.workdir),
             "processes": self.processes,
         }
-        if self.namespace is not None:
-            item["namespace"] = self.namespace
         if self.ssh is not None:
             item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items() if v is not None}
         return item

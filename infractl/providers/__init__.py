@@ -1,6 +1,6 @@
 """Providers: where a cluster's nodes come from (cluster.yaml's ``provider``) and how the control
 plane reaches them. Each provider is a ``contract.Provider`` registered with its cluster.yaml
-section (``contract.register``), so ``up``, ``teardown``, the launcher, status and the drills
+section through an entry point (``register_every``), so ``up``, ``teardown``, the launcher, status and the drills
 never branch on the provider themselves, and nothing outside this package names one.
 
 - ``local.py``: nodes are work directories and process trees on this machine.
@@ -13,23 +13,38 @@ What every provider shares, one concern a module: ``contract.py`` (``Provider`` 
 ``nodecontrol.py`` (``NodeControl``, ``Watch``), ``servers.py`` (where the cluster's own servers
 run), ``engines.py`` (how a node runs containers, and the trainer image's contract); ``remote.py``
 is node control over SSH, for providers whose nodes are other machines. Adding a provider is a
-module or package here that implements ``Provider`` and calls ``register`` (plus its Terraform
-module in ``infra/<name>/`` and its tests); ``register_every`` imports every one, the first time a
-provider or cluster.yaml's table of them is needed.
+module or package that implements ``Provider`` (with its cluster.yaml section as ``config``, and
+a Terraform module or none) and names it under the ``infractl.providers`` entry point group, in
+infractl's pyproject.toml or a package of its own; ``register_every`` loads every one, the first
+time a provider or cluster.yaml's table of them is needed.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
+import importlib.metadata
 
+from infractl.errors import InfractlError
 from infractl.infra import Node
-from infractl.providers.contract import Provider, every_provider, provider_named
+from infractl.providers.contract import Provider, every_provider, provider_named, register
 from infractl.providers.nodecontrol import LINK_FAULTS, NodeControl, Watch
 from infractl.statedir import ClusterState
 
-__all__ = ["LINK_FAULTS", "NodeControl", "Provider", "Watch", "control", "every", "get", "of", "register_every"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LINK_FAULTS",
+    "NodeControl",
+    "Provider",
+    "Watch",
+    "control",
+    "every",
+    "get",
+    "of",
+    "register_every",
+]
+
+#: The entry point group a provider registers in: ``<name> = "<module>:<Provider class>"``.
+ENTRY_POINT_GROUP = "infractl.providers"
 
 
 def get(name: str) -> Provider:
@@ -57,8 +72,23 @@ def control(state: ClusterState) -> NodeControl:
 
 @functools.cache
 def register_every() -> None:
-    """Import every provider module (every module of a provider's package too): each provider
-    registers itself and its cluster.yaml section. Not on import: every command imports this
-    package, and ``--help`` or a command refused at its options never needs a provider."""
-    for module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
-        importlib.import_module(module.name)
+    """Register every installed provider: each entry point of the ``infractl.providers`` group
+    names a ``Provider`` class by the provider's name (infractl's own in its pyproject.toml; a
+    package outside this repository adds one the same way). Not on import: every command imports
+    this package, and ``--help`` or a command refused at its options never needs a provider."""
+    found: dict[str, str] = {}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        where = f"entry point {entry.name!r} of {entry.dist.name if entry.dist else 'an unknown package'}"
+        if entry.name in found:
+            raise InfractlError(f"provider {entry.name!r} is installed twice: by {found[entry.name]} and by {where}")
+        found[entry.name] = where
+        try:
+            loaded = entry.load()
+        except Exception as exc:  # a provider's own import error, whatever it is, names the provider
+            raise InfractlError(f"provider {entry.name!r} ({where}) cannot be loaded: {exc}") from exc
+        if not (isinstance(loaded, type) and issubclass(loaded, Provider)) or loaded.name != entry.name:
+            raise InfractlError(
+                f"provider {entry.name!r} ({where}) names {entry.value}, which is not a Provider class named "
+                f"{entry.name!r}"
+            )
+        register(loaded())

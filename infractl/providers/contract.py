@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 from infractl.config import ClusterSpec, ProviderConfig, register_provider
@@ -24,6 +25,8 @@ class Provider(ABC):
     the provider themselves."""
 
     name: ClassVar[str]
+    #: What the provider adds to cluster.yaml (its ``name``, its own section and rules).
+    config: ClassVar[ProviderConfig]
     #: The nodes pull the pinned image from the cluster's own registry (``image_registry_host``).
     serves_images: ClassVar[bool] = False
     #: The nodes share this machine's user accounts: what ``up`` made there for the access roles
@@ -31,9 +34,16 @@ class Provider(ABC):
     #: groups go with the machine.)
     shares_host_accounts: ClassVar[bool] = False
 
-    @abstractmethod
+    def terraform_module(self) -> Path | None:
+        """The Terraform module that makes the cluster's nodes (``up`` applies a copy of it in the
+        state directory, ``teardown`` destroys what it made); None for a provider that makes no
+        machines (the team's own, say): ``up`` and ``teardown`` then run no Terraform, and the
+        nodes are what ``provisioned`` says without an apply."""
+        return None
+
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
-        """The Terraform variables of ``infra/<provider>/`` for the cluster."""
+        """The variables of the provider's Terraform module for the cluster (none without one)."""
+        return {}
 
     @abstractmethod
     def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
@@ -46,7 +56,7 @@ class Provider(ABC):
         ``ConfigError`` naming the field otherwise)."""
 
     def root_settings(self, spec: ClusterSpec, state: ClusterState) -> RootSettings:
-        """What the root module that calls ``infra/<provider>/`` adds (provider and backend blocks,
+        """What the root module that calls the provider's module adds (provider and backend blocks,
         outputs, the Terraform CLI configuration): nothing where the module needs no provider."""
         return RootSettings()
 
@@ -56,9 +66,12 @@ class Provider(ABC):
         or the emulated device ``$INFRACTL_DEVICE_MEMORY`` in ``environ`` sets."""
         return shared_cpu(spec.nodes * spec.processes_per_node, environ)
 
-    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
-        """The nodes of an apply, as the control plane reaches them (the module's inventory, where
-        it says all of that itself)."""
+    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult | None) -> list[Node]:
+        """The cluster's nodes as the control plane reaches them: those of the module's apply (its
+        inventory, where it says all of that itself), or, without a Terraform module (``applied``
+        is None), the machines the provider has for the cluster, which it must say here."""
+        if applied is None:
+            raise NotImplementedError(f"provider {self.name!r} has no Terraform module and does not say its nodes")
         return applied.nodes
 
     def topology(self, state: ClusterState) -> list[str]:
@@ -86,21 +99,22 @@ class Provider(ABC):
         return LocalServers(state)
 
     def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
-        """Just before ``terraform destroy`` (every process stopped, and with ``purge`` every run
-        deleted): make the state say what destroy may remove. Lines saying what was done."""
+        """Just before ``terraform destroy`` (or its place, for a provider without a module), every
+        process stopped and with ``purge`` every run deleted: make the state say what destroy may
+        remove. Lines saying what was done."""
         return []
 
     def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
-        """After ``terraform destroy`` of an ``up`` that was interrupted (its Terraform state may
-        lack what it made last): delete what is still the cluster's by the provider's own marks
+        """After ``terraform destroy`` (or its place) of an ``up`` that was interrupted (its Terraform
+        state may lack what it made last): delete what is still the cluster's by the provider's own marks
         (its tag), the store it made too with ``purge``. What was deleted, one item each; nothing
         where destroy leaves nothing unnamed."""
         return []
 
     @abstractmethod
     def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
-        """After ``terraform destroy`` (and after every node process was stopped): what of the
-        cluster still exists, one line each (empty when nothing is left)."""
+        """After ``terraform destroy`` (or its place) and after every node process was stopped: what
+        of the cluster still exists, one line each (empty when nothing is left)."""
 
     @abstractmethod
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
@@ -122,13 +136,13 @@ class Provider(ABC):
 _PROVIDERS: dict[str, Provider] = {}
 
 
-def register(provider: Provider, config: ProviderConfig) -> None:
-    """Make ``provider`` known, and its cluster.yaml section with it (each provider module calls
-    this once, when it is imported)."""
-    if config.name != provider.name:
-        raise ValueError(f"provider {provider.name!r} registers the config of {config.name!r}")
+def register(provider: Provider) -> None:
+    """Make ``provider`` known, and its cluster.yaml section with it (``providers.register_every``
+    registers each installed provider once)."""
+    if provider.config.name != provider.name:
+        raise ValueError(f"provider {provider.name!r} registers the config of {provider.config.name!r}")
     _PROVIDERS[provider.name] = provider
-    register_provider(config)
+    register_provider(provider.config)
 
 
 def provider_named(name: str) -> Provider:

@@ -17,12 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infractl import proc
+from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig
 from infractl.errors import InfractlError
 from infractl.infra import Node
 from infractl.proc import NodeProcess
-from infractl.providers.contract import Provider, register
+from infractl.providers.contract import Provider
 from infractl.providers.nodecontrol import NodeControl, Watch
 from infractl.statedir import ClusterState, write_private
 
@@ -37,7 +37,12 @@ def node_directories(state: ClusterState) -> list[str]:
 
 class Local(Provider):
     name = "local"
+    config = ProviderConfig(name="local", help="nodes are process trees on this machine.", default=True)
     shares_host_accounts = True
+
+    def terraform_module(self) -> Path:
+        """infra/local: one ``terraform_data`` per node, its work directory."""
+        return infra.module_dir(self.name)
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return {
@@ -166,6 +171,3 @@ class _LocalWatch(Watch):
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-register(Local(), ProviderConfig(name=Local.name, help="nodes are process trees on this machine.", default=True))

@@ -41,11 +41,11 @@ from urllib.parse import parse_qs, urlsplit
 import psutil
 from pydantic import Field, field_validator
 
-from infractl import proc
+from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import Node
-from infractl.providers.contract import Provider, register
+from infractl.providers.contract import Provider
 from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
 from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
@@ -132,6 +132,16 @@ def _ip_json(*args: str) -> list[dict[str, Any]]:
     return list(json.loads(listed.stdout or "[]")) if listed.returncode == 0 else []
 
 
+def _index(node: str) -> int:
+    """A node's index: infra/netns names node i ``node-<i>``."""
+    return int(node.rpartition("-")[2])
+
+
+def _namespace(state: ClusterState, node: str) -> str:
+    """The network namespace of ``node``, as infra/netns names it: ``infractl-<id>-<index>``."""
+    return f"infractl-{state.short_id}-{_index(node)}"
+
+
 def _namespaces(state: ClusterState) -> list[str]:
     """The cluster's namespaces that exist on this machine now."""
     return sorted(e["name"] for e in _ip_json("netns", "list") if e["name"].startswith(f"infractl-{state.short_id}-"))
@@ -139,9 +149,22 @@ def _namespaces(state: ClusterState) -> list[str]:
 
 class Netns(Provider):
     name = "netns"
+    config = ProviderConfig(
+        name="netns",
+        help=(
+            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
+            "sshd (Linux, root)."
+        ),
+        section=NetnsSpec,
+        section_help="The `netns` provider's settings; only with provider: netns.",
+    )
     serves_images = True
     # The nodes are namespaces of this machine: its accounts are theirs.
     shares_host_accounts = True
+
+    def terraform_module(self) -> Path:
+        """infra/netns: the nodes' namespaces, their bridge and sshds."""
+        return infra.module_dir(self.name)
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return {
@@ -324,7 +347,7 @@ class NetnsNodes(SshNodes):
         listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
         deadline = time.monotonic() + _KILL_NODE_S
         while True:
-            listed = proc.run(["ip", "netns", "pids", str(entry.namespace)])
+            listed = proc.run(["ip", "netns", "pids", _namespace(self.state, node)])
             pids = {int(pid) for pid in listed.stdout.split()} - {listener} if listed.returncode == 0 else set()
             if not pids or time.monotonic() >= deadline:
                 return
@@ -337,7 +360,7 @@ class NetnsNodes(SshNodes):
 
     def _link_commands(self, node: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
         """The command that makes ``fault`` on the node's link, and the one that undoes it."""
-        namespace = str(self.node(node).namespace)
+        namespace = _namespace(self.state, node)
         if fault == "down":
             return (
                 ["ip", "-n", namespace, "link", "set", "eth0", "down"],
@@ -345,8 +368,7 @@ class NetnsNodes(SshNodes):
             )
         if fault == "drop":
             # The host side of the node's veth pair (infra/netns names both from the cluster id and index).
-            cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
-            veth = f"ixv{cluster_id}-{index}"
+            veth = f"ixv{self.state.short_id}-{_index(node)}"
             return (
                 ["bridge", "link", "set", "dev", veth, "state", "0"],
                 ["bridge", "link", "set", "dev", veth, "state", "3"],
@@ -364,8 +386,9 @@ class NetnsNodes(SshNodes):
             why = proc.last_line(done.stderr)
             hint = NETEM_HINT if fault == "delay" else ""
             raise UsageError(f"cannot make a {fault!r} fault on {node}'s link: {why}{hint}", field="--kind")
-        namespace = str(self.node(node).namespace)
-        return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
+        return {"link": fault, "namespace": _namespace(self.state, node)} | (
+            {"latency_ms": latency_ms} if fault == "delay" else {}
+        )
 
     def restore_link(self, node: str, fault: str) -> None:
         _, undo = self._link_commands(node, fault, 0)
@@ -504,17 +527,3 @@ def _ip_or_raise(argv: list[str]) -> None:
     done = proc.run(argv)
     if done.returncode != 0:
         raise InfractlError(f"{shlex.join(argv)} failed: {proc.last_line(done.stderr)}")
-
-
-register(
-    Netns(),
-    ProviderConfig(
-        name=Netns.name,
-        help=(
-            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
-            "sshd (Linux, root)."
-        ),
-        section=NetnsSpec,
-        section_help="The `netns` provider's settings; only with provider: netns.",
-    ),
-)

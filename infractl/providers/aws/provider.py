@@ -24,7 +24,7 @@ from infractl.providers.aws.pricing import DRY_RUN_KEYS, hourly_cost, planned_re
 from infractl.providers.aws.spec import CONFIG, AwsSpec, instance_types, module_variables
 from infractl.providers.aws.ssh import ClusterKeys, HostKeys, ssh_hosts, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap, reap_orphan, sweep, tagged_clusters
-from infractl.providers.contract import Provider, register
+from infractl.providers.contract import Provider
 from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.providers.servers import LocalServers, ServerHost
@@ -41,7 +41,12 @@ _SERVICES = ("ec2", "iam", "s3", "ssm", "sts")
 
 class Aws(Provider):
     name = "aws"
+    config = CONFIG
     serves_images = True
+
+    def terraform_module(self) -> Path:
+        """infra/aws: the instances, their network, roles and the store's bucket."""
+        return infra.module_dir(self.name)
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return module_variables(spec, ClusterKeys.of(spec, state).variables())
@@ -271,6 +276,3 @@ class Aws(Provider):
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         provisioned = Provisioned.load(state)
         return AwsNodes(state, nodes, instance_types=provisioned.instance_types if provisioned else {})
-
-
-register(Aws(), CONFIG)
