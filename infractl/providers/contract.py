@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,7 +18,74 @@ from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.servers import LocalServers, ServerHost
 from infractl.statedir import ClusterState, Orphan
 
-__all__ = ["Provider", "every_provider", "provider_named", "register"]
+__all__ = ["Cost", "CostLine", "Plan", "Provider", "every_provider", "provider_named", "register"]
+
+
+@dataclass(frozen=True)
+class CostLine:
+    """One priced item of a plan."""
+
+    item: str
+    """What is priced, in words (``core: 2 x p5.48xlarge on-demand``)."""
+    hourly: float
+    """Its price per hour, in the cost's currency."""
+    note: str = ""
+    """What else to know of its price (at another market, say), shown after it."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a planned cluster costs per hour."""
+
+    currency: str
+    basis: str
+    """Where the prices come from (``us-east-1 list prices checked 2026-01-05``)."""
+    lines: tuple[CostLine, ...]
+    total: float
+    """Per hour, every line together."""
+    note: str = ""
+    """What else to know of the total, shown after it."""
+    details: Mapping[str, Any] = field(default_factory=dict)
+    """The provider's own breakdown, for ``--json`` only (its keys beside the others)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.details,
+            "currency": self.currency,
+            "basis": self.basis,
+            "lines": [asdict(line) for line in self.lines],
+            "total": self.total,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``up`` would make for a cluster (``infractl up --dry-run``), computed offline."""
+
+    provider: str
+    module: str | None
+    """The Terraform module ``up`` would apply (``infra/aws``); None for a provider without one."""
+    region: str | None
+    """Where the cluster would be (a cloud's region), where the provider has such a thing."""
+    variables: Mapping[str, object]
+    """The module's variables (none without a module)."""
+    resources: tuple[str, ...]
+    """What would be created: the module's resource addresses."""
+    cost: Cost | None
+    """What it would cost per hour; None when it costs nothing (``cost_note`` says why)."""
+    cost_note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "module": self.module,
+            "region": self.region,
+            "variables": dict(self.variables),
+            "resources": list(self.resources),
+            "cost": self.cost.to_dict() if self.cost is not None else None,
+            "cost_note": self.cost_note,
+        }
 
 
 class Provider(ABC):
@@ -46,7 +114,7 @@ class Provider(ABC):
         return {}
 
     @abstractmethod
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """What ``up`` would create (variables, resource addresses, hourly cost or None), computed
         offline and changing nothing."""
 

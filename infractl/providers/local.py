@@ -22,7 +22,7 @@ from infractl.config import ClusterSpec, ProviderConfig
 from infractl.errors import InfractlError
 from infractl.infra import Node
 from infractl.proc import NodeProcess
-from infractl.providers.contract import Provider
+from infractl.providers.contract import Plan, Provider
 from infractl.providers.nodecontrol import NodeControl, Watch
 from infractl.statedir import ClusterState, write_private
 
@@ -52,16 +52,17 @@ class Local(Provider):
             "state_dir": str(state.dir),
         }
 
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """infra/local makes one ``terraform_data.node`` per node: that is the whole plan."""
-        return {
-            "provider": self.name,
-            "module": f"infra/{self.name}",
-            "region": None,
-            "variables": self.variables(spec, state),
-            "resources": [f"terraform_data.node[{index}]" for index in range(spec.nodes)],
-            "cost": None,
-        }
+        return Plan(
+            provider=self.name,
+            module=f"infra/{self.name}",
+            region=None,
+            variables=self.variables(spec, state),
+            resources=tuple(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
+            cost=None,
+            cost_note="the nodes are this machine",
+        )
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """Nothing to check beyond what ``up`` checks for every provider."""

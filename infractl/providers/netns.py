@@ -45,7 +45,7 @@ from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import Node
-from infractl.providers.contract import Provider
+from infractl.providers.contract import Plan, Provider
 from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
 from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
@@ -177,21 +177,22 @@ class Netns(Provider):
             "sshd": _SSHD,
         }
 
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """infra/netns makes the key pair, the bridge, its guard and one ``terraform_data.node`` per node."""
-        return {
-            "provider": self.name,
-            "module": f"infra/{self.name}",
-            "region": None,
-            "variables": self.variables(spec, state),
-            "resources": [
+        return Plan(
+            provider=self.name,
+            module=f"infra/{self.name}",
+            region=None,
+            variables=self.variables(spec, state),
+            resources=(
                 "terraform_data.keys",
                 "terraform_data.bridge",
                 "terraform_data.guard",
                 *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
-            ],
-            "cost": None,
-        }
+            ),
+            cost=None,
+            cost_note="the nodes are this machine",
+        )
 
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The bridge's host-side address: reachable from every node, and in none of them."""

@@ -28,8 +28,9 @@ from typing import Any
 from infractl import infra
 from infractl.errors import InfraError
 from infractl.providers.aws.spec import prices
+from infractl.providers.contract import Cost, CostLine
 
-__all__ = ["DRY_RUN_KEYS", "hourly_cost", "planned_resources"]
+__all__ = ["DRY_RUN_KEYS", "cost", "hourly_cost", "planned_resources"]
 
 # AWS turns a monthly price into an hourly one with 730 hours a month.
 _HOURS_PER_MONTH = 730
@@ -123,6 +124,34 @@ def hourly_cost(variables: Mapping[str, object]) -> dict[str, Any]:
         "total": round(fixed + sum(group["hourly"] for group in groups.values()), 4),
         "total_on_demand": round(fixed + sum(group["on_demand"] for group in groups.values()), 4),
     }
+
+
+def cost(variables: Mapping[str, object]) -> Cost:
+    """``hourly_cost`` as a plan's cost: a line per node group (with its price at both markets),
+    the controller, the network and the storage; the total with every group on-demand beside the
+    total. ``hourly_cost``'s own keys go to ``--json`` as they are."""
+    priced = hourly_cost(variables)
+    lines = [
+        CostLine(
+            f"{name}: {group['nodes']} x {group['instance_type']} {group['market']}",
+            group["hourly"],
+            f"on-demand {group['on_demand']:,.2f}, spot {group['spot']:,.2f}",
+        )
+        for name, group in priced["groups"].items()
+    ]
+    lines += [
+        CostLine(f"controller {priced['controller']['instance_type']}", priced["controller"]["hourly"]),
+        CostLine("network", priced["network"]),
+        CostLine("storage", priced["storage"]),
+    ]
+    return Cost(
+        currency=priced["currency"],
+        basis=f"{priced['region']} list prices checked {priced['prices_checked']}",
+        lines=tuple(lines),
+        total=priced["total"],
+        note=f"{priced['total_on_demand']:,.2f}/h with every group on-demand",
+        details=priced,
+    )
 
 
 def _evaluate(variables: Mapping[str, object]) -> dict[str, Any]:

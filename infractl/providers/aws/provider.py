@@ -20,11 +20,11 @@ from infractl.planning.devices import CATALOG, Device
 from infractl.providers.aws.account import check_account
 from infractl.providers.aws.buckets import empty_bucket, has_state, release_stale_lock, s3_answers, state_key
 from infractl.providers.aws.nodes import REGISTRY_PORT, AwsNodes, Provisioned, engine_for
-from infractl.providers.aws.pricing import DRY_RUN_KEYS, hourly_cost, planned_resources
+from infractl.providers.aws.pricing import DRY_RUN_KEYS, cost, planned_resources
 from infractl.providers.aws.spec import CONFIG, AwsSpec, instance_types, module_variables
 from infractl.providers.aws.ssh import ClusterKeys, HostKeys, ssh_hosts, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap, reap_orphan, sweep, tagged_clusters
-from infractl.providers.contract import Provider
+from infractl.providers.contract import Plan, Provider
 from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.providers.servers import LocalServers, ServerHost
@@ -51,18 +51,18 @@ class Aws(Provider):
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return module_variables(spec, ClusterKeys.of(spec, state).variables())
 
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """What ``infractl up`` would do for ``spec``, computed offline: the module's variables, the
         resources it would create, and the hourly cost at prices.json's list prices."""
         variables = module_variables(spec, DRY_RUN_KEYS)
-        return {
-            "provider": self.name,
-            "module": f"infra/{self.name}",
-            "region": aws.region if (aws := spec.settings(AwsSpec)) else None,
-            "variables": {name: value for name, value in variables.items() if name not in DRY_RUN_KEYS},
-            "resources": planned_resources(variables),
-            "cost": hourly_cost(variables),
-        }
+        return Plan(
+            provider=self.name,
+            module=f"infra/{self.name}",
+            region=aws.region if (aws := spec.settings(AwsSpec)) else None,
+            variables={name: value for name, value in variables.items() if name not in DRY_RUN_KEYS},
+            resources=tuple(planned_resources(variables)),
+            cost=cost(variables),
+        )
 
     def device(self, spec: ClusterSpec, environ: Mapping[str, str]) -> Device:
         """The smallest device of the node groups' instance types: one GPU (instances.json's
@@ -133,13 +133,13 @@ class Aws(Provider):
             )
         return RootSettings(blocks=blocks, outputs=("controller", "network", "bucket"), cli_config=cli_config)
 
-    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult) -> list[Node]:
+    def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult | None) -> list[Node]:
         """The nodes, reached over SSH through the controller (the cluster's only public address)
         with the cluster's key. Every instance's host key is pinned in the cluster's known_hosts:
         user data's bootstrap key, until the instance has made a key of its own over the channel
         pinned to it, before anything else reaches the instance (``HostKeys``)."""
         aws = spec.settings(AwsSpec)
-        assert aws is not None
+        assert aws is not None and applied is not None  # the provider has a module: up applied it
         keys = ClusterKeys.of(spec, state)
         controller, inventory = applied.outputs["controller"], applied.outputs["inventory"]
         instances = {"controller": controller["instance_id"]} | {i["name"]: i["instance_id"] for i in inventory}
