@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from infractl import proc, providers, runstore
 from infractl.cli import main
 from infractl.errors import InfractlError
+from infractl.providers.aws.spec import AwsSpec
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap
 from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
@@ -314,10 +315,10 @@ def aws_left_clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         if not state.dir.is_relative_to(tmp_path_factory.getbasetemp()):
             continue
         try:
-            spec = state.read_intent().get("spec") or {}
-        except (InfractlError, OSError, ValueError):
-            spec = {}
-        if (spec.get("aws") or {}).get("endpoint_url") != emulation.endpoint:
+            aws = state.spec().settings(AwsSpec)
+        except (InfractlError, OSError):
+            aws = None
+        if aws is None or aws.endpoint_url != emulation.endpoint:
             continue
         left.append(f"cluster {state.dir}")
         done = Cli(state.dir.parent.parent)("teardown", "-c", state.name, "--purge", "--yes", expect=None, timeout=900)

@@ -17,7 +17,7 @@ import pytest
 from infractl import playbook
 from infractl.config import load_cluster
 from infractl.errors import ConfigError
-from infractl.infra import Node, SshLogin
+from infractl.node import Node, SshLogin
 from infractl.planning.devices import CATALOG, Device
 from infractl.providers.aws.nodes import AwsNodes, engine_for
 from infractl.providers.aws.pricing import planned_resources

@@ -20,7 +20,7 @@ import pytest
 from test_aws_emulated import cluster_yaml, ssh
 
 from infractl import providers, runstore, workdir
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
 from infractl.statedir import ClusterState
 from infractl.store import open_store

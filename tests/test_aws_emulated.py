@@ -22,7 +22,7 @@ import yaml
 from infractl import infra, proc
 from infractl.config import ClusterSpec, load_cluster
 from infractl.errors import InfraError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.providers.aws.provider import Aws
 from infractl.providers.aws.ssh import ClusterKeys, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, sweep

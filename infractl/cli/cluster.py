@@ -210,10 +210,7 @@ def _run_rows(
 
 
 def _log_tails(nodes: NodeControl, run: str) -> list[bytes]:
-    return [
-        nodes.tail_bytes(name, node_log(node.record(), run), size=runs.LOG_TAIL_BYTES)
-        for name, node in nodes.nodes.items()
-    ]
+    return [nodes.tail_bytes(name, node_log(node, run), size=runs.LOG_TAIL_BYTES) for name, node in nodes.nodes.items()]
 
 
 def _running_rows(live: dict[str, set[str]]) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ def logs(
     """
     out = output()
     state, _ = resolve_cluster(cluster_opt)
-    nodes = state.read()["nodes"] if node is None else [runs.node(state, node, field="--node")]
+    nodes = state.record().nodes if node is None else (runs.node(state, node, field="--node"),)
     store = for_cluster(state)
     if run is None:
         run = runs.latest_run(state, store)
@@ -50,9 +50,9 @@ def logs(
     control = providers.control(state)
     for n in nodes:
         path: Path = node_log(n, run)
-        out.raw(f"==> {n['name']} · run {run} · {path}\n")
+        out.raw(f"==> {n.name} · run {run} · {path}\n")
         try:
-            lines = control.tail(n["name"], path, lines=tail)
+            lines = control.tail(n.name, path, lines=tail)
         except InfractlError as exc:
             out.raw(f"(cannot read it: {exc.message})\n")
             continue

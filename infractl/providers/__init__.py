@@ -25,7 +25,6 @@ import functools
 import importlib.metadata
 
 from infractl.errors import InfractlError
-from infractl.infra import Node
 from infractl.providers.contract import Provider, every_provider, provider_named, register
 from infractl.providers.nodecontrol import LINK_FAULTS, NodeControl, Watch
 from infractl.statedir import ClusterState
@@ -61,13 +60,13 @@ def every() -> list[Provider]:
 
 def of(state: ClusterState) -> Provider:
     """The provider of a cluster that is up (``StateError`` otherwise)."""
-    return get(str(state.read()["spec"]["provider"]))
+    return get(state.record().spec.provider)
 
 
 def control(state: ClusterState) -> NodeControl:
     """How the control plane reaches the nodes of a cluster that is up."""
-    record = state.read()
-    return get(str(record["spec"]["provider"])).control(state, [Node.from_record(n) for n in record["nodes"]])
+    record = state.record()
+    return get(record.spec.provider).control(state, record.nodes)
 
 
 @functools.cache

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from infractl.config import ClusterSpec, ProviderConfig, register_provider
-from infractl.infra import ApplyResult, Node, RootSettings
+from infractl.infra import ApplyResult, RootSettings
+from infractl.node import Node
 from infractl.planning.devices import Device, shared_cpu
 from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.servers import LocalServers, ServerHost
-from infractl.statedir import ClusterState, Orphan
+from infractl.statedir import ClusterIntent, ClusterState, Orphan
 
 __all__ = ["Cost", "CostLine", "Plan", "Provider", "every_provider", "provider_named", "register"]
 
@@ -166,13 +167,13 @@ class Provider(ABC):
         machine, unless the provider has a host of the cluster for them."""
         return LocalServers(state)
 
-    def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def before_destroy(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """Just before ``terraform destroy`` (or its place, for a provider without a module), every
         process stopped and with ``purge`` every run deleted: make the state say what destroy may
         remove. Lines saying what was done."""
         return []
 
-    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """After ``terraform destroy`` (or its place) of an ``up`` that was interrupted (its Terraform
         state may lack what it made last): delete what is still the cluster's by the provider's own marks
         (its tag), the store it made too with ``purge``. What was deleted, one item each; nothing
@@ -180,7 +181,7 @@ class Provider(ABC):
         return []
 
     @abstractmethod
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         """After ``terraform destroy`` (or its place) and after every node process was stopped: what
         of the cluster still exists, one line each (empty when nothing is left)."""
 

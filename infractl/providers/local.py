@@ -20,11 +20,11 @@ from typing import Any
 from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig
 from infractl.errors import InfractlError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.proc import NodeProcess
 from infractl.providers.contract import Plan, Provider
 from infractl.providers.nodecontrol import NodeControl, Watch
-from infractl.statedir import ClusterState, write_private
+from infractl.statedir import ClusterIntent, ClusterState, write_private
 
 __all__ = ["Local", "LocalNodes", "node_directories"]
 
@@ -71,7 +71,7 @@ class Local(Provider):
         """Every node is this machine: the endpoint listens on its loopback."""
         return "127.0.0.1"
 
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         return node_directories(state)
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:

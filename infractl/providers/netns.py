@@ -44,13 +44,13 @@ from pydantic import Field, field_validator
 from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.providers.contract import Plan, Provider
 from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
 from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
 from infractl.providers.remote import SshNodes
-from infractl.statedir import ClusterState, Orphan
+from infractl.statedir import ClusterIntent, ClusterState, Orphan
 
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
@@ -243,7 +243,7 @@ class Netns(Provider):
                 field="store",
             )
 
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         """Namespaces, interfaces, sshd processes, the bridge's guard and keys ``terraform destroy``
         left behind."""
         found = [f"network namespace {name}" for name in _namespaces(state)]
@@ -271,7 +271,7 @@ class Netns(Provider):
         is gone."""
         return _made(lambda short_id: short_id not in owned, lambda cluster_dir: not cluster_dir.exists())
 
-    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """What the module's provisioners made after Terraform last saved its state (an apply
         that was killed): the cluster's namespaces, interfaces, run roots and sshd processes."""
         mine = _made(

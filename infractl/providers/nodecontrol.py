@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from infractl.errors import InfractlError, UsageError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.proc import NodeProcess
 from infractl.providers.engines import DOCKER, ContainerEngine
 from infractl.statedir import ClusterState

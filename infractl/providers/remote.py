@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from infractl import proc
 from infractl.errors import InfractlError, UsageError
-from infractl.infra import Node, SshLogin
+from infractl.node import Node, SshLogin
 from infractl.proc import NodeProcess
 from infractl.providers.engines import IMAGE_PYTHON, ContainerEngine
 from infractl.providers.nodecontrol import NETEM_HINT, NodeControl, Watch

@@ -13,7 +13,7 @@ from typing import Any
 
 from infractl import proc
 from infractl.errors import InfraError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.providers.aws.spec import instance_types
 from infractl.providers.engines import DOCKER, IMAGE_PYTHON, ContainerEngine
 from infractl.providers.remote import SYSTEM_PYTHON, SshNodes
@@ -130,7 +130,7 @@ class AwsNodes(SshNodes):
 
     def _node_side(self, node: str, *args: str) -> list[str]:
         if self._image is None:
-            self._image = self.state.read().get("image")
+            self._image = self.state.record().image
             if self._image is None:
                 raise InfraError(f"cluster {self.state.name!r} records no image: its nodes were never configured")
         prefix = self.containers(node).run_prefix()

@@ -15,20 +15,21 @@ from urllib.parse import urlsplit
 
 from infractl import infra
 from infractl.config import ClusterSpec
-from infractl.infra import ApplyResult, Node, RootSettings, SshLogin
+from infractl.infra import ApplyResult, RootSettings
+from infractl.node import Node, SshLogin
 from infractl.planning.devices import CATALOG, Device
 from infractl.providers.aws.account import check_account
 from infractl.providers.aws.buckets import empty_bucket, has_state, release_stale_lock, s3_answers, state_key
 from infractl.providers.aws.nodes import REGISTRY_PORT, AwsNodes, Provisioned, engine_for
 from infractl.providers.aws.pricing import DRY_RUN_KEYS, cost, planned_resources
-from infractl.providers.aws.spec import CONFIG, AwsSpec, instance_types, module_variables
+from infractl.providers.aws.spec import CONFIG, AwsSpec, aws_settings, instance_types, module_variables
 from infractl.providers.aws.ssh import ClusterKeys, HostKeys, ssh_hosts, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap, reap_orphan, sweep, tagged_clusters
 from infractl.providers.contract import Plan, Provider
 from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.remote import SYSTEM_PYTHON, RemoteServers, SshNodes
 from infractl.providers.servers import LocalServers, ServerHost
-from infractl.statedir import ClusterState, Orphan
+from infractl.statedir import ClusterIntent, ClusterState, Orphan
 
 __all__ = ["Aws"]
 
@@ -210,28 +211,28 @@ class Aws(Provider):
         engine = engine_for(provisioned.instance_types["controller"])
         return RemoteServers(state, provisioned.controller, engine=engine, ports=provisioned.ports)
 
-    def before_destroy(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def before_destroy(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """A bucket the cluster created outlives it unless ``purge``: kept, it leaves Terraform's
         state (the next ``up`` of the cluster takes it back); purged, every version of every
         object goes first, so destroy can delete it."""
-        settings = AwsSpec.model_validate(record["spec"][self.name])
+        settings = aws_settings(record.spec)
         said = release_stale_lock(settings, state.name)
         if not settings.create_bucket:
             return said
-        bucket = urlsplit(record["store"]).netloc
+        bucket = urlsplit(record.store).netloc
         if not purge:
             infra.forget(state.terraform_dir, "module.cluster.aws_s3_bucket")
             return [*said, f"store: bucket {bucket} kept with the runs in it (`teardown --purge` deletes it)"]
         deleted = empty_bucket(bucket, settings.region, endpoint_url=settings.endpoint_url)
         return [*said, f"store: bucket {bucket} emptied ({deleted} object version(s) and delete marker(s)) for destroy"]
 
-    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """Everything with the cluster's tag or IAM path (see ``reap``): after an interrupted
         ``up``, what Terraform made before it saved its state; with ``purge``, the bucket the
         cluster creates too (``before_destroy`` emptied it)."""
-        settings = AwsSpec.model_validate(record["spec"][self.name])
-        deleted = reap(record["name"], settings.region, endpoint_url=settings.endpoint_url)
-        bucket = urlsplit(record["store"]).netloc
+        settings = aws_settings(record.spec)
+        deleted = reap(record.name, settings.region, endpoint_url=settings.endpoint_url)
+        bucket = urlsplit(record.store).netloc
         if (
             purge
             and settings.create_bucket
@@ -245,10 +246,10 @@ class Aws(Provider):
             deleted.append(f"bucket {bucket}")
         return deleted
 
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         """What EC2 still holds with the cluster's tag (see ``sweep``)."""
-        settings = record["spec"][self.name]
-        return sweep(record["name"], settings["region"], endpoint_url=settings.get("endpoint_url"))
+        settings = aws_settings(record.spec)
+        return sweep(record.name, settings.region, endpoint_url=settings.endpoint_url)
 
     def account_orphans(self, spec: ClusterSpec) -> list[Orphan]:
         """In the account and region of ``spec``'s aws section: every cluster that holds tagged

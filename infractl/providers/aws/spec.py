@@ -19,7 +19,7 @@ from infractl import infra
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.errors import InfraError
 
-__all__ = ["CONFIG", "AwsSpec", "NodeGroup", "instance_types", "module_variables", "prices", "tls"]
+__all__ = ["CONFIG", "AwsSpec", "NodeGroup", "aws_settings", "instance_types", "module_variables", "prices", "tls"]
 
 _GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
 _AWS_ID = r"^{kind}-[0-9a-f]{{8,17}}$"
@@ -160,6 +160,14 @@ class AwsSpec(Spec):
         if value is not None and not Path(value).expanduser().is_absolute():
             raise ValueError(f"{value!r} must be an absolute path (or start with ~)")
         return value
+
+
+def aws_settings(spec: ClusterSpec) -> AwsSpec:
+    """The ``aws:`` section of an aws cluster's spec (the loader refuses an aws cluster without one)."""
+    aws = spec.settings(AwsSpec)
+    if aws is None:
+        raise InfraError(f"cluster {spec.name!r} has no aws section: not an aws cluster")
+    return aws
 
 
 def _ranks_per_gpu(data: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from infractl import proc
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfraError
-from infractl.infra import SshLogin
+from infractl.node import SshLogin
 from infractl.providers.aws.spec import AwsSpec
 from infractl.providers.remote import SshNodes
 from infractl.statedir import ClusterState, write_private
