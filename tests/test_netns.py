@@ -163,7 +163,7 @@ def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key
     taken = write(multi.cwd / "taken.yaml", f"name: taken\nprovider: netns\nnodes: 1\nnetns: {{subnet: {subnet}}}\n")
     refused_up = one_line(multi("up", "-c", str(taken), expect=2).stderr)
     assert refused_up.startswith(f"error: netns.subnet: {subnet} is in use"), refused_up
-    assert f"interface ixb{record['nodes'][0]['namespace'].split('-')[1]} has {bridge}" in refused_up
+    assert f"interface ixb{ClusterState('multi', state).short_id} has {bridge}" in refused_up
     assert not (multi.home / "taken").exists()
 
     # The handover says how to log in to each node, and that command works as written.
