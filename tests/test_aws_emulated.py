@@ -26,7 +26,7 @@ from infractl.node import Node
 from infractl.providers.aws.provider import Aws
 from infractl.providers.aws.ssh import ClusterKeys, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
-from infractl.statedir import ClusterState
+from infractl.statedir import ClusterIntent, ClusterState
 
 from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
 from conftest import BuiltImage, Cli, write
@@ -206,7 +206,8 @@ class TestOneApply:
         Last in the class: the cluster is gone afterwards."""
         spec, state, _, _ = applied
         provider = Aws()
-        record = {"spec": spec.model_dump(mode="json"), "store": spec.store}
+        assert spec.store is not None
+        record = ClusterIntent(name=spec.name, spec=spec, store=spec.store)
         bucket = f"{spec.name}-store"
         s3 = emulation.client("s3")
 
