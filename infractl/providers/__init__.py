@@ -1,7 +1,8 @@
 """Providers: where a cluster's nodes come from (cluster.yaml's ``provider``) and how the control
 plane reaches them. Each provider is a ``contract.Provider`` registered with its cluster.yaml
-section through an entry point (``register_every``), so ``up``, ``teardown``, the launcher, status and the drills
-never branch on the provider themselves, and nothing outside this package names one.
+section through an entry point (``register_every``), so ``up``, ``teardown``, the launcher,
+status and the drills never branch on the provider themselves, and nothing outside this package
+names one.
 
 - ``local.py``: nodes are work directories and process trees on this machine.
 - ``netns.py``: nodes are network namespaces on this machine, each with its own address and sshd
