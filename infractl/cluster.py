@@ -150,14 +150,16 @@ def _provision(
     after); the apply (None for a provider without a module: its nodes exist already), and the
     nodes as the control plane reaches them."""
     provider = providers.get(spec.provider)
-    if not provider.makes_store(spec):
-        store.ensure()
-    (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
     module = provider.terraform_module()
     if module is None:
         out.info(f"nodes: {spec.nodes} of provider {spec.provider} (it has no Terraform module: nothing to apply)")
+    else:
+        out.info(f"terraform: applying {module.parent.name}/{module.name} for {spec.nodes} node(s)…")
+    if not provider.makes_store(spec):
+        store.ensure()
+    (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
+    if module is None:
         return None, provider.provisioned(spec, state, None)
-    out.info(f"terraform: applying {module.parent.name}/{module.name} for {spec.nodes} node(s)…")
     applied = infra.apply(
         state.terraform_dir,
         module,
