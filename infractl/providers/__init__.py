@@ -92,3 +92,8 @@ def register_every() -> None:
                 f"{entry.name!r}"
             )
         register(loaded())
+    if not found:  # an install from before providers were entry points (an editable one not reinstalled)
+        raise InfractlError(
+            f"no provider is installed: infractl's {ENTRY_POINT_GROUP!r} entry points are missing; reinstall "
+            "infractl (pip install -e . in a checkout, or scripts/bootstrap.sh)"
+        )
