@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,15 @@ from infractl import __version__, access, image, infra, playbook, proc, provider
 from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, InfraError, Interrupted, UsageError
 from infractl.image import registry
+from infractl.node import Node
 from infractl.output import Output
 from infractl.planning.devices import Device
 from infractl.planning.plan import format_bytes
-from infractl.providers.base import IMAGE_UID, NodeControl, ServerHost
+from infractl.providers.engines import IMAGE_UID
+from infractl.providers.nodecontrol import NodeControl
+from infractl.providers.servers import ServerHost
 from infractl.servers import ensure_registry, ensure_rendezvous
-from infractl.statedir import ClusterState
+from infractl.statedir import ClusterIntent, ClusterRecord, ClusterState, Endpoint
 from infractl.store import Store, StoreUnavailable, for_cluster, open_store
 
 __all__ = [
@@ -85,8 +88,8 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
     providers.get(spec.provider).preflight(spec, state)
     uri = store_uri(state, spec)
     store = open_store(uri, field="cluster.store")
-    previous = state.read() if state.is_up() else None
-    if previous is not None and previous.get("store") == uri:
+    previous = state.record() if state.is_up() else None
+    if previous is not None and previous.store == uri:
         try:
             store.ping()
         except StoreUnavailable as exc:
@@ -98,11 +101,11 @@ def preflight(state: ClusterState, spec: ClusterSpec) -> Store:
     _check_image_cached(state, spec, previous)
     # A store made with the nodes is checked by `up` once they are applied.
     if previous is not None or not providers.get(spec.provider).makes_store(spec):
-        store.check(create_ok=previous is None or previous.get("store") != uri)
+        store.check(create_ok=previous is None or previous.store != uri)
     return store
 
 
-def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[str, Any] | None) -> None:
+def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: ClusterRecord | None) -> None:
     """A cluster whose nodes pull from its own registry gets a newly pinned image from this
     machine's build cache: it must be there before ``up`` starts anything. (An image the cluster's
     registry served before is there still.)"""
@@ -110,7 +113,7 @@ def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[s
     if pinned is None or not providers.get(spec.provider).serves_images:
         return
     digest = pinned.rpartition("@")[2]
-    if str((previous or {}).get("image") or "").endswith(f"@{digest}"):
+    if previous is not None and (previous.image or "").endswith(f"@{digest}"):
         return
     if image.locate(digest) is None:
         raise UsageError(
@@ -121,7 +124,7 @@ def _check_image_cached(state: ClusterState, spec: ClusterSpec, previous: dict[s
 
 
 def _serve_image(
-    state: ClusterState, spec: ClusterSpec, servers: ServerHost, previous: dict[str, Any] | None, out: Output
+    state: ClusterState, spec: ClusterSpec, servers: ServerHost, previous: ClusterRecord | None, out: Output
 ) -> tuple[registry.Registry | None, str | None, bool]:
     """For a pinned image on a provider whose nodes pull from the cluster's own registry: keep
     that registry running and the image in it (and on the servers' host, where infractl's servers
@@ -142,19 +145,30 @@ def _serve_image(
     return served, pulled, started or pushed
 
 
-def _provision(state: ClusterState, spec: ClusterSpec, store: Store) -> tuple[infra.ApplyResult, list[infra.Node]]:
+def _provision(
+    state: ClusterState, spec: ClusterSpec, store: Store, out: Output
+) -> tuple[infra.ApplyResult | None, list[Node]]:
     """Apply the provider's module, with the store ready before (or, where the module makes it,
-    after); the apply, and its nodes as the control plane reaches them."""
+    after); the apply (None for a provider without a module: its nodes exist already), and the
+    nodes as the control plane reaches them."""
     provider = providers.get(spec.provider)
+    module = provider.terraform_module()
+    if module is None:
+        out.info(f"nodes: {spec.nodes} of provider {spec.provider} (it has no Terraform module: nothing to apply)")
+    else:
+        out.info(f"terraform: applying {module.parent.name}/{module.name} for {spec.nodes} node(s)…")
     if not provider.makes_store(spec):
         store.ensure()
     (state.dir / _DESTROYED).unlink(missing_ok=True)  # what teardown destroyed, this apply makes again
+    if module is None:
+        return None, provider.provisioned(spec, state, None)
     applied = infra.apply(
         state.terraform_dir,
-        infra.module_dir(spec.provider),
+        module,
         provider.variables(spec, state),
         root=provider.root_settings(spec, state),
     )
+    out.info(f"terraform: {applied.summary}")
     if provider.makes_store(spec):
         store.ensure()
     return applied, provider.provisioned(spec, state, applied)
@@ -242,14 +256,12 @@ def device_line(device: Device) -> str:
 def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpResult:
     """Provision and configure the cluster (``store`` from ``preflight``); running it again on an
     unchanged cluster changes nothing."""
-    previous = state.read() if state.is_up() else None
+    previous = state.record() if state.is_up() else None
     uri = store_uri(state, spec)
     provider = providers.get(spec.provider)
-    state.start({"name": spec.name, "spec": spec.model_dump(mode="json"), "store": uri})
-    out.info(f"terraform: applying infra/{spec.provider} for {spec.nodes} node(s)…")
-    applied, provisioned = _provision(state, spec, store)
+    state.start(ClusterIntent(name=spec.name, spec=spec, store=uri))
+    applied, provisioned = _provision(state, spec, store, out)
     nodes = provider.control(state, provisioned)
-    out.info(f"terraform: {applied.summary}")
 
     servers = provider.servers(state)
     served, pulled, image_changed = _serve_image(state, spec, servers, previous, out)
@@ -269,26 +281,24 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     device = provider.device(spec, os.environ)
     out.info(device_line(device))
     state.write(
-        {
-            "name": spec.name,
-            # Unique to this cluster, kept by every later `up` of it: each run records it (run.json's
-            # cluster_id), and `teardown --purge` deletes only the runs that carry it, as two
-            # clusters of one name (on two machines, or one brought up again) may share a store.
-            "id": (previous or {}).get("id") or secrets.token_hex(8),
-            "spec": spec.model_dump(mode="json"),
-            "store": uri,
-            "infractl_version": __version__,
-            "rendezvous": {"host": host, "port": port},
-            "nodes": [n.record() for n in provisioned],
-            "device": asdict(device),
-        }
-        | ({"registry": {"host": served.host, "port": served.port}, "image": pulled} if served is not None else {})
+        ClusterRecord(
+            name=spec.name,
+            spec=spec,
+            store=uri,
+            id=(previous.id if previous is not None else None) or secrets.token_hex(8),
+            infractl_version=__version__,
+            rendezvous=Endpoint(host, port),
+            nodes=tuple(provisioned),
+            device=device,
+            registry=Endpoint(served.host, served.port) if served is not None else None,
+            image=pulled if served is not None else None,
+        )
     )
     return UpResult(
         cluster=spec.name,
         nodes=[{"name": n.name, "address": n.address, "workdir": str(n.workdir)} for n in provisioned],
-        terraform=applied.summary,
-        terraform_changed=applied.changed,
+        terraform=applied.summary if applied is not None else "no Terraform module",
+        terraform_changed=applied is not None and applied.changed,
         rendezvous=f"{host}:{port}",
         rendezvous_started=started,
         image=pulled,
@@ -299,7 +309,7 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
 
 
 def _stop_and_destroy(
-    state: ClusterState, provider: providers.Provider, record: dict[str, Any], out: Output, *, purge: bool
+    state: ClusterState, provider: providers.Provider, record: ClusterRecord, out: Output, *, purge: bool
 ) -> tuple[int, list[str]]:
     """Teardown's first half: every process of the cluster stopped, its containers removed, with
     ``purge`` its runs deleted, then ``terraform destroy``. (Processes stopped, runs purged.)"""
@@ -308,7 +318,7 @@ def _stop_and_destroy(
     # Before anything goes: a store that cannot take the roles' rights back keeps the cluster up.
     if access.remove_from_store(state, for_cluster(state)):
         out.info("access: the roles' rights in the store are taken back")
-    if record.get("image"):
+    if record.image:
         for_cluster(state).admit_trainer(IMAGE_UID, admitted=False)
     nodes = providers.control(state)
     stopped, survived = nodes.stop_all(timeout=20)
@@ -320,7 +330,7 @@ def _stop_and_destroy(
         pids = [f"{p.node}:{p.pid}" for p in survived] + leftover
         raise InfractlError(f"processes of cluster {state.name!r} survived SIGKILL: {', '.join(pids)}")
 
-    if record.get("image") is not None and (cleaned := nodes.remove_containers()):
+    if record.image is not None and (cleaned := nodes.remove_containers()):
         out.info(f"containers: removed the containers and images of {', '.join(cleaned)}")
     purged: list[str] = []
     if purge:
@@ -329,7 +339,7 @@ def _stop_and_destroy(
     return stopped + own, purged
 
 
-def _purge_runs(state: ClusterState, record: dict[str, Any], out: Output) -> list[str]:
+def _purge_runs(state: ClusterState, record: ClusterRecord, out: Output) -> list[str]:
     """Delete the runs of this cluster from its store: those whose run.json carries the cluster's
     id, never a run of another cluster of the same name that shares the store. A run recorded
     before runs carried an id is this cluster's only when the cluster has none either (both from
@@ -337,25 +347,27 @@ def _purge_runs(state: ClusterState, record: dict[str, Any], out: Output) -> lis
     store = for_cluster(state)
     purged, unclaimed = [], []
     for run in runs.cluster_runs(state, store):
-        if run.cluster_id == record.get("id"):
+        if run.cluster_id == record.id:
             store.delete_prefix(runstore.run_prefix(run.run_id))
             purged.append(run.run_id)
         elif run.cluster_id is None:
             unclaimed.append(run.run_id)
     # The default store lies in the state directory, which a purge deletes whole.
-    if unclaimed and record["store"] != state.default_store.as_uri():
+    if unclaimed and record.store != state.default_store.as_uri():
         out.warn(
             f"store: kept run(s) {', '.join(unclaimed)}: recorded before runs named their cluster's id, they may be "
-            f"another cluster {state.name!r}'s; if they are this one's, delete runs/<run>/ in {record['store']}"
+            f"another cluster {state.name!r}'s; if they are this one's, delete runs/<run>/ in {record.store}"
         )
     return purged
 
 
 def _destroy(
-    state: ClusterState, provider: providers.Provider, record: dict[str, Any], out: Output, *, purge: bool
+    state: ClusterState, provider: providers.Provider, record: ClusterIntent, out: Output, *, purge: bool
 ) -> None:
     for line in provider.before_destroy(state, record, purge=purge):
         out.info(line)
+    if provider.terraform_module() is None:
+        return  # the provider made no machines: they stay, as they were before `up`
     out.info("terraform: destroying nodes…")
     for wait in (*DESTROY_RETRY_S, None):
         try:
@@ -374,12 +386,12 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     that destroyed the nodes and then found something left is run again from that point: the
     operator removed what it named, and only the proof is left to do."""
     record = state.read_intent()
-    provider = providers.get(record["spec"]["provider"])
+    provider = providers.get(record.spec.provider)
     destroyed = state.dir / _DESTROYED
     stopped, purged = 0, list[str]()
     if destroyed.is_file():
         out.info("terraform: the nodes were destroyed by an earlier teardown; looking for what is left")
-    elif state.is_up():
+    elif isinstance(record, ClusterRecord):
         stopped, purged = _stop_and_destroy(state, provider, record, out, purge=purge)
         destroyed.touch()
     else:
@@ -420,6 +432,6 @@ def teardown(state: ClusterState, out: Output, *, purge: bool) -> TeardownResult
     return TeardownResult(
         cluster=state.name,
         processes_killed=stopped,
-        nodes_removed=len(record["nodes"]),
+        nodes_removed=len(record.nodes) if isinstance(record, ClusterRecord) else 0,
         runs_purged=purged,
     )

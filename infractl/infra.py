@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from infractl import templates
 from infractl.errors import InfraError
+from infractl.node import Node
 from infractl.statedir import write_private
 
 __all__ = [
-    "Node",
-    "SshLogin",
     "ApplyResult",
     "RootSettings",
     "apply",
@@ -44,93 +42,6 @@ _CLI_CONFIG = "terraformrc"
 _lock = threading.Lock()
 # The signals Terraform's Go runtime handles itself once it ran (see _terraform).
 _TAKEN_BY_GO = (signal.SIGINT, signal.SIGTERM)
-
-
-@dataclass(frozen=True)
-class SshLogin:
-    """How to log in to a node's sshd: as ``user`` with the private key ``identity_file``,
-    accepting only the host key pinned in ``known_hosts``."""
-
-    user: str
-    identity_file: Path
-    known_hosts: Path
-    jump: str | None = None
-    """``user@host`` of the jump host the node is reached through (the same key and pinned host
-    keys), or None: reached directly."""
-
-    def options(self) -> list[str]:
-        """``ssh`` options: the host key must match the pinned one (never accepted on first use), only
-        the cluster's key is offered, nothing prompts, and neither the operator's agent nor their X
-        display is forwarded (whatever the user's ssh_config says: root on a node, or anyone who
-        becomes it, could use either as the operator); through the jump host where there is one
-        (a ProxyCommand with these same options: ``-J`` would not pass them on)."""
-        direct = [
-            "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "StrictHostKeyChecking=yes",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", f"IdentityFile={self.identity_file}",
-            "-o", "IdentitiesOnly=yes",
-            "-o", "BatchMode=yes",
-            "-o", "ConnectTimeout=10",
-            "-o", "ForwardAgent=no",
-            "-o", "ForwardX11=no",
-        ]  # fmt: skip
-        if self.jump is None:
-            return direct
-        proxy = shlex.join(["ssh", *direct, "-W", "%h:%p", self.jump])
-        return [*direct, "-o", f"ProxyCommand={proxy}"]
-
-    def argv(self, address: str, command: str | None = None) -> list[str]:
-        """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``
-        (without one: that logs in)."""
-        return ["ssh", *self.options(), "-l", self.user, address, *([command] if command is not None else [])]
-
-
-@dataclass(frozen=True)
-class Node:
-    """One provisioned node, as the module's ``inventory`` output describes it (and the cluster's
-    state file records it: :meth:`record`, :meth:`from_record`)."""
-
-    name: str
-    """``node-<index>``; the index is the node's rank in the health check."""
-    address: str
-    """Address the node is reached at (``127.0.0.1`` on the local provider)."""
-    workdir: Path
-    """Absolute path of the node's work directory."""
-    processes: int
-    """Training processes (ranks) the node runs."""
-    namespace: str | None = None
-    """The node's network namespace (netns provider)."""
-    ssh: SshLogin | None = None
-    """None: the node is this machine, reached without a login (local provider)."""
-
-    @classmethod
-    def from_record(cls, item: dict[str, Any]) -> Node:
-        ssh = item.get("ssh")
-        return cls(
-            name=item["name"],
-            address=item["address"],
-            workdir=Path(item["workdir"]),
-            processes=int(item["processes"]),
-            namespace=item.get("namespace"),
-            ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"]), ssh.get("jump"))
-            if ssh
-            else None,
-        )
-
-    def record(self) -> dict[str, Any]:
-        """The node as JSON, without the fields its provider does not use."""
-        item: dict[str, Any] = {
-            "name": self.name,
-            "address": self.address,
-            "workdir": str(self.workdir),
-            "processes": self.processes,
-        }
-        if self.namespace is not None:
-            item["namespace"] = self.namespace
-        if self.ssh is not None:
-            item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items() if v is not None}
-        return item
 
 
 @dataclass(frozen=True)

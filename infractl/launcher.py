@@ -12,22 +12,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from infractl import proc, providers, runs, runstore, workdir
 from infractl.config import PreemptionSpec, RunSpec, check_layout
 from infractl.dataset import dataset_version, version_mismatch
 from infractl.errors import ConfigError, StateError, UsageError
 from infractl.log import LOG_FORMAT_ENV, LogFormat
-from infractl.planning.devices import EMULATED_MEMORY_ENV, Device
+from infractl.node import Node
+from infractl.planning.devices import EMULATED_MEMORY_ENV
 from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
 from infractl.playbook import network_env
 from infractl.providers import NodeControl
-from infractl.providers.base import IMAGE_PYTHON, IMAGE_RUN_DIR
+from infractl.providers.engines import IMAGE_PYTHON, IMAGE_RUN_DIR
 from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.servers import keep_rendezvous
-from infractl.statedir import ClusterState, write_private
+from infractl.statedir import ClusterRecord, ClusterState, write_private
 from infractl.store import Store, for_cluster
 from trainer.replica_server import MAX_BYTES_ENV, RUN_KEY_FILE_ENV
 
@@ -86,7 +86,7 @@ class Launch:
     run_id: str
     attempt: int
     resume_from: int
-    nodes: list[dict[str, Any]]
+    nodes: list[Node]
     agents: dict[str, subprocess.Popen[bytes]]
     control: NodeControl  # how the nodes are reached
 
@@ -96,9 +96,9 @@ class LaunchPlan:
     """What ``launch`` will do, decided before anything is started."""
 
     store: Store
-    cluster: dict[str, Any]
+    cluster: ClusterRecord
     record: RunRecord
-    nodes: list[dict[str, Any]]
+    nodes: list[Node]
     resume_from: int
     complete: bool
     replaces: bool  # `--new` over a run the store already holds: delete it first
@@ -110,8 +110,8 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     With ``new``, the plan starts the run over: whatever the store holds for it is to be
     deleted (``LaunchPlan.replaces``) rather than resumed or checked against.
     """
-    cluster = state.read()
-    nodes = cluster["nodes"]
+    cluster = state.record()
+    nodes = list(cluster.nodes)
     _check_fits(state, spec, run_file, cluster)
     store = for_cluster(state)
     store.ping()  # an unreachable store fails here, before the dataset is hashed
@@ -142,17 +142,17 @@ def prepare(state: ClusterState, spec: RunSpec, run_file: Path, *, new: bool = F
     )
 
 
-def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, cluster: dict[str, Any]) -> None:
+def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, cluster: ClusterRecord) -> None:
     """The run fits the cluster: enough nodes, a layout every world size can run, memory enough on
     the devices ``up`` recorded (the plan's budget, infractl/planning/plan.py), not running yet."""
-    nodes = cluster["nodes"]
+    nodes = cluster.nodes
     if spec.nodes.min > len(nodes):
         raise UsageError(
             f"{spec.nodes.min} exceeds the {len(nodes)} node(s) of cluster {state.name!r}",
             file=str(run_file),
             field="nodes.min",
         )
-    processes = int(nodes[0]["processes"])
+    processes = nodes[0].processes
     check_layout(
         spec,
         [
@@ -162,9 +162,7 @@ def _check_fits(state: ClusterState, spec: RunSpec, run_file: Path, cluster: dic
         file=str(run_file),
     )
     # What `up` recorded; a cluster brought up before `up` recorded one is sized as `up` would now.
-    device = (
-        Device(**cluster["device"]) if "device" in cluster else providers.of(state).device(state.spec(), os.environ)
-    )
+    device = cluster.device or providers.get(cluster.spec.provider).device(cluster.spec, os.environ)
     refuse_unless_fits(
         spec,
         device,
@@ -257,19 +255,19 @@ def passed_environment(spec: RunSpec, environ: Mapping[str, str]) -> dict[str, s
 
 def _node_env(
     nodes: NodeControl,
-    node: dict[str, Any],
+    node: Node,
     spec: RunSpec,
     attempt: int,
     log_format: LogFormat,
     *,
-    cluster: dict[str, Any],
+    cluster: ClusterRecord,
     key_file: Path | None,
 ) -> dict[str, str]:
-    run_id, home = spec.name, Path(node["workdir"])
-    env = passed_environment(spec, os.environ) | network_env(nodes, node["name"]) | nodes.agent_env(node["name"])
+    run_id, home = spec.name, node.workdir
+    env = passed_environment(spec, os.environ) | network_env(nodes, node.name) | nodes.agent_env(node.name)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if cluster.get("image"):  # the reference the node's engine runs, pinned by digest
-        env[proc.IMAGE_ENV] = str(cluster["image"])
+    if cluster.image:  # the reference the node's engine runs, pinned by digest
+        env[proc.IMAGE_ENV] = cluster.image
     if key_file is not None:
         env[RUN_KEY_FILE_ENV] = str(key_file)
         env[MAX_BYTES_ENV] = str(16 * parameters(spec.model) + _REPLICA_SLACK_BYTES)
@@ -289,7 +287,7 @@ def _node_env(
             "INFRACTL_ATTEMPT": str(attempt),
             LOG_FORMAT_ENV: log_format,
             proc.CLUSTER_ENV: str(nodes.state.dir),
-            proc.NODE_ENV: node["name"],
+            proc.NODE_ENV: node.name,
             proc.RUN_ENV: run_id,
         }
     )
@@ -321,13 +319,13 @@ def launch(
     # earlier run of the same name, say before `--new`) can never be joined again.
     rdzv_id = f"{spec.name}-{number}-{secrets.token_hex(4)}"
     plan.record.spec = spec.model_dump(mode="json")
-    plan.record.cluster_id = plan.cluster.get("id")  # `teardown --purge` deletes the runs of this id
+    plan.record.cluster_id = plan.cluster.id  # `teardown --purge` deletes the runs of this id
     plan.record.attempts.append(
         Attempt(
             attempt=number,
             started=time.time(),
             resume_from=plan.resume_from,
-            nodes=[n["name"] for n in plan.nodes],
+            nodes=[n.name for n in plan.nodes],
             rdzv_id=rdzv_id,
         )
     )
@@ -337,7 +335,7 @@ def launch(
     key = secrets.token_hex(32)
     write_private(_key_path(state, spec.name), key + "\n")
     nodes = providers.control(state)
-    by_name = {node["name"]: node for node in plan.nodes}
+    by_name = {node.name: node for node in plan.nodes}
 
     def start(name: str) -> subprocess.Popen[bytes]:
         return _start_agent(
@@ -408,9 +406,9 @@ def run_to_end(
 def _start_agent(
     nodes: NodeControl,
     spec: RunSpec,
-    node: dict[str, Any],
+    node: Node,
     *,
-    cluster: dict[str, Any],
+    cluster: ClusterRecord,
     store: Store,
     attempt: int,
     nnodes: int,
@@ -420,13 +418,13 @@ def _start_agent(
     note: str = "",
     trainer_args: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
-    name = node["name"]
-    home = Path(node["workdir"])
+    name = node.name
+    home = node.workdir
     private = workdir.run_private(home, spec.name)
     # The image a cluster pulled and verified at `up` (None: the trainer is the node's own Python,
     # as root). In a container the trainer is the image's user, which cannot enter the root-only
     # folder its spec and key lie in: each is mounted alone in the container, at ``IMAGE_RUN_DIR``.
-    image = cluster.get("image")
+    image = cluster.image
     handed = {private / "spec.json": spec.model_dump_json(indent=1)}
     if key is not None:
         handed[private / "run.key"] = key + "\n"
@@ -438,10 +436,10 @@ def _start_agent(
         spec,
         python=IMAGE_PYTHON if image else nodes.python(name),
         nnodes=nnodes,
-        processes=int(node["processes"]),
-        rendezvous=f"{cluster['rendezvous']['host']}:{cluster['rendezvous']['port']}",
+        processes=node.processes,
+        rendezvous=f"{cluster.rendezvous.host}:{cluster.rendezvous.port}",
         rdzv_id=rdzv_id,
-        local_addr=node["address"],
+        local_addr=node.address,
         spec_path=spec_path,
         store_uri=store.uri,
         workdir=home / workdir.WORK,
@@ -452,7 +450,7 @@ def _start_agent(
         argv,
         _node_env(nodes, node, spec, attempt, log_format, cluster=cluster, key_file=key_file),
         workdir=home,
-        log_path=workdir.run_log(Path(node["workdir"]), spec.name),
+        log_path=workdir.run_log(node.workdir, spec.name),
         header=f"=== infractl: attempt {attempt} of run {spec.name} on {name}{note} ===",
         image=image,
         mounts=_mounts(spec, store),
@@ -490,7 +488,7 @@ def rejoin(
     rejoin is recorded in the run record in the store, and a node may rejoin an attempt at
     most ``max_restarts`` times: a flapping node cannot loop forever.
     """
-    cluster = state.read()
+    cluster = state.record()
     node = runs.node(state, node_name, field="NODE")
     run, live = runs.running_run(state, run)
     if node_name in live:

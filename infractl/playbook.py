@@ -17,7 +17,8 @@ import infractl
 from infractl import proc, templates, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
-from infractl.providers.base import IMAGE_PYTHON, IMAGE_UID, ContainerEngine, NodeControl
+from infractl.providers.engines import IMAGE_PYTHON, IMAGE_UID, ContainerEngine
+from infractl.providers.nodecontrol import NodeControl
 from infractl.statedir import write_private
 
 __all__ = [

@@ -21,6 +21,7 @@ from infractl import providers, runstore, workdir
 from infractl.config import RunSpec
 from infractl.errors import StateError, StoreError, UsageError
 from infractl.handover import runbooks
+from infractl.node import Node
 from infractl.providers import NodeControl
 from infractl.runstore import RunRecord, StepRecord
 from infractl.servers import rendezvous_running
@@ -45,13 +46,13 @@ __all__ = [
 RunState = Literal["running", "restarting", "completed", "failed", "stopped"]
 
 
-def node(state: ClusterState, name: str, *, field: str) -> dict[str, Any]:
-    """The inventory entry of node ``name``; ``UsageError`` naming ``field`` and the nodes there are."""
-    nodes = state.read()["nodes"]
+def node(state: ClusterState, name: str, *, field: str) -> Node:
+    """Node ``name`` of the cluster; ``UsageError`` naming ``field`` and the nodes there are."""
+    nodes = state.record().nodes
     for entry in nodes:
-        if entry["name"] == name:
-            return entry  # type: ignore[no-any-return]
-    names = ", ".join(n["name"] for n in nodes)
+        if entry.name == name:
+            return entry
+    names = ", ".join(n.name for n in nodes)
     raise UsageError(f"no node {name!r} in cluster {state.name!r} (nodes: {names})", field=field)
 
 

@@ -14,16 +14,23 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from infractl.config import NAME_PATTERN, ClusterSpec, default_cluster_name, load_cluster, parse_cluster
 from infractl.errors import ConfigError, InfractlError, LockedError, StateError, UsageError
+from infractl.node import Node
+from infractl.planning.devices import Device
 
 __all__ = [
     "home",
+    "ClusterIntent",
+    "ClusterRecord",
     "ClusterState",
+    "Endpoint",
     "KnownCluster",
     "Orphan",
     "known_clusters",
@@ -59,6 +66,81 @@ def write_private(path: Path, data: str) -> bool:
         f.write(data)
     os.replace(tmp, path)
     return True
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one of the cluster's own servers listens (the rendezvous endpoint, the registry)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterIntent:
+    """What an ``up`` is making (``intent.json``), written before it changes anything: an ``up``
+    that never wrote the cluster record (it failed, or was killed) is torn down from it."""
+
+    name: str
+    spec: ClusterSpec
+    """The cluster.yaml the ``up`` began with."""
+    store: str
+    """The store's URI."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "spec": self.spec.model_dump(mode="json"), "store": self.store}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterRecord(ClusterIntent):
+    """The cluster as its last ``up`` made it (``cluster.json``). Fields a record written by an
+    older infractl may lack are optional (a cluster that was up across an upgrade)."""
+
+    id: str | None
+    """Unique to this cluster, kept by every later ``up`` of it: each run records it (run.json's
+    cluster_id), and ``teardown --purge`` deletes only the runs that carry it, as two clusters of
+    one name (on two machines, or one brought up again) may share a store."""
+    rendezvous: Endpoint
+    nodes: tuple[Node, ...]
+    infractl_version: str | None = None
+    device: Device | None = None
+    """The device each rank trains on, as ``up`` provisioned it."""
+    registry: Endpoint | None = None
+    """The cluster's image registry, where its nodes pull from one."""
+    image: str | None = None
+    """What the nodes pulled and run (the pinned image at the cluster's registry), if any."""
+
+    def to_json(self) -> dict[str, Any]:
+        document = super().to_json() | {
+            "id": self.id,
+            "infractl_version": self.infractl_version,
+            "rendezvous": asdict(self.rendezvous),
+            "nodes": [node.record() for node in self.nodes],
+        }
+        if self.device is not None:
+            document["device"] = asdict(self.device)
+        if self.registry is not None:
+            document |= {"registry": asdict(self.registry), "image": self.image}
+        return document
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> ClusterRecord:
+        """The record ``to_json`` wrote, or an older infractl did; ``KeyError``, ``TypeError``,
+        ``ValueError`` (a ``ValidationError`` among them) where it is not one."""
+        registry = document.get("registry")
+        device = document.get("device")
+        return cls(
+            name=str(document["name"]),
+            spec=parse_cluster(document["spec"]),
+            store=str(document["store"]),
+            id=document.get("id"),
+            rendezvous=Endpoint(str(document["rendezvous"]["host"]), int(document["rendezvous"]["port"])),
+            nodes=tuple(Node.from_record(item) for item in document["nodes"]),
+            infractl_version=document.get("infractl_version"),
+            device=Device(**device) if device is not None else None,
+            registry=Endpoint(str(registry["host"]), int(registry["port"])) if registry is not None else None,
+            image=document.get("image"),
+        )
 
 
 @dataclass(frozen=True)
@@ -104,7 +186,7 @@ class ClusterState:
         """Whether an ``up`` of the cluster began here (it may have ended before the record)."""
         return self.is_up() or self.intent_path.is_file()
 
-    def start(self, intent: dict[str, Any]) -> None:
+    def start(self, intent: ClusterIntent) -> None:
         """Before ``up`` makes anything: the state directory in this machine's ``ledger`` (refused
         when the ledger cannot be written: gc could not find what the ``up`` makes), then what it
         is about to make (``read_intent``)."""
@@ -117,7 +199,7 @@ class ClusterState:
                     f"cannot list the cluster in {entry.parent} ({exc.strerror or exc}), where gc finds what "
                     "every `up` made: make it writable; nothing was made"
                 ) from None
-        write_private(self.intent_path, json.dumps(intent))
+        write_private(self.intent_path, json.dumps(intent.to_json()))
 
     def unlist(self) -> None:
         """After ``teardown``: nothing of the cluster is left for the ledger to own."""
@@ -143,34 +225,50 @@ class ClusterState:
             os.close(fd)
         return False
 
-    def read_intent(self) -> dict[str, Any]:
-        """The cluster record of a cluster that is up, else what its interrupted ``up`` was making
-        (without nodes: none was recorded); StateError if no ``up`` began."""
+    def read_intent(self) -> ClusterIntent:
+        """The cluster record of a cluster that is up, else what its interrupted ``up`` was making;
+        StateError if no ``up`` began."""
         if self.is_up() or not self.intent_path.is_file():
-            return self.read()
-        intent: dict[str, Any] = json.loads(self.intent_path.read_text())
-        return intent | {"nodes": []}
+            return self.record()
+        document = self._document(self.intent_path)
+        try:
+            return ClusterIntent(
+                name=str(document["name"]), spec=parse_cluster(document["spec"]), store=str(document["store"])
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InfractlError(f"cannot read {self.intent_path}: {_what(exc)}") from None
+
+    def record(self) -> ClusterRecord:
+        """The cluster record written by ``up``, read once; StateError if the cluster is not up."""
+        try:
+            return ClusterRecord.from_json(self.read())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InfractlError(f"cannot read the cluster record {self.record_path}: {_what(exc)}") from None
 
     def read(self) -> dict[str, Any]:
-        """The cluster record written by ``up``; StateError if the cluster is not up."""
+        """The cluster record's JSON as ``up`` wrote it; StateError if the cluster is not up. Read
+        ``record()``: this is for the callers that still take the record's JSON apart themselves."""
         if not self.is_up():
             raise StateError(
                 f"cluster {self.name!r} is not up (no cluster record in {self.dir}); run `infractl up` first"
             )
-        try:
-            record = json.loads(self.record_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise InfractlError(f"cannot read the cluster record {self.record_path}: {exc}") from None
-        if not isinstance(record, dict):
-            raise InfractlError(f"the cluster record {self.record_path} is not a JSON object")
-        return record
+        return self._document(self.record_path)
 
-    def write(self, record: dict[str, Any]) -> bool:
-        return write_private(self.record_path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    def _document(self, path: Path) -> dict[str, Any]:
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InfractlError(f"cannot read the cluster record {path}: {exc}") from None
+        if not isinstance(document, dict):
+            raise InfractlError(f"the cluster record {path} is not a JSON object")
+        return document
+
+    def write(self, record: ClusterRecord) -> bool:
+        return write_private(self.record_path, json.dumps(record.to_json(), indent=1, sort_keys=True) + "\n")
 
     def spec(self) -> ClusterSpec:
         """The cluster.yaml the cluster was brought up with (or its interrupted ``up`` began with)."""
-        return parse_cluster(self.read_intent()["spec"])
+        return self.read_intent().spec
 
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
@@ -208,6 +306,17 @@ class ClusterState:
                 for parent in created[1:]:  # shared parents (the state root) only if empty
                     with contextlib.suppress(OSError):
                         parent.rmdir()
+
+
+def _what(exc: Exception) -> str:
+    """What is wrong with a record, in a line: a missing key, or the spec's first error (a
+    provider no longer installed, say), named."""
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]!r}"
+    if isinstance(exc, ValidationError):
+        error = exc.errors()[0]
+        return f"spec.{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def _missing_ancestors(path: Path) -> list[Path]:
@@ -276,11 +385,9 @@ def known_clusters() -> list[KnownCluster]:
             found.append(KnownCluster(path.name, up=False, provider=None, nodes=None))
             continue
         try:
-            record = state.read()
-            found.append(
-                KnownCluster(path.name, up=True, provider=str(record["spec"]["provider"]), nodes=len(record["nodes"]))
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            record = state.record()
+            found.append(KnownCluster(path.name, up=True, provider=record.spec.provider, nodes=len(record.nodes)))
+        except InfractlError:
             found.append(KnownCluster(path.name, up=True, provider=None, nodes=None))
     return found
 

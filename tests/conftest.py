@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, settings
 from infractl import proc, providers, runstore
 from infractl.cli import main
 from infractl.errors import InfractlError
-from infractl.providers import aws
+from infractl.providers.aws.spec import AwsSpec
+from infractl.providers.aws.sweep import CLUSTER_TAG, reap
 from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
 
@@ -314,22 +315,22 @@ def aws_left_clean(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
         if not state.dir.is_relative_to(tmp_path_factory.getbasetemp()):
             continue
         try:
-            spec = state.read_intent().get("spec") or {}
-        except (InfractlError, OSError, ValueError):
-            spec = {}
-        if (spec.get("aws") or {}).get("endpoint_url") != emulation.endpoint:
+            aws = state.spec().settings(AwsSpec)
+        except (InfractlError, OSError):
+            aws = None
+        if aws is None or aws.endpoint_url != emulation.endpoint:
             continue
         left.append(f"cluster {state.dir}")
         done = Cli(state.dir.parent.parent)("teardown", "-c", state.name, "--purge", "--yes", expect=None, timeout=900)
         if done.returncode != 0:
             shutil.rmtree(state.dir, ignore_errors=True)
             state.unlist()
-    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": aws.CLUSTER_TAG}])
+    mappings = emulation.client("resourcegroupstaggingapi").get_resources(TagFilters=[{"Key": CLUSTER_TAG}])
     tagged = {
-        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == aws.CLUSTER_TAG
+        tag["Value"] for m in mappings["ResourceTagMappingList"] for tag in m["Tags"] if tag["Key"] == CLUSTER_TAG
     }
     for name in sorted(tagged):
-        if removed := aws.reap(name, "us-east-1", endpoint_url=emulation.endpoint):
+        if removed := reap(name, "us-east-1", endpoint_url=emulation.endpoint):
             left.append(f"cluster {name}'s {', '.join(removed)}")
     emulation.sync()
     assert not left, f"the test left these behind (now removed): {left}"

@@ -17,10 +17,13 @@ import pytest
 from infractl import playbook
 from infractl.config import load_cluster
 from infractl.errors import ConfigError
-from infractl.infra import Node, SshLogin
+from infractl.node import Node, SshLogin
 from infractl.planning.devices import CATALOG, Device
-from infractl.providers import aws
-from infractl.providers.base import provider_named
+from infractl.providers.aws.nodes import AwsNodes, engine_for
+from infractl.providers.aws.pricing import planned_resources
+from infractl.providers.aws.spec import module_variables
+from infractl.providers.aws.sweep import CLUSTER_TAG, reap, sweep
+from infractl.providers.contract import provider_named
 from infractl.statedir import ClusterState
 from infractl.store import S3Store, open_store
 
@@ -45,14 +48,14 @@ def test_dry_run_prints_the_modules_resources_and_the_cost_without_credentials(c
     plan = json.loads(result.stdout)
     spec = load_cluster(EXAMPLE)
     assert plan["provider"] == "aws" and plan["region"] == "us-east-1"
-    assert plan["variables"] == aws.module_variables(spec, {})  # no key is made by a dry run
+    assert plan["variables"] == module_variables(spec, {})  # no key is made by a dry run
     assert plan["variables"]["processes_per_node"] == 8  # one rank per GPU of a p5.48xlarge
     assert plan["variables"]["store_bucket"] == "my-team-infractl" and plan["variables"]["store_prefix"] == "train-p5"
     keys = {
         "ssh_public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExampleExample k",
         "host_key": {"private": "", "public": ""},
     }
-    assert plan["resources"] == aws.planned_resources(plan["variables"] | keys)
+    assert plan["resources"] == planned_resources(plan["variables"] | keys)
     # Every planned address is a resource block of the module, and every node of every group is there.
     assert {re.sub(r"\[.*\]$", "", address) for address in plan["resources"]} <= module_resources()
     nodes = [a for a in plan["resources"] if a.startswith("aws_instance.node[")]
@@ -251,7 +254,7 @@ def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: C
         }
     )
     ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1")
-    tags = [{"Key": aws.CLUSTER_TAG, "Value": spec.name}]
+    tags = [{"Key": CLUSTER_TAG, "Value": spec.name}]
     image = ec2.describe_images()["Images"][0]["ImageId"]
     instance = ec2.run_instances(
         ImageId=image, MinCount=1, MaxCount=1, TagSpecifications=[{"ResourceType": "instance", "Tags": tags}]
@@ -333,7 +336,7 @@ def test_reap_deletes_every_kind_the_sweep_finds_in_the_order_aws_lets_them_go(s
     iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1")
 
     def tags(kind: str, name: str = cluster) -> list[dict[str, object]]:
-        return [{"ResourceType": kind, "Tags": [{"Key": aws.CLUSTER_TAG, "Value": name}]}]
+        return [{"ResourceType": kind, "Tags": [{"Key": CLUSTER_TAG, "Value": name}]}]
 
     vpc = ec2.create_vpc(CidrBlock="10.98.0.0/16", TagSpecifications=tags("vpc"))["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.98.1.0/24")["Subnet"]["SubnetId"]
@@ -380,14 +383,14 @@ def test_reap_deletes_every_kind_the_sweep_finds_in_the_order_aws_lets_them_go(s
     iam.put_role_policy(RoleName=role, PolicyName="inline", PolicyDocument=document)
     iam.create_instance_profile(InstanceProfileName=f"{cluster}-node", Path=path)
     iam.add_role_to_instance_profile(InstanceProfileName=f"{cluster}-node", RoleName=role)
-    assert len(aws.sweep(cluster, "us-east-1", endpoint_url=s3_server)) >= 10
+    assert len(sweep(cluster, "us-east-1", endpoint_url=s3_server)) >= 10
 
-    deleted = aws.reap(cluster, "us-east-1", endpoint_url=s3_server)
+    deleted = reap(cluster, "us-east-1", endpoint_url=s3_server)
 
     kinds = {item.split()[0] for item in deleted}
     assert kinds >= {"instance", "nat-gateway", "elastic-ip", "volume", "key-pair", "launch-template"}, deleted
     assert kinds >= {"security-group", "vpc", "instance-profile", "iam-role", "iam-policy"}, deleted
-    assert aws.sweep(cluster, "us-east-1", endpoint_url=s3_server) == []
+    assert sweep(cluster, "us-east-1", endpoint_url=s3_server) == []
     assert ec2.describe_volumes(VolumeIds=[kept])["Volumes"], "another cluster's volume went too"
 
 
@@ -401,7 +404,7 @@ def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None
         Node(name=name, address=f"10.77.1.{i + 4}", workdir=Path("/mnt/infractl"), processes=1, ssh=login)
         for i, name in enumerate(["gpu-0", "cpu-0"])
     ]
-    control = aws.AwsNodes(state, nodes, instance_types={"gpu-0": "g5.12xlarge", "cpu-0": "c7i.4xlarge"})
+    control = AwsNodes(state, nodes, instance_types={"gpu-0": "g5.12xlarge", "cpu-0": "c7i.4xlarge"})
     inventory = playbook.inventory_of(state.dir, control)
     assert inventory["all"]["children"] == {"gpu": {"hosts": {"gpu-0": {}}}, "cpu": {"hosts": {"cpu-0": {}}}}
     hosts = inventory["all"]["hosts"]
@@ -413,7 +416,7 @@ def test_up_runs_the_gpu_roles_on_the_gpu_instances_only(tmp_path: Path) -> None
     assert hosts["gpu-0"]["container_runtime_run"] == trainer and "--gpus=all" in trainer
     assert (
         "--device=/dev/infiniband" not in trainer
-        and "--device=/dev/infiniband" in aws.engine_for("p5.48xlarge").run_prefix()
+        and "--device=/dev/infiniband" in engine_for("p5.48xlarge").run_prefix()
     )
     assert "--gpus=all" not in control.containers("cpu-0").run_prefix()
     path = write(tmp_path / "hosts.json", json.dumps(inventory))

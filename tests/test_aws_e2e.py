@@ -20,8 +20,8 @@ import pytest
 from test_aws_emulated import cluster_yaml, ssh
 
 from infractl import providers, runstore, workdir
-from infractl.infra import Node
-from infractl.providers import aws
+from infractl.node import Node
+from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
 from infractl.statedir import ClusterState
 from infractl.store import open_store
 
@@ -70,7 +70,7 @@ def _plant_leaks(emulation: EmulatedAws, cluster: str) -> list[str]:
     ec2 = emulation.client("ec2")
 
     def tags(kind: str) -> list[dict[str, Any]]:
-        return [{"ResourceType": kind, "Tags": [{"Key": aws.CLUSTER_TAG, "Value": cluster}]}]
+        return [{"ResourceType": kind, "Tags": [{"Key": CLUSTER_TAG, "Value": cluster}]}]
 
     vpc = ec2.create_vpc(CidrBlock="10.99.0.0/16")["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.99.1.0/24")["Subnet"]["SubnetId"]
@@ -204,7 +204,7 @@ def test_a_cluster_comes_up_trains_recovers_hands_over_and_leaves_nothing(
     assert all(resource in refused.stderr for resource in planted), refused.stderr
     _remove_leaks(emulation, planted)
     cli("teardown", "-c", name, "--purge", "--yes")
-    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
+    assert sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
     assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
     emulation.sync()
     assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.76.")] == []

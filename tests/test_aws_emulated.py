@@ -22,9 +22,11 @@ import yaml
 from infractl import infra, proc
 from infractl.config import ClusterSpec, load_cluster
 from infractl.errors import InfraError
-from infractl.infra import Node
-from infractl.providers import aws
-from infractl.statedir import ClusterState
+from infractl.node import Node
+from infractl.providers.aws.provider import Aws
+from infractl.providers.aws.ssh import ClusterKeys, wait_for_ssh
+from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
+from infractl.statedir import ClusterIntent, ClusterState
 
 from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
 from conftest import BuiltImage, Cli, write
@@ -73,7 +75,7 @@ def applied(
     # The cluster creates the store's bucket (the class's last test destroys it, keeping the bucket).
     spec = load_cluster(cluster_yaml(folder, emulation.endpoint, emulation.image_id, groups))
     state = ClusterState(spec.name, folder / "state")
-    provider = aws.Aws()
+    provider = Aws()
     result = infra.apply(
         state.terraform_dir,
         infra.module_dir("aws"),
@@ -104,7 +106,7 @@ class TestOneApply:
         assert [o["Key"] for o in listed.get("Contents", [])] == [f"infractl/{spec.name}/terraform.tfstate"]
         assert not (state.terraform_dir / "terraform.tfstate").exists(), "the state is remote, not on this machine"
         tagged = emulation.client("ec2").describe_instances(
-            Filters=[{"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [spec.name]}]
+            Filters=[{"Name": f"tag:{CLUSTER_TAG}", "Values": [spec.name]}]
         )
         assert len([i for r in tagged["Reservations"] for i in r["Instances"]]) == 3
 
@@ -135,7 +137,7 @@ class TestOneApply:
         # An instance that never answers is named, with what SSH said, once the wait is over.
         assert nodes[0].ssh is not None
         with pytest.raises(InfraError, match=r"1 instance\(s\) did not answer SSH within 1 s: ghost i-0 \(.+\)"):
-            aws.wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
+            wait_for_ssh({"ghost i-0": (nodes[0].ssh, "10.77.0.250")}, timeout=1)
 
     def test_every_instance_serves_a_host_key_of_its_own_pinned_for_it_alone(
         self,
@@ -149,7 +151,7 @@ class TestOneApply:
         holds a private key is readable by anyone but its owner."""
         spec, state, result, nodes = applied
         controller = result.outputs["controller"]
-        bootstrap = " ".join(aws.ClusterKeys.of(spec, state).host_public().split()[:2])
+        bootstrap = " ".join(ClusterKeys.of(spec, state).host_public().split()[:2])
         addresses = [controller["address"], *(node.address for node in nodes)]
 
         def served() -> dict[str, str]:
@@ -183,7 +185,7 @@ class TestOneApply:
             )
 
         before = (state.dir / "ssh" / "host_keys.json").read_text()
-        again = aws.Aws().provisioned(spec, state, result)
+        again = Aws().provisioned(spec, state, result)
         assert [node.name for node in again] == ["main-0", "main-1"]
         assert (state.dir / "ssh" / "host_keys.json").read_text() == before and pinned() == pins and served() == keys
 
@@ -203,8 +205,9 @@ class TestOneApply:
         every version goes first and then the bucket. The sweep and the emulation find nothing.
         Last in the class: the cluster is gone afterwards."""
         spec, state, _, _ = applied
-        provider = aws.Aws()
-        record = {"spec": spec.model_dump(mode="json"), "store": spec.store}
+        provider = Aws()
+        assert spec.store is not None
+        record = ClusterIntent(name=spec.name, spec=spec, store=spec.store)
         bucket = f"{spec.name}-store"
         s3 = emulation.client("s3")
 
@@ -212,12 +215,12 @@ class TestOneApply:
             said = provider.before_destroy(state, record, purge=purge)
             infra.destroy(state.terraform_dir)
             emulation.sync()
-            leaks = aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)
+            leaks = sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)
             assert leaks == [], (purge, leaks)
             return said
 
         # While the cluster is up the sweep sees every kind it looks for (and afterwards none of them).
-        kinds = {leak.split()[0] for leak in aws.sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)}
+        kinds = {leak.split()[0] for leak in sweep(spec.name, "us-east-1", endpoint_url=emulation.endpoint)}
         assert kinds >= {
             "instance",
             "nat-gateway",
@@ -272,7 +275,7 @@ def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
         cluster_yaml(tmp_path / "plan", s3_server, image, {"gpu": {"instance_type": instance_type, "nodes": 2}})
     )
     state = ClusterState(spec.name, tmp_path / "state")
-    provider = aws.Aws()
+    provider = Aws()
     root = provider.root_settings(spec, state)
     folder = tmp_path / "root"
     shutil.copytree(infra.module_dir("aws"), folder / "module")
@@ -325,7 +328,7 @@ def _up_in_its_own_group(
 
 
 def _nothing_left(emulation: EmulatedAws, cli: Cli, name: str) -> None:
-    assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
+    assert sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
     assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
     emulation.sync()
     assert [h for h in emulation.hosts.values() if h.private_ip.startswith("10.77.")] == []
@@ -385,7 +388,7 @@ def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(
     name, up = _up_in_its_own_group(emulation, cpu_image, cli)
     ec2 = emulation.client("ec2")
     tagged = [
-        {"Name": f"tag:{aws.CLUSTER_TAG}", "Values": [name]},
+        {"Name": f"tag:{CLUSTER_TAG}", "Values": [name]},
         {"Name": "instance-state-name", "Values": ["running"]},
     ]
     deadline = time.monotonic() + 300

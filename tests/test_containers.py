@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from infractl import proc, runstore
-from infractl.providers.base import IMAGE_UID
+from infractl.providers.engines import IMAGE_UID
+from infractl.statedir import ClusterState
 from infractl.store import FileStore
 
 from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
@@ -49,7 +50,7 @@ watchdog: {{step_timeout_s: 8}}
 def boxed(tmp_path_factory: pytest.TempPathFactory, cpu_image: BuiltImage) -> Iterator[Cli]:
     with module_cluster(tmp_path_factory, "containers", cluster_yaml=CLUSTER.format(digest=cpu_image.digest)) as cli:
         state = cli.home / "boxed"
-        namespaces = [n["namespace"] for n in _record(cli)["nodes"]]
+        namespaces = [f"infractl-{ClusterState('boxed', state).short_id}-{index}" for index in range(2)]
         yield cli
     # Torn down (module_cluster found no process with the cluster's marker): no image store, no
     # mount from one, no registry, no namespace; only the kept store and the lock.

@@ -21,10 +21,11 @@ from test_schemes import STEPS, copy_of, reference_run, scheme_spec
 
 from infractl import runstore
 from infractl.cli import model as model_cli
+from infractl.config import default_cluster
 from infractl.model import export
 from infractl.model.sample import generate
 from infractl.runstore import RunRecord, checkpoint_prefix
-from infractl.statedir import ClusterState
+from infractl.statedir import ClusterRecord, ClusterState, Endpoint
 from infractl.store import Store
 from trainer.engine import config_hash
 from trainer.model import GPT, GPTConfig
@@ -54,8 +55,11 @@ def exported_run(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, schem
 def on_cluster(cli: Cli, store: Store) -> None:
     """Make ``store`` the store of the CLI's default cluster. The cluster record's ``store`` is all
     that export and sample read of a cluster; `infractl up` would spend a minute provisioning
-    nodes they never use."""
-    ClusterState("local", cli.home / "local").write({"store": store.uri})
+    nodes they never use, so the record has no node."""
+    record = ClusterRecord(
+        name="local", spec=default_cluster(), store=store.uri, id=None, rendezvous=Endpoint("127.0.0.1", 0), nodes=()
+    )
+    ClusterState("local", cli.home / "local").write(record)
 
 
 def trainer_logits(store: Store, scheme: str, tmp_path: Path) -> dict[str, Any]:

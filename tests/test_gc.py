@@ -21,7 +21,7 @@ import pytest
 
 from infractl import gc, proc, providers, servers
 from infractl.config import load_cluster
-from infractl.providers.base import free_port, port_open
+from infractl.providers.servers import free_port, port_open
 from infractl.statedir import ClusterState, ledger, started_clusters
 
 from conftest import REPO, Cli, new_bucket_name, s3_client, write
@@ -255,7 +255,7 @@ def test_account_gc_takes_the_aws_clusters_whose_state_is_gone_and_no_other(tmp_
     import boto3
     import yaml
 
-    from infractl.providers import aws
+    from infractl.providers.aws.sweep import CLUSTER_TAG
 
     bucket = new_bucket_name()
     s3 = s3_client(s3_server)
@@ -269,7 +269,7 @@ def test_account_gc_takes_the_aws_clusters_whose_state_is_gone_and_no_other(tmp_
     vpcs = {
         name: ec2.create_vpc(
             CidrBlock=f"10.{97 - i}.0.0/16",
-            TagSpecifications=[{"ResourceType": "vpc", "Tags": [{"Key": aws.CLUSTER_TAG, "Value": name}]}],
+            TagSpecifications=[{"ResourceType": "vpc", "Tags": [{"Key": CLUSTER_TAG, "Value": name}]}],
         )["Vpc"]["VpcId"]
         for i, name in enumerate(("lost", "kept", "making"))
     }

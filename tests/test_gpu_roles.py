@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from infractl.playbook import container_vars, playbook_dir
-from infractl.providers import aws
+from infractl.providers.aws.nodes import engine_for
 
 from conftest import REPO
 
@@ -115,7 +115,7 @@ def _node(fixture: str | dict[str, Any], index: int, tmp_path: Path) -> dict[str
     # with the GPUs and, where the type has them, the EFA devices).
     return (
         facts
-        | container_vars(aws.engine_for(facts["node_instance_type"]))
+        | container_vars(engine_for(facts["node_instance_type"]))
         | {
             "ansible_connection": "local",
             "ansible_python_interpreter": sys.executable,
@@ -298,7 +298,7 @@ def test_check_mode_assembles_the_health_sweep_without_running_it(tmp_path: Path
     assert {"FI_PROVIDER=efa", "NCCL_NET=AWS Libfabric", "NCCL_SOCKET_IFNAME=enp71s0"} <= set(sweep)
     assert sweep[-11:] == ["/opt/nccl-tests/all_reduce_perf", *"-b 512M -e 2G -f 2 -g 1 -c 1".split()]
     container = play.facts("_nccl_health_container_argv")["node-1"]
-    # The same run options as the trainer's container (aws.engine_for: a p5 has GPUs and EFA).
+    # The same run options as the trainer's container (engine_for: a p5 has GPUs and EFA).
     assert {"--device=/dev/infiniband", "--gpus=all", "--ulimit=memlock=-1", "--network=host"} <= set(container)
     assert IMAGE in container
     assert all(not report["measured"] for report in play.facts("health_report").values())

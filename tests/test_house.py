@@ -4,15 +4,22 @@ scripts/test.sh; these are the rules they do not check)."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import pkgutil
 from pathlib import Path
 
+from infractl import providers
 from infractl.config import cluster_model
 from infractl.drill import KINDS, kinds
 
 from conftest import REPO, Cli
 
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 600
+# Issue 48, for the integrator: what other branches of the issue remove, allowed here until they
+# are merged; empty both at the merge (the checks then hold with no exception).
+_CYCLES_BEING_REMOVED = {"infractl.drill.kind -> infractl.drill.recovery -> infractl.drill.kind"}  # i48-ops
+_MODULES_BEING_SPLIT = {"infractl/store/s3.py"}  # the store helper's branch splits it
 
 
 def test_no_long_function_without_a_comment_saying_why() -> None:
@@ -69,8 +76,10 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of ``modules`` that module ``name`` imports: at the top, inside functions, lazily
-    (``importlib`` by a constant name aside), but not under ``TYPE_CHECKING``. ``from a import b``
-    imports the module ``a.b`` when there is one, else ``a``."""
+    (``importlib`` by a constant name aside), and under ``TYPE_CHECKING`` where the imported module
+    is a sibling (one package's modules that need each other's types are one concern split in two;
+    a type from elsewhere is only a type). ``from a import b`` imports the module ``a.b`` when
+    there is one, else ``a``."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(inner)
@@ -79,25 +88,38 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         for inner in ast.walk(node)
     }
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    imported = set()
+    imported: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+        found: set[str] = set()
         if isinstance(node, ast.Import):
-            imported |= {alias.name for alias in node.names}
+            found = {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            imported |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+            found = {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        if id(node) in typing_only:
+            found = {target for target in found if _known(target, modules).rpartition(".")[0] == _parent(name)}
+        imported |= found
     inside = set()
     for target in imported:
-        while target and target not in modules:
-            target = target.rpartition(".")[0]
+        target = _known(target, modules)
         if target and target != name:
             inside.add(target)
     return inside
+
+
+def _known(target: str, modules: dict[str, Path]) -> str:
+    """The module of ``modules`` that an import of ``target`` imports: it, or its nearest package."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _parent(name: str) -> str:
+    """The package a module belongs to (a package: the one it is in)."""
+    return name.rpartition(".")[0]
 
 
 def test_no_import_cycle_among_the_modules() -> None:
@@ -117,16 +139,22 @@ def test_no_import_cycle_among_the_modules() -> None:
                 elif nxt not in trail and nxt not in done:
                     stack.append((nxt, [*trail, nxt]))
         done.add(start)
-    assert cycles == []
+    assert set(cycles) - _CYCLES_BEING_REMOVED == set()
 
 
 def test_only_the_providers_name_a_provider() -> None:
     """Outside infractl/providers/, no module imports a provider's module, and no code names a
     provider: no attribute, imported name or string (docstrings and comments aside) is a
     provider's name (a variable may be called ``local``). What a provider does is asked of it
-    (infractl.providers)."""
-    names = set(cluster_model().model_fields["provider"].annotation.__args__)
-    assert names == {"local", "netns", "aws"}
+    (infractl.providers). The providers are those registered (infractl's own entry points, and
+    any other installed package's)."""
+    names = {provider.name for provider in providers.every()}
+    assert names == set(cluster_model().model_fields["provider"].annotation.__args__)
+    entry_points = importlib.metadata.distribution("infractl").entry_points
+    shipped = {entry.name for entry in entry_points if entry.group == providers.ENTRY_POINT_GROUP}
+    assert shipped <= names and all(
+        providers.get(name).__module__.startswith("infractl.providers.") for name in shipped
+    )
     modules = _modules()
     found = []
     for name, path in modules.items():
@@ -150,13 +178,30 @@ def test_only_the_providers_name_a_provider() -> None:
     assert found == []
 
 
+def test_no_module_is_over_600_lines() -> None:
+    """A module past 600 lines holds more than one concern: split it by concern (as providers/aws/
+    was) before adding to it."""
+    found = []
+    for folder in ("infractl", "trainer"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            length = len(path.read_text().splitlines())
+            if length > MAX_MODULE_LINES and str(path.relative_to(REPO)) not in _MODULES_BEING_SPLIT:
+                found.append(f"{path.relative_to(REPO)} ({length} lines)")
+    assert found == []
+
+
 def test_the_checks_above_catch_what_they_look_for(tmp_path: Path) -> None:
-    """The two house checks find a cycle and a provider's name when there is one."""
+    """The house checks find a cycle (through a sibling's types too, not through another
+    package's) and a provider's name when there is one."""
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from a import x\n    return 'netns'\n")
     modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
     assert _imports("a", modules["a"], modules) == {"b"}
     assert _imports("b", modules["b"], modules) == {"a"}
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.b import B\n    from q import Q\n"
+    (tmp_path / "c.py").write_text(typed)
+    packaged = {"p": tmp_path, "p.b": tmp_path / "b.py", "p.c": tmp_path / "c.py", "q": tmp_path / "q.py"}
+    assert _imports("p.c", packaged["p.c"], packaged) == {"p.b"}
     tree = ast.parse(modules["b"].read_text())
     assert [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in _docstrings(tree)] == [
         "netns"

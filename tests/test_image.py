@@ -25,7 +25,7 @@ from infractl.errors import InfractlError
 from infractl.image import registry
 from infractl.image.build import _SDIST_TURN, _turn, _write_lock
 from infractl.image.build import BuiltImage as CachedImage
-from infractl.providers.base import ContainerEngine
+from infractl.providers.engines import ContainerEngine
 
 from conftest import REPO, BuiltImage, Cli
 

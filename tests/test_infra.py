@@ -13,6 +13,7 @@ import pytest
 
 from infractl import infra
 from infractl.errors import InfraError
+from infractl.node import Node, SshLogin
 
 
 def _variables(state_dir: Path, nodes: int) -> dict[str, object]:
@@ -40,7 +41,7 @@ def test_apply_creates_node_dirs_and_returns_inventory(tmp_path: Path) -> None:
     assert result.changed
     assert result.summary == "2 added, 0 changed, 0 destroyed"
     assert result.nodes == [
-        infra.Node(
+        Node(
             name=f"node-{i}",
             address="127.0.0.1",
             workdir=tmp_path / "nodes" / f"node-{i}",
@@ -155,7 +156,7 @@ def test_ssh_forwards_neither_the_operators_agent_nor_display_to_a_node_or_its_j
     keys, or the display, as the operator."""
     user_config = tmp_path / "ssh_config"
     user_config.write_text("Host *\n  ForwardAgent yes\n  ForwardX11 yes\n")
-    login = infra.SshLogin("trainer", tmp_path / "id", tmp_path / "known_hosts", jump="ubuntu@203.0.113.9")
+    login = SshLogin("trainer", tmp_path / "id", tmp_path / "known_hosts", jump="ubuntu@203.0.113.9")
     node = _resolved(login.argv("10.0.0.5", "true"), user_config)
     proxy = shlex.split(node["proxycommand"])
     jump = _resolved([arg.replace("%h:%p", "10.0.0.5:22") for arg in proxy], user_config)

@@ -26,7 +26,7 @@ import pytest
 
 from infractl import providers, runstore, workdir
 from infractl.drill import KINDS, recovery
-from infractl.providers.base import NodeControl
+from infractl.providers.nodecontrol import NodeControl
 from infractl.statedir import ClusterState
 from infractl.store import FileStore
 
@@ -97,8 +97,9 @@ watchdog: {step_timeout_s: 8}
 def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
     with module_cluster(tmp_path_factory, "netns", cluster_yaml=CLUSTER) as cli:
         state = cli.home / "multi"
-        namespaces = [n["namespace"] for n in json.loads((state / "cluster.json").read_text())["nodes"]]
-        short_id = namespaces[0].split("-")[1]
+        # infra/netns names node i's namespace infractl-<the state directory's short id>-<i>.
+        short_id = ClusterState("multi", state).short_id
+        namespaces = [f"infractl-{short_id}-{index}" for index in range(2)]
         assert set(namespaces) <= set(_namespaces())
         yield cli
     # module_cluster tore it down and found no process with the cluster's marker; nothing else is left
@@ -162,7 +163,7 @@ def test_up_reaches_each_node_over_ssh_at_its_own_address_with_a_pinned_host_key
     taken = write(multi.cwd / "taken.yaml", f"name: taken\nprovider: netns\nnodes: 1\nnetns: {{subnet: {subnet}}}\n")
     refused_up = one_line(multi("up", "-c", str(taken), expect=2).stderr)
     assert refused_up.startswith(f"error: netns.subnet: {subnet} is in use"), refused_up
-    assert f"interface ixb{record['nodes'][0]['namespace'].split('-')[1]} has {bridge}" in refused_up
+    assert f"interface ixb{ClusterState('multi', state).short_id} has {bridge}" in refused_up
     assert not (multi.home / "taken").exists()
 
     # The handover says how to log in to each node, and that command works as written.
@@ -269,7 +270,8 @@ def test_node_failure_runbook_brings_a_killed_node_back_over_ssh_and_the_run_tra
     node = json.loads((cluster.home / "multi" / "cluster.json").read_text())["nodes"][1]
     listener = (Path(node["ssh"]["known_hosts"]).parent / "sshd.pid").read_text().strip()
     deadline = time.monotonic() + 10
-    while (left := _namespace_pids(node["namespace"])) != [listener] and time.monotonic() < deadline:
+    namespace = f"infractl-{ClusterState('multi', cluster.home / 'multi').short_id}-1"
+    while (left := _namespace_pids(namespace)) != [listener] and time.monotonic() < deadline:
         time.sleep(0.1)
     shown = subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(left)], text=True, capture_output=True)
     assert left == [listener], shown.stdout

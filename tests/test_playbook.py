@@ -16,7 +16,7 @@ import pytest
 from infractl import access, infra, providers, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.playbook import ConfigureResult, _unsafe_yaml, configure, network_env
 from infractl.providers import NodeControl
 from infractl.statedir import ClusterState

@@ -6,6 +6,7 @@ for any cluster, with nothing left unfilled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -18,14 +19,15 @@ from pathlib import Path
 import pytest
 
 from infractl import proc, runstore
-from infractl.config import RunSpec, load_run
+from infractl.config import RunSpec, load_run, parse_cluster
 from infractl.drill import recovery
 from infractl.handover.reference import RUNBOOKS
 from infractl.handover.runbooks import render_runbooks, section
+from infractl.node import Node
 from infractl.planning.plan import format_bytes, run_budget
 from infractl.runs import Attention, RunState, attention
 from infractl.runstore import Manifest, RunRecord, StepRecord
-from infractl.statedir import ClusterState, write_private
+from infractl.statedir import ClusterRecord, ClusterState, Endpoint, write_private
 from infractl.store import FileStore, Store
 from trainer.engine import CORRUPT_ENV
 
@@ -168,12 +170,14 @@ def test_every_runbook_renders_for_each_run_with_nothing_left_to_fill_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("INFRACTL_HOME", str(tmp_path / "state"))
-    cluster = {
-        "name": "lab",
-        "store": f"file://{tmp_path}/store",
-        "nodes": [{"name": "node-0"}, {"name": "node-1"}],
-        "spec": {"processes_per_node": 2},
-    }
+    cluster = ClusterRecord(
+        name="lab",
+        spec=parse_cluster({"name": "lab", "processes_per_node": 2}),
+        store=f"file://{tmp_path}/store",
+        id=None,
+        rendezvous=Endpoint("127.0.0.1", 29400),
+        nodes=tuple(Node(f"node-{index}", "127.0.0.1", tmp_path / f"node-{index}", 2) for index in range(2)),
+    )
     records = [
         RunRecord("beta", "lab", spec={"name": "beta", "steps": 40, "nodes": {"min": 1, "max": 2}}),
         RunRecord("alpha", "lab", spec={"name": "alpha", "steps": 30, "env": ["HF_TOKEN"]}),
@@ -355,20 +359,21 @@ def test_train_refuses_a_run_its_plan_does_not_fit_before_anything_starts(cluste
     run = write(cluster.cwd / "huge.yaml", "name: huge\nmodel: {layers: 48, hidden: 8192, heads: 64, seq_len: 2048}\n"
                                            "batch_size: 16\nnodes: {min: 2, max: 2}\n")  # fmt: skip
     line = one_line(cluster("train", str(run), expect=2).stderr)
-    recorded = ClusterState("local", cluster.home / "local").read()["device"]
+    recorded = ClusterState("local", cluster.home / "local").record().device
+    assert recorded is not None
     budget = run_budget(load_run(run), world_size=2, max_world_size=2, cuda=False)
-    shortfall = format_bytes(budget.total - recorded["memory_bytes"])
+    shortfall = format_bytes(budget.total - recorded.memory_bytes)
     assert (
         f"huge.yaml: run 'huge' does not fit the devices of cluster 'local': as configured (ddp) it needs "
         f"{format_bytes(budget.total)} per device on its smallest world (2 node(s) x 1 process(es), "
-        f"nodes.min), {shortfall} more than the {format_bytes(recorded['memory_bytes'])} of a cpu device;" in line
+        f"nodes.min), {shortfall} more than the {format_bytes(recorded.memory_bytes)} of a cpu device;" in line
     )
     assert FileStore(cluster.home / "local" / "store").list("runs/huge") == []
     assert "huge" not in cluster("status", "--json").stdout
     # A cluster brought up before `up` recorded its device is sized as `up` would size it now.
     state = ClusterState("local", cluster.home / "local")
-    record = state.read()
-    state.write({k: v for k, v in record.items() if k != "device"})
+    record = state.record()
+    state.write(dataclasses.replace(record, device=None))
     try:
         assert one_line(cluster("train", str(run), expect=2).stderr) == line
     finally:

@@ -112,7 +112,7 @@ class Guarded:
 
     def as_user(self, user: str, node: str, *argv: str) -> subprocess.CompletedProcess[str]:
         """``argv`` run by ``user`` on ``node``: in its network namespace, as that user."""
-        namespace = self.node(node)["namespace"]
+        namespace = f"infractl-{self.state.short_id}-{node.rpartition('-')[2]}"  # as infra/netns names it
         command = ["nsenter", f"--net=/run/netns/{namespace}", "runuser", "-u", user, "--", *argv]
         return subprocess.run(command, capture_output=True, text=True, timeout=60)
 

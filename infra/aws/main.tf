@@ -21,7 +21,7 @@ locals {
   # pinned it before the instance existed), and the cluster's key for the login user. The bootstrap key is
   # every new instance's, and anyone who reads user data has it: the first `infractl up` that reaches an
   # instance has it make a host key of its own over the channel pinned to the bootstrap key, and pins that
-  # one for it instead (Aws.provisioned in infractl/providers/aws.py).
+  # one for it instead (Aws.provisioned in infractl/providers/aws/provider.py).
   user_data = join("\n", ["#cloud-config", yamlencode({
     ssh_deletekeys      = true
     ssh_genkeytypes     = []

@@ -51,7 +51,7 @@ def grant(user: UserArg, role: RoleArg, cluster_opt: ClusterOpt = None, json_mod
     """Give USER the role ROLE: on every node (group membership, ACLs) and in the store (ACLs or IAM policy)."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    state.read()  # refuse a cluster that is not up before taking its lock
+    state.record()  # refuse a cluster that is not up before taking its lock
     with state.lock("access grant"):
         change = access.grant(state, for_cluster(state), user, role)
     _report(
@@ -67,7 +67,7 @@ def revoke(user: UserArg, role: RoleArg, cluster_opt: ClusterOpt = None, json_mo
     """Take ROLE from USER: every right it gave, on the nodes and in the store, at once."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    state.read()
+    state.record()
     with state.lock("access revoke"):
         change = access.revoke(state, for_cluster(state), user, role)
     _report(
@@ -83,7 +83,7 @@ def list_(cluster_opt: ClusterOpt = None, json_mode: JsonOpt = False) -> None:
     """Every role: what it may do, its Unix group and IAM policy, and its members."""
     out = output(json_mode)
     state, _ = resolve_cluster(cluster_opt)
-    state.read()
+    state.record()
     data = access.membership(state)
     table = Table(title=f"access to cluster {state.name}")
     for col in ("role", "may", "group", "members"):

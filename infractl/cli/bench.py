@@ -65,7 +65,7 @@ def bench_command(
     counts = bench.parse_counts(nodes)
     spec = load_run(run_file)
     state, _ = resolve_cluster(cluster_opt)
-    cluster_nodes = state.read()["nodes"]
+    cluster_nodes = state.record().nodes
     bench.check_counts(counts, cluster=state.name, cluster_nodes=len(cluster_nodes))
     planned = bench.plan_bench(
         spec,
@@ -73,7 +73,7 @@ def bench_command(
         counts=counts,
         steps=steps,
         strong=strong,
-        processes=int(cluster_nodes[0]["processes"]),
+        processes=cluster_nodes[0].processes,
         profile_steps=profile,
     )
     _check_idle(state)

@@ -17,6 +17,7 @@ from infractl import cluster, providers, runs
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import default_cluster, load_cluster
 from infractl.errors import InfractlError
+from infractl.providers.contract import Plan
 from infractl.statedir import ClusterState, known_clusters, resolve_cluster
 
 __all__ = ["register"]
@@ -40,9 +41,9 @@ def up(
     if dry_run:
         provider = providers.get(spec.provider)
         device = provider.device(spec, os.environ)
-        plan = provider.dry_run(spec, state) | {"device": asdict(device)}
+        plan = provider.dry_run(spec, state)
         lines = [*_dry_run_lines(spec.name, plan), cluster.device_line(device)]
-        out.result(plan, Group(*(Text(line) for line in lines)))
+        out.result(plan.to_dict() | {"device": asdict(device)}, Group(*(Text(line) for line in lines)))
         return
     store = cluster.preflight(state, spec)
     with state.lock("up"), cluster.interruptible(state):
@@ -59,27 +60,23 @@ def up(
     out.result({**asdict(result), "changed": result.changed})
 
 
-def _dry_run_lines(cluster_name: str, plan: dict[str, Any]) -> list[str]:
-    where = f"{plan['module']}" + (f", {plan['region']}" if plan["region"] else "")
-    lines = [f"dry run of `infractl up` for cluster {cluster_name!r} (provider {plan['provider']}, {where}): "]
+def _dry_run_lines(cluster_name: str, plan: Plan) -> list[str]:
+    where = ", ".join(part for part in (plan.module, plan.region) if part)
+    lines = [f"dry run of `infractl up` for cluster {cluster_name!r} (provider {plan.provider}"]
+    lines[0] += f", {where}): " if where else "): "
     lines[0] += "nothing was created or changed"
-    lines.append("terraform variables:")
-    lines += [f"  {name} = {json.dumps(value)}" for name, value in plan["variables"].items()]
-    lines.append(f"{len(plan['resources'])} resource(s) would be created:")
-    lines += [f"  {address}" for address in plan["resources"]]
-    cost = plan["cost"]
+    if plan.module is not None:
+        lines.append("terraform variables:")
+        lines += [f"  {name} = {json.dumps(value)}" for name, value in plan.variables.items()]
+    lines.append(f"{len(plan.resources)} resource(s) would be created:")
+    lines += [f"  {address}" for address in plan.resources]
+    cost = plan.cost
     if cost is None:
-        lines.append("cost: none (the nodes are this machine)")
+        lines.append("cost: none" + (f" ({plan.cost_note})" if plan.cost_note else ""))
         return lines
-    lines.append(f"hourly cost ({cost['currency']}, {cost['region']} list prices checked {cost['prices_checked']}):")
-    for name, group in cost["groups"].items():
-        lines.append(
-            f"  {name}: {group['nodes']} x {group['instance_type']} {group['market']}  {group['hourly']:,.2f}/h "
-            f"(on-demand {group['on_demand']:,.2f}, spot {group['spot']:,.2f})"
-        )
-    lines.append(f"  controller {cost['controller']['instance_type']}  {cost['controller']['hourly']:,.2f}/h")
-    lines.append(f"  network {cost['network']:,.2f}/h, storage {cost['storage']:,.2f}/h")
-    lines.append(f"  total {cost['total']:,.2f}/h ({cost['total_on_demand']:,.2f}/h with every group on-demand)")
+    lines.append(f"hourly cost ({cost.currency}, {cost.basis}):")
+    lines += [f"  {line.item}  {line.hourly:,.2f}/h" + (f" ({line.note})" if line.note else "") for line in cost.lines]
+    lines.append(f"  total {cost.total:,.2f}/h" + (f" ({cost.note})" if cost.note else ""))
     return lines
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -33,7 +32,7 @@ def logs(
     """
     out = output()
     state, _ = resolve_cluster(cluster_opt)
-    nodes = state.read()["nodes"] if node is None else [runs.node(state, node, field="--node")]
+    nodes = state.record().nodes if node is None else (runs.node(state, node, field="--node"),)
     store = for_cluster(state)
     if run is None:
         run = runs.latest_run(state, store)
@@ -48,10 +47,10 @@ def logs(
         out.raw("".join(f"{line}\n" for line in _attempt_lines(record)))
     control = providers.control(state)
     for n in nodes:
-        path = workdir.run_log(Path(n["workdir"]), run)
-        out.raw(f"==> {n['name']} · run {run} · {path}\n")
+        path = workdir.run_log(n.workdir, run)
+        out.raw(f"==> {n.name} · run {run} · {path}\n")
         try:
-            lines = control.tail(n["name"], path, lines=tail)
+            lines = control.tail(n.name, path, lines=tail)
         except InfractlError as exc:
             out.raw(f"(cannot read it: {exc.message})\n")
             continue

@@ -74,7 +74,7 @@ def profile(
         except ValueError as exc:
             raise UsageError(str(exc), field="--steps") from None
     state, _ = resolve_cluster(cluster_opt)
-    state.read()  # refused when the cluster is not up
+    state.record()  # refused when the cluster is not up
     if window is None:
         store = for_cluster(state)
         every = runstore.profile_traces(store, run)

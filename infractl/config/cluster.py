@@ -1,6 +1,6 @@
 """cluster.yaml: where training runs. The fields every provider shares are here; each provider
-adds its own section (``aws:``, say) and rules by registering a ``ProviderConfig`` when its module
-is imported, so this module names none of them.
+adds its own section (``aws:``, say) and rules with its ``ProviderConfig``, registered with the
+provider (``infractl.providers.register_every``), so this module names none of them.
 
 The model the loader validates against (``cluster_model()``) is built once from the registered
 providers: ``provider`` accepts exactly their names, each section is an optional field, and the
@@ -35,7 +35,7 @@ __all__ = [
     "register_provider",
 ]
 
-#: The package whose modules are the providers: its ``register_every()`` registers every one (see
+#: The package whose ``register_every()`` registers every installed provider (see
 #: ``register_provider``). Imported by name the first time the table is needed, so this module
 #: depends on no provider.
 _PROVIDERS_PACKAGE = "infractl.providers"
@@ -105,7 +105,7 @@ _REGISTRY: dict[str, ProviderConfig] = {}
 
 
 def register_provider(config: ProviderConfig) -> None:
-    """Add a provider to cluster.yaml (each provider module does, when it is imported)."""
+    """Add a provider to cluster.yaml (``register_every`` does, for each installed provider)."""
     _REGISTRY[config.name] = config
     cluster_model.cache_clear()
 

@@ -32,11 +32,11 @@ def bundle_files(state: ClusterState) -> dict[str, bytes]:
     """The bundle's ``access/``: ``<role>.iam.json`` (each role's IAM policy, scoped to the
     store's bucket and prefix), ``members.json`` (who holds which role) and ``README.md``.
     Paths relative to the bundle root; deterministic."""
-    record = state.read()
-    store = open_store(record["store"], field="cluster.store")  # names only: nothing is reached
+    record = state.record()
+    store = open_store(record.store, field="cluster.store")  # names only: nothing is reached
     files = {f"access/{r.role}.iam.json": _json(store.access_policy(r)) for r in rights(state)}
     files["access/members.json"] = _json(membership(state))
-    files["access/README.md"] = _readme(state, record["store"]).encode()
+    files["access/README.md"] = _readme(state, record.store).encode()
     return files
 
 

@@ -45,7 +45,7 @@ from infractl.handover import access_docs, baseline, page, redaction, runbooks, 
 from infractl.handover.reference import ClickCommand, render_reference
 from infractl.playbook import network_env
 from infractl.runstore import RunRecord
-from infractl.statedir import ClusterState, home
+from infractl.statedir import ClusterRecord, ClusterState, home
 from infractl.store import Store, for_cluster
 
 __all__ = ["MARKER", "Bundle", "assemble", "check_out", "write"]
@@ -75,7 +75,7 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     """Every file of the bundle of ``state``'s cluster: all its runs, or only ``run``. No file
     depends on where the bundle is written: it can be copied anywhere. ``cli``: the root command
     of infractl's command line, for the reference."""
-    cluster = state.read()
+    cluster = state.record()
     store = for_cluster(state)
     records = sorted(runs.cluster_runs(state, store), key=lambda r: r.run_id)
     if run is not None:
@@ -96,18 +96,18 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
     files |= _baselines(store, records, bench)
     files |= runbooks.render_runbooks(cluster, records)
     files |= access_docs.bundle_files(state)
-    files |= page.render(cluster["name"], [r.run_id for r in records], files)
+    files |= page.render(cluster.name, [r.run_id for r in records], files)
     redaction.refuse_secrets(files, os.environ)
     return Bundle(state.name, [r.run_id for r in records], files)
 
 
-def _configs(state: ClusterState, cluster: dict[str, Any], store: Store, records: list[RunRecord]) -> dict[str, bytes]:
+def _configs(state: ClusterState, cluster: ClusterRecord, store: Store, records: list[RunRecord]) -> dict[str, bytes]:
     # Every config goes through redaction.redact: a secret anywhere in them is written as "(redacted)".
     redact = redaction.redact
     files = {
-        "configs/README.md": _CONFIGS_README.format(cluster=cluster["name"]).encode(),
-        "configs/cluster.yaml": _yaml(redact(cluster["spec"])),
-        "configs/runtime.json": _json(redact(cluster["spec"]["runtime"])),
+        "configs/README.md": _CONFIGS_README.format(cluster=cluster.name).encode(),
+        "configs/cluster.yaml": _yaml(redact(cluster.spec.model_dump(mode="json"))),
+        "configs/runtime.json": _json(redact(cluster.spec.runtime.model_dump(mode="json"))),
     }
     terraform = state.terraform_dir
     if (terraform / "main.tf.json").is_file():

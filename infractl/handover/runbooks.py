@@ -18,7 +18,6 @@ import json
 import math
 from pathlib import Path
 from string import Template
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -26,7 +25,7 @@ from infractl import templates
 from infractl.config import RunSpec
 from infractl.handover.reference import RUNBOOKS
 from infractl.runstore import RunRecord, checkpoint_prefix
-from infractl.statedir import ClusterState, home
+from infractl.statedir import ClusterRecord, ClusterState, home
 
 __all__ = ["AFTER_RUNS", "PER_RUN", "render_runbooks", "runbook_dir", "section"]
 
@@ -51,7 +50,7 @@ def runbook_dir() -> Path:
     return templates.folder("runbooks")
 
 
-def render_runbooks(cluster: dict[str, Any], records: list[RunRecord]) -> dict[str, bytes]:
+def render_runbooks(cluster: ClusterRecord, records: list[RunRecord]) -> dict[str, bytes]:
     """``runbooks/<name>.md`` for every runbook, for ``cluster`` (its record) and the runs of ``records``."""
     common = _cluster_values(cluster)
     per_run_values = [_with_partials(common | values) for r in records if (values := _run_values(cluster, r))]
@@ -73,28 +72,28 @@ def _with_partials(values: dict[str, str]) -> dict[str, str]:
     return values | {p.stem[1:]: Template(p.read_text()).substitute(values).rstrip("\n") for p in partials}
 
 
-def _cluster_values(cluster: dict[str, Any]) -> dict[str, str]:
-    store = str(cluster["store"])
+def _cluster_values(cluster: ClusterRecord) -> dict[str, str]:
+    store = cluster.store
     return {
-        "cluster": str(cluster["name"]),
+        "cluster": cluster.name,
         "home": str(home()),
         "exports": str(home().parent / "exports"),
         "run_from": _RUN_FROM,
         "store": store,
-        "nodes": " ".join(str(n["name"]) for n in cluster["nodes"]),
-        "node_count": str(len(cluster["nodes"])),
-        "per_node": str(int(cluster["spec"].get("processes_per_node", 1))),
+        "nodes": " ".join(n.name for n in cluster.nodes),
+        "node_count": str(len(cluster.nodes)),
+        "per_node": str(cluster.spec.processes_per_node),
     }
 
 
-def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | None:
+def _run_values(cluster: ClusterRecord, record: RunRecord) -> dict[str, str] | None:
     """The run's placeholders; None for a record without a valid spec (written by another version)."""
     try:
         spec = RunSpec.model_validate(record.spec)
     except ValidationError:
         return None
     ckpt = checkpoint_prefix(record.run_id, 0).rsplit("/", 1)[0]
-    per_node = int(cluster["spec"].get("processes_per_node", 1))
+    per_node = cluster.spec.processes_per_node
     return {
         "run": record.run_id,
         "config": f"../configs/runs/{record.run_id}.yaml",
@@ -115,7 +114,7 @@ def _run_values(cluster: dict[str, Any], record: RunRecord) -> dict[str, str] | 
         ),
         # The run's committed steps, oldest first, on one line (any store: `infractl status` reads them).
         "commits": (
-            f"infractl status -c {cluster['name']} --json | python3 -c 'import json, sys; print(*next("
+            f"infractl status -c {cluster.name} --json | python3 -c 'import json, sys; print(*next("
             'r["committed_steps"] for r in json.load(sys.stdin)["runs"] if r["run"] == sys.argv[1]))'
             f"' {record.run_id}"
         ),

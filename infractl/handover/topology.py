@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from infractl.infra import Node
+from infractl.statedir import ClusterRecord
 
 __all__ = ["topology_markdown", "topology_svg"]
 
@@ -29,24 +29,24 @@ def _bottleneck(bench: dict[str, Any] | None) -> str:
 
 
 def topology_markdown(
-    cluster: dict[str, Any],
+    cluster: ClusterRecord,
     interfaces: dict[str, str | None],
     bench: dict[str, Any] | None,
     provider_facts: Sequence[str] = (),
 ) -> str:
     """``provider_facts``: what the provider says of the cluster's hosts (``Provider.topology``)."""
-    spec, nodes = cluster["spec"], cluster["nodes"]
-    rdzv = cluster["rendezvous"]
-    processes = int(spec["processes_per_node"])
+    spec, nodes = cluster.spec, cluster.nodes
+    rdzv = cluster.rendezvous
+    processes = spec.processes_per_node
     lines = [
-        f"# Topology of cluster `{cluster['name']}`",
+        f"# Topology of cluster `{cluster.name}`",
         "",
-        f"- Provider: `{spec['provider']}`; {len(nodes)} node(s) x {processes} rank(s) per node = "
+        f"- Provider: `{spec.provider}`; {len(nodes)} node(s) x {processes} rank(s) per node = "
         f"{len(nodes) * processes} rank(s) at most.",
         *(f"- {fact}" for fact in provider_facts),
         f"- Rendezvous (torchrun's c10d store, run by `infractl up`, never on a training node): "
-        f"`{rdzv['host']}:{rdzv['port']}`.",
-        f"- Store (checkpoints, metrics, drills, benchmarks): `{cluster['store']}`.",
+        f"`{rdzv.host}:{rdzv.port}`.",
+        f"- Store (checkpoints, metrics, drills, benchmarks): `{cluster.store}`.",
         f"- Measured bottleneck: {_bottleneck(bench)}.",
         "",
         "| node | address | ranks | interface for collectives (GLOO/NCCL_SOCKET_IFNAME) | work directory |",
@@ -54,9 +54,9 @@ def topology_markdown(
     ]
     for i, node in enumerate(nodes):
         ranks = ", ".join(str(i * processes + r) for r in range(processes))
-        iface = interfaces.get(node["name"]) or "not configured yet"
-        lines.append(f"| {node['name']} | {node['address']} | {ranks} | {iface} | `{node['workdir']}` |")
-    logins = [Node.from_record(node) for node in nodes if node.get("ssh")]
+        iface = interfaces.get(node.name) or "not configured yet"
+        lines.append(f"| {node.name} | {node.address} | {ranks} | {iface} | `{node.workdir}` |")
+    logins = [node for node in nodes if node.ssh]
     if logins:
         lines += ["", "Log in to a node (its host key is pinned: ssh refuses any other):", "", "```bash"]
         lines += [shlex.join(node.ssh.argv(node.address)) for node in logins if node.ssh]
@@ -84,18 +84,18 @@ def topology_markdown(
 _NODE_W, _NODE_H, _GAP, _TOP = 220, 120, 40, 150
 
 
-def topology_svg(cluster: dict[str, Any], interfaces: dict[str, str | None]) -> str:
+def topology_svg(cluster: ClusterRecord, interfaces: dict[str, str | None]) -> str:
     """A drawing: the rendezvous server and the store above, one box per node with its ranks."""
-    nodes, processes = cluster["nodes"], int(cluster["spec"]["processes_per_node"])
+    nodes, processes = cluster.nodes, cluster.spec.processes_per_node
     width = max(len(nodes) * (_NODE_W + _GAP) + _GAP, 2 * (_NODE_W + _GAP) + _GAP)
     height = _TOP + _NODE_H + 40
-    rdzv = cluster["rendezvous"]
+    rdzv = cluster.rendezvous
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="13">',
         f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
-        _box(_GAP, 20, _NODE_W, 60, "#e8f0fe", "rendezvous", f"{rdzv['host']}:{rdzv['port']}"),
-        _box(width - _GAP - _NODE_W, 20, _NODE_W, 60, "#fef7e0", "store", _short(cluster["store"])),
+        _box(_GAP, 20, _NODE_W, 60, "#e8f0fe", "rendezvous", f"{rdzv.host}:{rdzv.port}"),
+        _box(width - _GAP - _NODE_W, 20, _NODE_W, 60, "#fef7e0", "store", _short(cluster.store)),
     ]
     for i, node in enumerate(nodes):
         x = _GAP + i * (_NODE_W + _GAP)
@@ -104,8 +104,8 @@ def topology_svg(cluster: dict[str, Any], interfaces: dict[str, str | None]) -> 
             f'<line x1="{width - _GAP - _NODE_W // 2}" y1="80" x2="{x + _NODE_W // 2}" y2="{_TOP}" '
             'stroke="#f9ab00" stroke-dasharray="4 3"/>'
         )
-        iface = interfaces.get(node["name"]) or "?"
-        parts.append(_box(x, _TOP, _NODE_W, _NODE_H, "#e6f4ea", node["name"], f"{node['address']} ({iface})"))
+        iface = interfaces.get(node.name) or "?"
+        parts.append(_box(x, _TOP, _NODE_W, _NODE_H, "#e6f4ea", node.name, f"{node.address} ({iface})"))
         for r in range(processes):
             cx = x + 30 + r * 36
             rank = i * processes + r

@@ -40,7 +40,7 @@ import psutil
 import infractl
 from infractl.config import IMAGE_REFERENCE
 from infractl.errors import InfractlError, UsageError
-from infractl.providers.base import IMAGE_UID
+from infractl.providers.engines import IMAGE_UID
 
 __all__ = ["FLAVOURS", "BuiltImage", "build", "cache_root", "infractl_wheel", "locate", "lock_path", "push"]
 

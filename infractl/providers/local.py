@@ -17,13 +17,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infractl import proc
+from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig
 from infractl.errors import InfractlError
-from infractl.infra import Node
+from infractl.node import Node
 from infractl.proc import NodeProcess
-from infractl.providers.base import NodeControl, Provider, Watch, register
-from infractl.statedir import ClusterState, write_private
+from infractl.providers.contract import Plan, Provider
+from infractl.providers.nodecontrol import NodeControl, Watch
+from infractl.statedir import ClusterIntent, ClusterState, write_private
 
 __all__ = ["Local", "LocalNodes", "node_directories"]
 
@@ -36,7 +37,12 @@ def node_directories(state: ClusterState) -> list[str]:
 
 class Local(Provider):
     name = "local"
+    config = ProviderConfig(name="local", help="nodes are process trees on this machine.", default=True)
     shares_host_accounts = True
+
+    def terraform_module(self) -> Path:
+        """infra/local: one ``terraform_data`` per node, its work directory."""
+        return infra.module_dir(self.name)
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return {
@@ -46,16 +52,17 @@ class Local(Provider):
             "state_dir": str(state.dir),
         }
 
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """infra/local makes one ``terraform_data.node`` per node: that is the whole plan."""
-        return {
-            "provider": self.name,
-            "module": f"infra/{self.name}",
-            "region": None,
-            "variables": self.variables(spec, state),
-            "resources": [f"terraform_data.node[{index}]" for index in range(spec.nodes)],
-            "cost": None,
-        }
+        return Plan(
+            provider=self.name,
+            module=f"infra/{self.name}",
+            region=None,
+            variables=self.variables(spec, state),
+            resources=tuple(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
+            cost=None,
+            cost_note="the nodes are this machine",
+        )
 
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """Nothing to check beyond what ``up`` checks for every provider."""
@@ -64,7 +71,7 @@ class Local(Provider):
         """Every node is this machine: the endpoint listens on its loopback."""
         return "127.0.0.1"
 
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         return node_directories(state)
 
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
@@ -165,6 +172,3 @@ class _LocalWatch(Watch):
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-register(Local(), ProviderConfig(name=Local.name, help="nodes are process trees on this machine.", default=True))

@@ -41,14 +41,16 @@ from urllib.parse import parse_qs, urlsplit
 import psutil
 from pydantic import Field, field_validator
 
-from infractl import proc
+from infractl import infra, proc
 from infractl.config import ClusterSpec, ProviderConfig, Spec
 from infractl.errors import ConfigError, InfractlError, UsageError
-from infractl.infra import Node
-from infractl.providers.base import LINK_FAULTS, NETEM_HINT, ContainerEngine, NodeControl, Provider, register
+from infractl.node import Node
+from infractl.providers.contract import Plan, Provider
+from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
+from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
 from infractl.providers.remote import SshNodes
-from infractl.statedir import ClusterState, Orphan
+from infractl.statedir import ClusterIntent, ClusterState, Orphan
 
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
@@ -130,6 +132,16 @@ def _ip_json(*args: str) -> list[dict[str, Any]]:
     return list(json.loads(listed.stdout or "[]")) if listed.returncode == 0 else []
 
 
+def _index(node: str) -> int:
+    """A node's index: infra/netns names node i ``node-<i>``."""
+    return int(node.rpartition("-")[2])
+
+
+def _namespace(state: ClusterState, node: str) -> str:
+    """The network namespace of ``node``, as infra/netns names it: ``infractl-<id>-<index>``."""
+    return f"infractl-{state.short_id}-{_index(node)}"
+
+
 def _namespaces(state: ClusterState) -> list[str]:
     """The cluster's namespaces that exist on this machine now."""
     return sorted(e["name"] for e in _ip_json("netns", "list") if e["name"].startswith(f"infractl-{state.short_id}-"))
@@ -137,9 +149,22 @@ def _namespaces(state: ClusterState) -> list[str]:
 
 class Netns(Provider):
     name = "netns"
+    config = ProviderConfig(
+        name="netns",
+        help=(
+            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
+            "sshd (Linux, root)."
+        ),
+        section=NetnsSpec,
+        section_help="The `netns` provider's settings; only with provider: netns.",
+    )
     serves_images = True
     # The nodes are namespaces of this machine: its accounts are theirs.
     shares_host_accounts = True
+
+    def terraform_module(self) -> Path:
+        """infra/netns: the nodes' namespaces, their bridge and sshds."""
+        return infra.module_dir(self.name)
 
     def variables(self, spec: ClusterSpec, state: ClusterState) -> dict[str, object]:
         return {
@@ -152,21 +177,22 @@ class Netns(Provider):
             "sshd": _SSHD,
         }
 
-    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> dict[str, Any]:
+    def dry_run(self, spec: ClusterSpec, state: ClusterState) -> Plan:
         """infra/netns makes the key pair, the bridge, its guard and one ``terraform_data.node`` per node."""
-        return {
-            "provider": self.name,
-            "module": f"infra/{self.name}",
-            "region": None,
-            "variables": self.variables(spec, state),
-            "resources": [
+        return Plan(
+            provider=self.name,
+            module=f"infra/{self.name}",
+            region=None,
+            variables=self.variables(spec, state),
+            resources=(
                 "terraform_data.keys",
                 "terraform_data.bridge",
                 "terraform_data.guard",
                 *(f"terraform_data.node[{index}]" for index in range(spec.nodes)),
-            ],
-            "cost": None,
-        }
+            ),
+            cost=None,
+            cost_note="the nodes are this machine",
+        )
 
     def rendezvous_host(self, spec: ClusterSpec, state: ClusterState) -> str:
         """The bridge's host-side address: reachable from every node, and in none of them."""
@@ -217,7 +243,7 @@ class Netns(Provider):
                 field="store",
             )
 
-    def leftovers(self, state: ClusterState, record: dict[str, Any]) -> list[str]:
+    def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
         """Namespaces, interfaces, sshd processes, the bridge's guard and keys ``terraform destroy``
         left behind."""
         found = [f"network namespace {name}" for name in _namespaces(state)]
@@ -245,7 +271,7 @@ class Netns(Provider):
         is gone."""
         return _made(lambda short_id: short_id not in owned, lambda cluster_dir: not cluster_dir.exists())
 
-    def reap(self, state: ClusterState, record: dict[str, Any], *, purge: bool) -> list[str]:
+    def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """What the module's provisioners made after Terraform last saved its state (an apply
         that was killed): the cluster's namespaces, interfaces, run roots and sshd processes."""
         mine = _made(
@@ -322,7 +348,7 @@ class NetnsNodes(SshNodes):
         listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
         deadline = time.monotonic() + _KILL_NODE_S
         while True:
-            listed = proc.run(["ip", "netns", "pids", str(entry.namespace)])
+            listed = proc.run(["ip", "netns", "pids", _namespace(self.state, node)])
             pids = {int(pid) for pid in listed.stdout.split()} - {listener} if listed.returncode == 0 else set()
             if not pids or time.monotonic() >= deadline:
                 return
@@ -335,7 +361,7 @@ class NetnsNodes(SshNodes):
 
     def _link_commands(self, node: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
         """The command that makes ``fault`` on the node's link, and the one that undoes it."""
-        namespace = str(self.node(node).namespace)
+        namespace = _namespace(self.state, node)
         if fault == "down":
             return (
                 ["ip", "-n", namespace, "link", "set", "eth0", "down"],
@@ -343,8 +369,7 @@ class NetnsNodes(SshNodes):
             )
         if fault == "drop":
             # The host side of the node's veth pair (infra/netns names both from the cluster id and index).
-            cluster_id, index = namespace.removeprefix("infractl-").rsplit("-", 1)
-            veth = f"ixv{cluster_id}-{index}"
+            veth = f"ixv{self.state.short_id}-{_index(node)}"
             return (
                 ["bridge", "link", "set", "dev", veth, "state", "0"],
                 ["bridge", "link", "set", "dev", veth, "state", "3"],
@@ -362,8 +387,9 @@ class NetnsNodes(SshNodes):
             why = proc.last_line(done.stderr)
             hint = NETEM_HINT if fault == "delay" else ""
             raise UsageError(f"cannot make a {fault!r} fault on {node}'s link: {why}{hint}", field="--kind")
-        namespace = str(self.node(node).namespace)
-        return {"link": fault, "namespace": namespace} | ({"latency_ms": latency_ms} if fault == "delay" else {})
+        return {"link": fault, "namespace": _namespace(self.state, node)} | (
+            {"latency_ms": latency_ms} if fault == "delay" else {}
+        )
 
     def restore_link(self, node: str, fault: str) -> None:
         _, undo = self._link_commands(node, fault, 0)
@@ -502,17 +528,3 @@ def _ip_or_raise(argv: list[str]) -> None:
     done = proc.run(argv)
     if done.returncode != 0:
         raise InfractlError(f"{shlex.join(argv)} failed: {proc.last_line(done.stderr)}")
-
-
-register(
-    Netns(),
-    ProviderConfig(
-        name=Netns.name,
-        help=(
-            "nodes are network namespaces on this machine, each with its own address on a bridge and its own "
-            "sshd (Linux, root)."
-        ),
-        section=NetnsSpec,
-        section_help="The `netns` provider's settings; only with provider: netns.",
-    ),
-)

@@ -23,19 +23,11 @@ from typing import Any, ClassVar
 
 from infractl import proc
 from infractl.errors import InfractlError, UsageError
-from infractl.infra import Node, SshLogin
+from infractl.node import Node, SshLogin
 from infractl.proc import NodeProcess
-from infractl.providers.base import (
-    IMAGE_PYTHON,
-    NETEM_HINT,
-    SERVER_START_S,
-    ContainerEngine,
-    NodeControl,
-    ServerHost,
-    Watch,
-    free_port,
-    port_open,
-)
+from infractl.providers.engines import IMAGE_PYTHON, ContainerEngine
+from infractl.providers.nodecontrol import NETEM_HINT, NodeControl, Watch
+from infractl.providers.servers import SERVER_START_S, ServerHost, free_port, port_open
 from infractl.statedir import ClusterState
 from infractl.workdir import WORK, run_private
 

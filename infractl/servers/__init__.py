@@ -6,12 +6,10 @@ providers: it asks the provider for its ``ServerHost`` and nothing else."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from infractl import providers
 from infractl.image import registry
-from infractl.providers.base import ServerHost
-from infractl.statedir import ClusterState
+from infractl.providers.servers import ServerHost
+from infractl.statedir import ClusterRecord, ClusterState
 
 __all__ = ["RENDEZVOUS_NODE", "ensure_registry", "ensure_rendezvous", "keep_rendezvous", "rendezvous_running"]
 
@@ -21,31 +19,31 @@ _REGISTRY = "docker-registry"
 
 
 def ensure_rendezvous(
-    servers: ServerHost, host: str, previous: dict[str, Any] | None, image: str | None
+    servers: ServerHost, host: str, previous: ClusterRecord | None, image: str | None
 ) -> tuple[int, bool]:
     """Keep the cluster's rendezvous server running on ``host`` at its recorded port (a new one for
     a new cluster), in ``image`` where the servers' host runs infractl from the cluster's image;
     return (port, started_now). ``train`` calls it too, so a server lost with its machine comes
     back before the agents need it."""
-    port = int(previous["rendezvous"]["port"]) if previous else servers.new_port(RENDEZVOUS_NODE, host)
+    port = previous.rendezvous.port if previous else servers.new_port(RENDEZVOUS_NODE, host)
     argv = [servers.python, "-m", "infractl.servers.tcpstore", "--host", host, "--port", str(port)]
     in_image = image if servers.runs_image else None
     return port, servers.keep(RENDEZVOUS_NODE, argv, host=host, port=port, image=in_image)
 
 
-def keep_rendezvous(state: ClusterState, record: dict[str, Any]) -> None:
+def keep_rendezvous(state: ClusterState, record: ClusterRecord) -> None:
     """``ensure_rendezvous`` for a cluster that is up (``record``: its state file)."""
-    servers = providers.get(record["spec"]["provider"]).servers(state)
-    ensure_rendezvous(servers, record["rendezvous"]["host"], record, record.get("image"))
+    servers = providers.get(record.spec.provider).servers(state)
+    ensure_rendezvous(servers, record.rendezvous.host, record, record.image)
 
 
 def ensure_registry(
-    state: ClusterState, servers: ServerHost, host: str, previous: dict[str, Any] | None
+    state: ClusterState, servers: ServerHost, host: str, previous: ClusterRecord | None
 ) -> tuple[registry.Registry, bool]:
     """Keep the cluster's image registry running on ``host`` at its recorded port (a new one for a
     cluster that had none); return it and whether it was started now."""
-    recorded = (previous or {}).get("registry")
-    port = int(recorded["port"]) if recorded else servers.new_port(registry.REGISTRY_NODE, host)
+    recorded = previous.registry if previous is not None else None
+    port = recorded.port if recorded is not None else servers.new_port(registry.REGISTRY_NODE, host)
     ca, cert, key = registry.certificate_authority(state.dir, host)
     folder = servers.home / "registry"
     servers.put(folder / "tls" / cert.name, cert.read_text())
@@ -58,6 +56,6 @@ def ensure_registry(
 
 def rendezvous_running(state: ClusterState) -> bool:
     """Whether the cluster's rendezvous server runs."""
-    record = state.read()
-    servers = providers.get(record["spec"]["provider"]).servers(state)
-    return servers.running(RENDEZVOUS_NODE, host=record["rendezvous"]["host"], port=int(record["rendezvous"]["port"]))
+    record = state.record()
+    servers = providers.get(record.spec.provider).servers(state)
+    return servers.running(RENDEZVOUS_NODE, host=record.rendezvous.host, port=record.rendezvous.port)

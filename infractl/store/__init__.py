@@ -86,4 +86,4 @@ def open_store(uri: str, *, field: str = "store", interactive: bool = False) -> 
 def for_cluster(state: ClusterState) -> Store:
     """The object store of a cluster that is up, for the control plane: a person is waiting, so
     an unreachable store fails within seconds (``StoreUnavailable``)."""
-    return open_store(state.read()["store"], field="cluster.store", interactive=True)
+    return open_store(state.record().store, field="cluster.store", interactive=True)
