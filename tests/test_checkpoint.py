@@ -124,6 +124,21 @@ def test_a_fetch_never_writes_through_a_link_out_of_the_restore_directory(store:
     assert (restore / entry.key).read_bytes() == b"abcd"
 
 
+def test_a_fetched_file_lands_only_with_the_manifest_size_and_sha256(store: FileStore, tmp_path: Path) -> None:
+    store.put_bytes(f"{checkpoint_prefix('r', 10)}/0.distcp", b"abcde")
+    restore = tmp_path / "restore"
+    for entry, why in (
+        (ManifestEntry("0.distcp", 4, hashlib.sha256(b"abcd").hexdigest()), "5 bytes, the manifest says 4"),
+        (ManifestEntry("0.distcp", 5, hashlib.sha256(b"abcdf").hexdigest()), "sha256 is"),
+    ):
+        with pytest.raises(runstore.CheckpointError, match=f"step 10: 0.distcp: {why}"):
+            runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+        assert list(restore.iterdir()) == []  # neither the file nor its part file
+    entry = ManifestEntry("0.distcp", 5, hashlib.sha256(b"abcde").hexdigest())
+    runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+    assert [p.name for p in restore.iterdir()] == ["0.distcp"]
+
+
 def test_prune_keeps_a_newer_partial_step_unless_no_save_is_in_flight(store: FileStore) -> None:
     for step in (10, 20, 30):
         _put_step(store, step, commit=True)
