@@ -27,7 +27,8 @@ from infractl.runstore import (
     committed_steps,
 )
 from infractl.store import FileStore, Store, StoreError, open_store
-from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer, SaveFailed
+from trainer.checkpoint import Checkpointer, SaveFailed
+from trainer.faults import REHEARSAL_ENV, UPLOAD_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -326,7 +327,9 @@ def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(t
 
     # Resumed at 5, the save of step 10 uploads its shards, then (fault injection) waits
     # before the manifest and COMMITTED: kill the whole tree in that window.
-    job = Job(tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri)
+    job = Job(
+        tmp_path, spec_of(steps=10), attempt=2, env={REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri
+    )
     step10 = checkpoint_prefix("ck", 10)
 
     def uploaded() -> set[str]:
@@ -362,7 +365,7 @@ def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
     # Each upload holds 1 s more, so the background part outlasts staging even on a loaded machine
     # (staging 20 MB took up to 0.19 s under a busy CI run; the upload alone about as long).
-    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "1.0"})
+    job = run(tmp_path, spec, **{REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "1.0"})
     (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 
@@ -387,7 +390,7 @@ def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     spec = spec_of(steps=8, checkpoint=CheckpointSpec(every=2, keep=2))
     # Each save holds for 0.5 s after its upload: the next save (two steps later) finds it in
     # flight and must wait for it.
-    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "0.5"})
+    job = run(tmp_path, spec, **{REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "0.5"})
     (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 

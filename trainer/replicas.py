@@ -43,9 +43,9 @@ or whose only surviving copy is corrupt, sends the run to the store's commit, ne
 or unverified replica. The store's commit rule is untouched: a replica is never committed, and a
 run stopped whole resumes from the store.
 
-Fault injection: ``$INFRACTL_REPLICA_CORRUPT=peer`` (read by the agent) makes the agent flip one
-byte of every copy it holds for another node, after checking it on receipt, as memory corrupted at
-rest would. Tests use it; it is never set in normal runs.
+Fault injection (a drill's hook, trainer/faults.py): ``corrupt_peer_replicas`` makes the agent flip
+one byte of every copy it holds for another node, after checking it on receipt, as memory corrupted
+at rest would.
 """
 
 from __future__ import annotations
