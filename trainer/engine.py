@@ -114,10 +114,7 @@ class Trainer:
     ) -> None:
         # A restart's timeline (runstore's StepRecord): built right after the group formed.
         self.timeline = {"started": psutil.Process().create_time(), "joined": time.time()}
-        self.spec = spec
-        self.env = env
-        self.device = device
-        self.faults = faults
+        self.spec, self.env, self.device, self.faults = spec, env, device, faults
         self.preemption = PreemptionNotice()
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.collective_timeout = CollectiveTimeout.for_default_group(spec.watchdog, report=self._report_timeout)
