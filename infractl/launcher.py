@@ -29,6 +29,7 @@ from infractl.runstore import Attempt, Rejoin, RunRecord
 from infractl.servers import keep_rendezvous
 from infractl.statedir import ClusterRecord, ClusterState, write_private
 from infractl.store import Store, for_cluster
+from trainer.faults import REHEARSAL_ENV
 from trainer.replica_server import MAX_BYTES_ENV, RUN_KEY_FILE_ENV
 
 __all__ = [
@@ -271,6 +272,8 @@ def _node_env(
     if key_file is not None:
         env[RUN_KEY_FILE_ENV] = str(key_file)
         env[MAX_BYTES_ENV] = str(16 * parameters(spec.model) + _REPLICA_SLACK_BYTES)
+    if spec.rehearsal:  # the drills' hooks its env: passes may act there (trainer/faults.py)
+        env[REHEARSAL_ENV] = "1"
     env.update(
         {
             # The agent runs torchrun's file-timer watchdog: a worker whose step deadline

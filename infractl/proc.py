@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
@@ -45,6 +46,10 @@ __all__ = [
     "spawn",
     "find",
     "kill",
+    "processes",
+    "KILL_NODE_S",
+    "kill_until_gone",
+    "wait_until_gone",
     "kill_all",
     "wait_gone",
     "listing",
@@ -175,34 +180,88 @@ def kill(procs: Iterable[psutil.Process], sig: int = signal.SIGKILL) -> None:
             continue
 
 
+def processes(pids: Iterable[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` that still run on this machine."""
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+#: How long killing a node (``kill_node`` of every provider, ``python -m infractl.proc kill`` on the
+#: node itself) lists and kills again while something of it is left.
+KILL_NODE_S = 5.0
+# How often the loops below list again by default.
+_POLL_S = 0.2
+
+_P = TypeVar("_P")
+
+
+def _itself(item: object) -> object:
+    return item
+
+
+def kill_until_gone(
+    listing: Callable[[], Sequence[_P]],
+    send_kill: Callable[[Sequence[_P]], None],
+    *,
+    timeout: float,
+    key: Callable[[_P], object] = _itself,
+    poll_s: float = _POLL_S,
+) -> tuple[int, list[_P]]:
+    """The one way infractl kills processes, wherever they are: ``send_kill`` (SIGKILL) what
+    ``listing`` returns, list again, and so on until the listing is empty or ``timeout`` seconds
+    passed. One signal is not enough: a process that was forking when it was killed leaves a child
+    that no earlier listing held (Ansible's workers start a shell per task, torchrun's agent its
+    workers). Return how many processes were signalled (told apart by ``key``) and those still
+    alive at the deadline."""
+    signalled: set[object] = set()
+
+    def kill_listed(alive: Sequence[_P]) -> None:
+        send_kill(alive)
+        signalled.update(key(p) for p in alive)
+
+    alive = _until_gone(listing, act=kill_listed, timeout=timeout, poll_s=poll_s)
+    return len(signalled), alive
+
+
+def wait_until_gone(listing: Callable[[], Sequence[_P]], *, timeout: float, poll_s: float = _POLL_S) -> list[_P]:
+    """Wait up to ``timeout`` seconds for ``listing`` to come back empty; return what it held last."""
+    return _until_gone(listing, act=None, timeout=timeout, poll_s=poll_s)
+
+
+def _until_gone(
+    listing: Callable[[], Sequence[_P]],
+    *,
+    act: Callable[[Sequence[_P]], None] | None,
+    timeout: float,
+    poll_s: float,
+) -> list[_P]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = listing()
+        if not alive or time.monotonic() >= deadline:
+            return list(alive)
+        if act is not None:
+            act(alive)
+        time.sleep(poll_s)
+
+
 def kill_all(
     cluster_dir: Path, *, timeout: float, node: str | None = None, run: str | None = None
 ) -> tuple[int, list[psutil.Process]]:
-    """SIGKILL the matching processes until none is left or ``timeout`` seconds passed, listing
-    them again each time: a process that was forking when it was killed leaves a child that no
-    earlier listing held (Ansible's workers start a shell per task). Return how many were
-    signalled and those still alive."""
-    deadline = time.monotonic() + timeout
-    signalled: set[int] = set()
-    while True:
-        alive = find(cluster_dir, node=node, run=run)
-        if not alive or time.monotonic() >= deadline:
-            return len(signalled), alive
-        kill(alive)
-        signalled.update(p.pid for p in alive)
-        time.sleep(0.2)
+    """``kill_until_gone`` for the cluster's processes on this machine (one node's, one run's)."""
+    return kill_until_gone(lambda: find(cluster_dir, node=node, run=run), kill, timeout=timeout)
 
 
 def wait_gone(
     cluster_dir: Path, *, timeout: float, node: str | None = None, run: str | None = None
 ) -> list[psutil.Process]:
-    """Wait up to ``timeout`` seconds for the matching processes to exit; return those still alive."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = find(cluster_dir, node=node, run=run)
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.2)
+    """``wait_until_gone`` for the cluster's processes on this machine (one node's, one run's)."""
+    return wait_until_gone(lambda: find(cluster_dir, node=node, run=run), timeout=timeout)
 
 
 # -- what a node reports to the control plane ---------------------------------------------------
@@ -352,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     - ``list --cluster DIR [--node N] [--run R]``: the processes, a JSON list of ``NodeProcess``;
     - ``signal --sig N NODE:PID:STARTED...``: signal those that still run;
-    - ``kill --cluster DIR --node N --run R``: SIGKILL the run's processes on the node;
+    - ``kill --cluster DIR --node N --run R``: SIGKILL the run's processes on the node until none
+      is left (for up to ``KILL_NODE_S``), as every provider kills a node;
     - ``monitor --cluster DIR --run R [--node N]``: a JSON line for every change of the run's
       processes (a list) and ``null`` heartbeats, until its stdin closes.
     """
@@ -374,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "signal":
         signal_listed(args.procs, args.sig)
     elif args.command == "kill":
-        kill(find(args.cluster, node=args.node, run=args.run))
+        kill_all(args.cluster, node=args.node, run=args.run, timeout=KILL_NODE_S)
     else:
         _monitor_until_stdin_closes(args.cluster, run=args.run, node=args.node)
     return 0

@@ -27,7 +27,8 @@ from infractl.runstore import (
     committed_steps,
 )
 from infractl.store import FileStore, Store, StoreError, open_store
-from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer, SaveFailed
+from trainer.checkpoint import Checkpointer, SaveFailed
+from trainer.faults import REHEARSAL_ENV, UPLOAD_DELAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -122,6 +123,21 @@ def test_a_fetch_never_writes_through_a_link_out_of_the_restore_directory(store:
     (restore / "shards" / ".0.distcp.rank-0.part").unlink()
     runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
     assert (restore / entry.key).read_bytes() == b"abcd"
+
+
+def test_a_fetched_file_lands_only_with_the_manifest_size_and_sha256(store: FileStore, tmp_path: Path) -> None:
+    store.put_bytes(f"{checkpoint_prefix('r', 10)}/0.distcp", b"abcde")
+    restore = tmp_path / "restore"
+    for entry, why in (
+        (ManifestEntry("0.distcp", 4, hashlib.sha256(b"abcd").hexdigest()), "5 bytes, the manifest says 4"),
+        (ManifestEntry("0.distcp", 5, hashlib.sha256(b"abcdf").hexdigest()), "sha256 is"),
+    ):
+        with pytest.raises(runstore.CheckpointError, match=f"step 10: 0.distcp: {why}"):
+            runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+        assert list(restore.iterdir()) == []  # neither the file nor its part file
+    entry = ManifestEntry("0.distcp", 5, hashlib.sha256(b"abcde").hexdigest())
+    runstore.fetch_checkpoint_file(store, "r", 10, entry, restore / entry.key, tag="rank-0")
+    assert [p.name for p in restore.iterdir()] == ["0.distcp"]
 
 
 def test_prune_keeps_a_newer_partial_step_unless_no_save_is_in_flight(store: FileStore) -> None:
@@ -311,7 +327,9 @@ def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(t
 
     # Resumed at 5, the save of step 10 uploads its shards, then (fault injection) waits
     # before the manifest and COMMITTED: kill the whole tree in that window.
-    job = Job(tmp_path, spec_of(steps=10), attempt=2, env={UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri)
+    job = Job(
+        tmp_path, spec_of(steps=10), attempt=2, env={REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "60"}, store_uri=store_uri
+    )
     step10 = checkpoint_prefix("ck", 10)
 
     def uploaded() -> set[str]:
@@ -347,7 +365,7 @@ def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
     # Each upload holds 1 s more, so the background part outlasts staging even on a loaded machine
     # (staging 20 MB took up to 0.19 s under a busy CI run; the upload alone about as long).
-    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "1.0"})
+    job = run(tmp_path, spec, **{REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "1.0"})
     (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 
@@ -372,7 +390,7 @@ def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     spec = spec_of(steps=8, checkpoint=CheckpointSpec(every=2, keep=2))
     # Each save holds for 0.5 s after its upload: the next save (two steps later) finds it in
     # flight and must wait for it.
-    job = run(tmp_path, spec, **{UPLOAD_DELAY_ENV: "0.5"})
+    job = run(tmp_path, spec, **{REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "0.5"})
     (tmp_path / "store").mkdir(exist_ok=True)
     store = FileStore(tmp_path / "store")
 

@@ -91,6 +91,9 @@ def test_run_env_names_only_variables_a_trainer_may_be_given(tmp_path: Path, nam
         load_run(_write(tmp_path, f"name: r\nenv: {names}\n"))
 
 
-def test_run_env_may_name_a_token_and_the_fault_knobs(tmp_path: Path) -> None:
-    spec = load_run(_write(tmp_path, "name: r\nenv: [HF_TOKEN, NCCL_DEBUG, INFRACTL_REPLICA_CORRUPT]\n"))
-    assert spec.env == ["HF_TOKEN", "NCCL_DEBUG", "INFRACTL_REPLICA_CORRUPT"]
+def test_run_env_may_name_a_token_and_in_a_rehearsal_the_fault_hooks(tmp_path: Path) -> None:
+    text = "name: r\nenv: [HF_TOKEN, NCCL_DEBUG, INFRACTL_REPLICA_CORRUPT]\n"
+    spec = load_run(_write(tmp_path, text + "rehearsal: true\n"))
+    assert spec.env == ["HF_TOKEN", "NCCL_DEBUG", "INFRACTL_REPLICA_CORRUPT"] and spec.rehearsal
+    with pytest.raises(ConfigError, match=r"run.yaml: env: INFRACTL_REPLICA_CORRUPT is a fault-injection hook for"):
+        load_run(_write(tmp_path, text))

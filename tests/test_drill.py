@@ -16,7 +16,7 @@ from infractl import proc, runstore
 from infractl.config import load_run
 from infractl.drill import recovery
 from infractl.store import FileStore, open_store
-from trainer.replica_server import CORRUPT_ENV
+from trainer.faults import REPLICA_CORRUPT_ENV, UPLOAD_DELAY_ENV
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 from runbook_steps import hung_job_run
@@ -68,11 +68,12 @@ def start(
     """Start run ``name`` detached on the module's cluster (``pace``: its ``min_step_s``, for a run
     the test stops: it spares the CPU; ``hung``: a run whose rank a test stops, with the step
     deadline that leaves its agent time to see the peers restart; ``env``: variables of train's
-    environment the run.yaml passes to the trainers, its fault-injection knobs); return its store
-    once its first checkpoint committed (at once, without ``committed``)."""
+    environment the run.yaml passes to the trainers, its fault-injection hooks: the run is then a
+    rehearsal); return its store once its first checkpoint committed (at once, without
+    ``committed``)."""
     text = RUN.format(name=name, steps=steps, pace=pace, checkpoint=checkpoint)
     if env:
-        text += f"env: [{', '.join(env)}]\n"
+        text += f"env: [{', '.join(env)}]\nrehearsal: true\n"
     run = write(cli.cwd / f"{name}.yaml", hung_job_run(text) if hung else text)
     cli("train", str(run), "--detach", env=env)
     store = FileStore(cli.home / "local" / "store")
@@ -264,7 +265,7 @@ def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> No
         cluster,
         "partial",
         steps=90,
-        env={"INFRACTL_CKPT_UPLOAD_DELAY_S": "4"},
+        env={UPLOAD_DELAY_ENV: "4"},
         checkpoint="{every: 10, keep: 2, replicate_every: 0}",
     )
     result = drill_json(cluster, "kill-during-checkpoint", "--node", "node-1")
@@ -299,7 +300,7 @@ def test_a_corrupt_replica_is_not_loaded_and_the_run_resumes_from_the_store(clus
         "corrupt",
         steps=100_000,
         pace=0.1,
-        env={CORRUPT_ENV: "peer"},
+        env={REPLICA_CORRUPT_ENV: "peer"},
         checkpoint="{every: 20, keep: 2, replicate_every: 5}",
     )
     result = drill_json(cluster, "kill-node", "--node", "node-1", "--no-wait")

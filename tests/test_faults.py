@@ -1,4 +1,5 @@
-"""Faults the trainer must ride out: a hung worker (watchdog), preemption (SIGTERM), a store outage.
+"""Faults the trainer must ride out: a hung worker (watchdog), preemption (SIGTERM), a store outage;
+and the drills' hooks that inject faults (trainer/faults.py), refused outside a rehearsal.
 
 Unit tests for the pure parts, then real torchrun runs on gloo with tiny models.
 """
@@ -19,6 +20,7 @@ import torch
 from test_trainer import REPO, Agents, Run, ok, start_torchrun, store_of, tiny_spec, torchrun
 
 from infractl.config import CheckpointSpec, WatchdogSpec
+from infractl.errors import UsageError
 from infractl.runstore import (
     StepRecord,
     committed_steps,
@@ -29,7 +31,8 @@ from infractl.runstore import (
 )
 from infractl.store import FileStore
 from trainer.backoff import retry_delays
-from trainer.checkpoint import UPLOAD_DELAY_ENV, Checkpointer
+from trainer.checkpoint import Checkpointer
+from trainer.faults import CORRUPT_WEIGHTS_ENV, REHEARSAL_ENV, REPLICA_CORRUPT_ENV, UPLOAD_DELAY_ENV, Faults
 from trainer.metrics import MetricsWriter
 from trainer.watchdog import CollectiveTimeout
 
@@ -177,8 +180,9 @@ def test_settle_waits_a_bounded_time_for_the_save_in_flight(
 ) -> None:
     (tmp_path / "store").mkdir()
     store = FileStore(tmp_path / "store")
-    monkeypatch.setenv(UPLOAD_DELAY_ENV, "1")
-    checkpointer = Checkpointer(store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2)
+    checkpointer = Checkpointer(
+        store, run_id="r", workdir=tmp_path / "work", rank=0, world_size=1, keep=2, upload_delay_s=1
+    )
     assert checkpointer.settle(0.1) is False  # nothing in flight
     checkpointer.save(1, {"w": torch.zeros(8)}, extra={})
     # Still in its upload delay after 0.1 s: settle says so instead of waiting the upload out.
@@ -189,6 +193,41 @@ def test_settle_waits_a_bounded_time_for_the_save_in_flight(
     manifest = verify_checkpoint(store, "r", 2)
     assert manifest.extra["reason"] == "final"
     assert manifest.extra["waited_s"] > 0.5  # settling counts as the save's wait
+
+
+def test_the_hooks_are_read_typed_in_a_rehearsal() -> None:
+    assert Faults.from_environ({}) == Faults()
+    hooks = {UPLOAD_DELAY_ENV: "1.5", CORRUPT_WEIGHTS_ENV: "50", REPLICA_CORRUPT_ENV: "peer", REHEARSAL_ENV: "1"}
+    assert Faults.from_environ(hooks) == Faults(
+        upload_delay_s=1.5, corrupt_weights_at_step=50, corrupt_peer_replicas=True
+    )
+    assert Faults.from_environ({CORRUPT_WEIGHTS_ENV: " ", REHEARSAL_ENV: "0"}) == Faults()  # empty: unset
+
+
+@pytest.mark.parametrize("hook", [UPLOAD_DELAY_ENV, CORRUPT_WEIGHTS_ENV, REPLICA_CORRUPT_ENV])
+def test_a_hook_outside_a_rehearsal_is_refused_naming_it(hook: str) -> None:
+    for rehearsal in ({}, {REHEARSAL_ENV: "0"}):
+        with pytest.raises(
+            UsageError, match=f"^{hook}: a fault-injection hook .* this run is not a rehearsal"
+        ) as refused:
+            Faults.from_environ({hook: "1", **rehearsal})
+        assert refused.value.field == hook
+
+
+@pytest.mark.parametrize(
+    ("hook", "value", "message"),
+    [
+        (UPLOAD_DELAY_ENV, "soon", "must be a number of seconds"),
+        (UPLOAD_DELAY_ENV, "-1", "must be a number of seconds, at least 0"),
+        (UPLOAD_DELAY_ENV, "nan", "must be a number of seconds"),
+        (CORRUPT_WEIGHTS_ENV, "none", "must be a step number"),
+        (CORRUPT_WEIGHTS_ENV, "-3", "must be a step number"),
+        (REPLICA_CORRUPT_ENV, "own", "must be 'peer'"),
+    ],
+)
+def test_a_hook_set_to_a_value_it_does_not_take_is_refused(hook: str, value: str, message: str) -> None:
+    with pytest.raises(UsageError, match=f"^{hook}: {message}"):
+        Faults.from_environ({hook: value, REHEARSAL_ENV: "1"})
 
 
 # -- torchrun on gloo (integration) -----------------------------------------------------------
@@ -302,6 +341,16 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     assert verify_checkpoint(store, spec.name, spec.steps).extra["reason"] == "final"
 
 
+def test_a_trainer_started_with_a_hook_outside_a_rehearsal_refuses_and_writes_nothing(tmp_path: Path) -> None:
+    spec = tiny_spec(steps=5)
+    run = start_torchrun(tmp_path, spec, env={UPLOAD_DELAY_ENV: "1"}).finish()
+    assert not run.ok
+    refused = [e["event"] for e in run.events if e.get("level") == "error"]
+    assert refused and all(e.startswith(f"{UPLOAD_DELAY_ENV}: a fault-injection hook") for e in refused), refused
+    assert run.event("stopped", rank=None) and {e["reason"] for e in run.event("stopped", rank=None)} == {"refused"}
+    assert committed_steps(store_of(tmp_path), spec.name) == []
+
+
 def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
     tmp_path: Path,
 ) -> None:
@@ -309,7 +358,7 @@ def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
     store = store_of(tmp_path)
     root, away = tmp_path / "store", tmp_path / "store-away"
     # Each save takes over a second: saves overlap each other and the outage.
-    agents = start_torchrun(tmp_path, spec, env={UPLOAD_DELAY_ENV: "1"})
+    agents = start_torchrun(tmp_path, spec, env={REHEARSAL_ENV: "1", UPLOAD_DELAY_ENV: "1"})
     wait_for_commit(store, spec.name, at_least=5, timeout=60)
     root.rename(away)
     try:

@@ -5,10 +5,12 @@ same on a running netns cluster's processes and files."""
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from infractl.config import RunSpec
 from infractl.errors import UsageError
 from infractl.launcher import passed_environment
+from trainer.faults import HOOKS
 
 OPERATOR = {
     "PATH": "/usr/bin",
@@ -38,7 +40,7 @@ def test_an_agent_gets_the_allowlist_and_nothing_else_of_the_operators_environme
 
 
 def test_the_variables_a_run_yaml_names_pass_too_and_must_be_set() -> None:
-    spec = RunSpec(name="r", env=["HF_TOKEN", "NCCL_DEBUG", "INFRACTL_CKPT_UPLOAD_DELAY_S"])
+    spec = RunSpec(name="r", env=["HF_TOKEN", "NCCL_DEBUG", "INFRACTL_CKPT_UPLOAD_DELAY_S"], rehearsal=True)
 
     passed = passed_environment(spec, OPERATOR)
 
@@ -49,10 +51,10 @@ def test_the_variables_a_run_yaml_names_pass_too_and_must_be_set() -> None:
     assert refused.value.field == "env"
 
 
-def test_the_fault_knobs_a_run_yaml_may_pass_are_the_trainers_own() -> None:
-    from infractl.config.run import FAULT_VARIABLES
-    from trainer.checkpoint import UPLOAD_DELAY_ENV
-    from trainer.engine import CORRUPT_ENV as CORRUPT_WEIGHTS
-    from trainer.replica_server import CORRUPT_ENV as CORRUPT_REPLICAS
-
-    assert sorted(FAULT_VARIABLES) == sorted({UPLOAD_DELAY_ENV, CORRUPT_WEIGHTS, CORRUPT_REPLICAS})
+def test_a_run_yaml_passes_the_trainers_fault_hooks_in_a_rehearsal_only() -> None:
+    for hook in HOOKS:
+        assert RunSpec(name="r", env=[hook], rehearsal=True).env == [hook]
+        with pytest.raises(ValidationError, match=f"{hook} is a fault-injection hook for drills and tests"):
+            RunSpec(name="r", env=[hook])
+    with pytest.raises(ValidationError, match="INFRACTL_RUN cannot be passed to the trainers"):
+        RunSpec(name="r", env=["INFRACTL_RUN"], rehearsal=True)

@@ -29,7 +29,7 @@ from infractl.runs import Attention, RunState, attention
 from infractl.runstore import Manifest, RunRecord, StepRecord
 from infractl.statedir import ClusterRecord, ClusterState, Endpoint, write_private
 from infractl.store import FileStore, Store
-from trainer.engine import CORRUPT_ENV
+from trainer.faults import CORRUPT_WEIGHTS_ENV
 
 from conftest import Cli, module_cluster, one_line, wait_for_commit, write
 from runbook_steps import (
@@ -447,8 +447,8 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     # Paced (a commit every 4 s), and 40 commits kept: the bad steps committed while the runbook is
     # read (a minute under CI's load) do not push the good ones out of retention.
     spec = RUN.format(name=name, steps=2000).replace("keep: 2", "keep: 40") + "min_step_s: 0.2\n"
-    run_file = write(cluster.cwd / f"{name}.yaml", spec + f"env: [{CORRUPT_ENV}]\n")
-    cluster("train", str(run_file), "--detach", env={CORRUPT_ENV: "50"})
+    run_file = write(cluster.cwd / f"{name}.yaml", spec + f"env: [{CORRUPT_WEIGHTS_ENV}]\nrehearsal: true\n")
+    cluster("train", str(run_file), "--detach", env={CORRUPT_WEIGHTS_ENV: "50"})
     wait_for_commit(store, name, at_least=60, timeout=300)  # a commit after the bad update
     # Refused, one line, nothing moved: a running run.
     refused = cluster("rollback", name, "--to", "20", "--yes", expect=2).stderr
@@ -464,9 +464,9 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     # As the runbook says: the engineer picks the newest committed step before the jump.
     to = max(step for step in runstore.committed_steps(store, name) if step <= 50)
     fault_time = time.time()
-    # The run's env: passes the knob, so the runbook's launch needs it set: to nothing it ever meets
-    # (the bad update's cause, fixed).
-    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to), CORRUPT_ENV: "none"})
+    # The run's env: passes the hook, so the runbook's launch needs it set: empty, which injects
+    # nothing (the bad update's cause, fixed).
+    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to), CORRUPT_WEIGHTS_ENV: ""})
 
     assert f"infractl stop --run {name} --no-save" in transcript and f"run {name} recovered: " in transcript
     assert rolled_back(store, name, transcript) == to == 40

@@ -57,9 +57,12 @@ from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher import api as launcher_api
 
 from infractl import no_collection_at_exit
+from infractl.errors import UsageError
 from infractl.log import get_logger
 from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
 from trainer import rendezvous_patch, replica_server, warm
+from trainer.errors import REFUSED_EXIT
+from trainer.faults import Faults
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 
@@ -165,8 +168,13 @@ def main() -> None:
     timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")  # trainer/watchdog.py's TIMER_FILE_ENV
     if timer_file:  # torchrun's timer server makes its pipe there, not the folder
         os.makedirs(os.path.dirname(timer_file), mode=0o700, exist_ok=True)
+    try:
+        faults = Faults.from_environ(os.environ)
+    except UsageError as exc:
+        log.error(exc.message)
+        sys.exit(REFUSED_EXIT)
     # Before the workers (and the fork server they are forked from) copy this environment.
-    server = replica_server.serve(local_addr, os.environ)
+    server = replica_server.serve(local_addr, os.environ, corrupt_peer_copies=faults.corrupt_peer_replicas)
     if server is not None:
         os.environ[replica_server.REPLICA_ADDR_ENV] = server.address
     metadata_url = os.environ.get(SPOT_NOTICE_ENV)

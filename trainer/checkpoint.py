@@ -35,10 +35,9 @@ Ranks on one node share the workdir and nodes may share a filesystem: staging di
 per rank, and downloads land under a per-rank temporary name and are renamed into place,
 so ranks never see each other's half-written files.
 
-Fault injection: ``$INFRACTL_CKPT_UPLOAD_DELAY_S`` (seconds, read when the Checkpointer is
-built) makes every save sleep after its shards are uploaded and before the manifest is
-gathered and committed. Tests and fault drills use it to kill a job while a step's files are
-in the store but the step is not committed; it is never set in normal runs.
+Fault injection (a drill's hook, trainer/faults.py): ``upload_delay_s`` makes every save sleep
+after its shards are uploaded and before the manifest is gathered and committed, so a drill or a
+test can kill a job while a step's files are in the store and the step is not committed.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from __future__ import annotations
 import contextvars
 import datetime
 import functools
-import os
 import shutil
 import threading
 import time
@@ -79,7 +77,7 @@ from infractl.store import Store, StoreError
 from trainer.replicas import ReplicaReader, Replicas
 from trainer.replicas import fetch as fetch_replica
 
-__all__ = ["Checkpointer", "SaveFailed", "UPLOAD_DELAY_ENV"]
+__all__ = ["Checkpointer", "SaveFailed"]
 
 log = get_logger(__name__)
 
@@ -87,9 +85,6 @@ _T = TypeVar("_T")
 
 #: Builds the state to save or load; told the manifest being loaded (None when saving).
 StateBuilder = Callable[[Manifest | None], dict[str, Any]]
-
-#: Fault-injection knob: seconds to sleep between uploading a step's shards and committing it.
-UPLOAD_DELAY_ENV = "INFRACTL_CKPT_UPLOAD_DELAY_S"
 
 #: How long a checkpoint collective may wait for the slowest rank's write and upload.
 _GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -138,6 +133,7 @@ class Checkpointer:
         rank: int,
         world_size: int,
         keep: int,
+        upload_delay_s: float = 0.0,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -145,7 +141,7 @@ class Checkpointer:
         self.rank = rank
         self.world_size = world_size
         self.keep = keep
-        self.upload_delay_s = _delay_from_env()
+        self.upload_delay_s = upload_delay_s  # fault injection (see module doc)
         # Collective: every rank creates it here, in the same order as any other group.
         self._group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
         self._in_flight: _InFlight | None = None
@@ -481,16 +477,3 @@ def _remove_empty(*dirs: Path) -> None:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _delay_from_env() -> float:
-    raw = os.environ.get(UPLOAD_DELAY_ENV, "").strip()
-    if not raw:
-        return 0.0
-    try:
-        delay = float(raw)
-    except ValueError:
-        raise ValueError(f"{UPLOAD_DELAY_ENV} must be a number of seconds, got {raw!r}") from None
-    if delay < 0:
-        raise ValueError(f"{UPLOAD_DELAY_ENV} must not be negative, got {raw!r}")
-    return delay

@@ -13,11 +13,10 @@ on within ``log_every`` steps.
 Profiling (run.yaml's ``profile.steps``, ``infractl profile``) costs the loop one integer
 compare per step outside the steps it traces; trainer/profiling.py does the rest.
 
-Fault injection: ``$INFRACTL_CORRUPT_WEIGHTS_AT_STEP`` (a step number) multiplies every weight
-by ``CORRUPT_FACTOR`` on every rank right after that step's update, as a bad update does (silent
-data corruption, a poisoned batch): the loss jumps from the next step on and the checkpoints
-after it hold the bad weights, which a rollback sets aside (runbooks/rollback.md). Only a start
-with the variable set does it; it is never set in normal runs.
+Fault injection (a drill's hook, trainer/faults.py): ``corrupt_weights_at_step`` multiplies every
+weight by ``CORRUPT_FACTOR`` on every rank right after that step's update, as a bad update does:
+the loss jumps from the next step on and the checkpoints after it hold the bad weights, which a
+rollback sets aside (runbooks/rollback.md).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.data import ByteBatches, ValidationBatches
 from trainer.distributed import DistEnv
 from trainer.errors import RunRefused
+from trainer.faults import CORRUPT_FACTOR, CORRUPT_WEIGHTS_ENV, NO_FAULTS, Faults
 from trainer.fingerprint import environment_fingerprint
 from trainer.held import EmulatedDevice
 from trainer.mesh import Layout
@@ -73,9 +72,6 @@ __all__ = ["GRAD_CLIP", "Preempted", "Trainer", "config_hash"]
 log = get_logger(__name__)
 
 GRAD_CLIP = 1.0
-
-CORRUPT_ENV = "INFRACTL_CORRUPT_WEIGHTS_AT_STEP"
-CORRUPT_FACTOR = 8.0
 
 
 def config_hash(spec: RunSpec) -> str:
@@ -114,12 +110,11 @@ class Trainer:
         workdir: Path,
         env: DistEnv,
         device: torch.device,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         # A restart's timeline (runstore's StepRecord): built right after the group formed.
         self.timeline = {"started": psutil.Process().create_time(), "joined": time.time()}
-        self.spec = spec
-        self.env = env
-        self.device = device
+        self.spec, self.env, self.device, self.faults = spec, env, device, faults
         self.preemption = PreemptionNotice()
         self.watchdog = StepWatchdog.from_environ(spec.watchdog.step_timeout_s)
         self.collective_timeout = CollectiveTimeout.for_default_group(spec.watchdog, report=self._report_timeout)
@@ -143,6 +138,7 @@ class Trainer:
             rank=env.rank,
             world_size=env.world_size,
             keep=spec.checkpoint.keep,
+            upload_delay_s=faults.upload_delay_s,
         )
         self.metrics = (
             MetricsWriter(store, run_id, tensorboard_dir=workdir / "tensorboard" / run_id) if env.rank == 0 else None
@@ -403,7 +399,7 @@ class Trainer:
         norm = self.parallel.reduce_and_clip(GRAD_CLIP)
         self.optimizer.step()
         self.progress.scheduler.step()
-        if os.environ.get(CORRUPT_ENV) == str(step):
+        if self.faults.corrupt_weights_at_step == step:
             self._corrupt_weights(step)
         stepped = clock.mark()
         return PendingStep(
@@ -420,7 +416,7 @@ class Trainer:
 
     def _corrupt_weights(self, step: int) -> None:
         """The injected bad update (the module docstring)."""
-        log.warning("weights_corrupted", step=step, factor=CORRUPT_FACTOR, injected_by=CORRUPT_ENV)
+        log.warning("weights_corrupted", step=step, factor=CORRUPT_FACTOR, injected_by=CORRUPT_WEIGHTS_ENV)
         with torch.no_grad():
             for p in self.model.parameters():
                 p.mul_(CORRUPT_FACTOR)

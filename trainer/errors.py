@@ -3,7 +3,12 @@ codes (see its docstring), not the CLI's error families."""
 
 from __future__ import annotations
 
-__all__ = ["TrainerError", "RunRefused"]
+__all__ = ["REFUSED_EXIT", "TrainerError", "RunRefused"]
+
+#: The exit code of a node's process (agent or worker) that refuses to start: a bad spec, bad
+#: arguments, a drill's hook outside a rehearsal, or a run that cannot go on as specified; nothing
+#: was written.
+REFUSED_EXIT = 2
 
 
 class TrainerError(Exception):

@@ -34,7 +34,6 @@ from typing import Any
 from infractl.log import get_logger
 
 __all__ = [
-    "CORRUPT_ENV",
     "MAX_BYTES_ENV",
     "REPLICA_ADDR_ENV",
     "RUN_KEY_FILE_ENV",
@@ -53,9 +52,6 @@ RUN_KEY_FILE_ENV = "INFRACTL_RUN_KEY_FILE"
 #: The most bytes one replica file may have (the launcher sizes it from the model: a rank's shard
 #: is never more than the whole state).
 MAX_BYTES_ENV = "INFRACTL_REPLICA_MAX_BYTES"
-#: Fault-injection knob (trainer/replicas.py's doc): ``peer`` corrupts the copies an agent holds
-#: for other nodes.
-CORRUPT_ENV = "INFRACTL_REPLICA_CORRUPT"
 
 #: The header that carries a request's signature, and the one that carries a body's sha256.
 SIGNATURE_HEADER = "X-Infractl-Signature"
@@ -264,9 +260,10 @@ def _copy(query: str) -> str:
     return urllib.parse.parse_qs(query).get("copy", ["own"])[0]
 
 
-def serve(host: str, environ: Mapping[str, str]) -> ReplicaServer | None:
+def serve(host: str, environ: Mapping[str, str], *, corrupt_peer_copies: bool = False) -> ReplicaServer | None:
     """Start this node's replica server on ``host`` (the agent, before its workers start); None
-    when ``environ`` names no run key (then the workers keep no replicas)."""
+    when ``environ`` names no run key (then the workers keep no replicas). ``corrupt_peer_copies``:
+    a drill's hook (trainer/faults.py)."""
     key = RunKey.from_environ(environ)
     if key is None:
         return None
@@ -274,7 +271,7 @@ def serve(host: str, environ: Mapping[str, str]) -> ReplicaServer | None:
         host,
         key,
         max_bytes=int(environ.get(MAX_BYTES_ENV) or 0) or 1 << 40,
-        corrupt_peer_copies=environ.get(CORRUPT_ENV, "").strip() == "peer",
+        corrupt_peer_copies=corrupt_peer_copies,
     )
     server.start()
     return server

@@ -44,15 +44,16 @@ or whose only surviving copy is corrupt, sends the run to the store's commit, ne
 or unverified replica. The store's commit rule is untouched: a replica is never committed, and a
 run stopped whole resumes from the store.
 
-Fault injection: ``$INFRACTL_REPLICA_CORRUPT=peer`` (read by the agent) makes the agent flip one
-byte of every copy it holds for another node, after checking it on receipt, as memory corrupted at
-rest would. Tests use it; it is never set in normal runs.
+Fault injection (a drill's hook, trainer/faults.py): ``corrupt_peer_replicas`` makes the agent flip
+one byte of every copy it holds for another node, after checking it on receipt, as memory corrupted
+at rest would.
 """
 
 from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import hashlib
 import http.client
 import io
@@ -65,7 +66,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
 from infractl.log import get_logger
-from infractl.runstore import Manifest, ManifestEntry, file_sha256
+from infractl.runstore import CheckpointError, Manifest, ManifestEntry, fetch_verified
 from trainer.replica_server import REPLICA_ADDR_ENV, SHA256_HEADER, SIGNATURE_HEADER, RunKey, file_key_ok
 
 __all__ = ["Candidate", "ReplicaReader", "Replicas", "fetch", "get", "put_file", "put_manifest", "whole_replicas"]
@@ -89,6 +90,10 @@ _METADATA_KEY = "metadata"
 _TIMEOUT_S = 10.0
 #: How long a replica's collectives may wait for the slowest rank's write and copies.
 _GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+#: How much of a fetched file is held in memory at a time.
+_BLOCK = 1 << 20
+
+_R = TypeVar("_R")
 
 
 # -- the ranks' side -------------------------------------------------------------------------
@@ -98,18 +103,32 @@ def _request(
     address: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
 ) -> tuple[bytes, http.client.HTTPMessage]:
     """One request to an agent's replica server; its body and headers. Raises OSError when it failed."""
+    return _exchange(address, method, path, body, headers, read=http.client.HTTPResponse.read)
+
+
+def _exchange(
+    address: str,
+    method: str,
+    path: str,
+    body: bytes | None,
+    headers: dict[str, str] | None,
+    *,
+    read: Callable[[http.client.HTTPResponse], _R],
+) -> tuple[_R, http.client.HTTPMessage]:
+    """``_request``, where ``read`` makes what it returns of the answer (a fetch streams its body
+    to a file). Raises OSError when it failed."""
     host, _, port = address.rpartition(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=_TIMEOUT_S)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         answer = connection.getresponse()
-        data = answer.read()
+        if answer.status >= 300:
+            raise OSError(f"HTTP {answer.status}")
+        data = read(answer)
     except (http.client.HTTPException, OSError) as exc:
         raise OSError(f"replica server {address}: {method} {path}: {exc}") from exc
     finally:
         connection.close()
-    if answer.status >= 300:
-        raise OSError(f"replica server {address}: {method} {path}: HTTP {answer.status}")
     return data, answer.headers
 
 
@@ -386,37 +405,47 @@ def _verified_manifest(key: RunKey, address: str, step: str, entry: Any) -> Mani
 
 
 def fetch(candidate: Candidate, dest: Path, *, tag: str, key: RunKey) -> str | None:
-    """Every file of ``candidate`` into ``dest``, each checked against the manifest (the next
-    holder on a mismatch) and written under a ``tag``-named part file first (ranks on one node
-    share ``dest``); what went wrong, if anything. Each file's signature is checked as well as its
-    sha256: a holder that serves another body is passed over."""
+    """Every file of ``candidate`` into ``dest``, each from the first holder whose copy is signed
+    with ``key`` and is the manifest's (``runstore.fetch_verified``: size and sha256, a
+    ``tag``-named part file first, since ranks on one node share ``dest``); what went wrong, if
+    some file has no such holder."""
     step = candidate.manifest.step
     for entry in candidate.manifest.files:
-        target = dest / entry.key
-        if target.is_file() and file_sha256(target) == entry.sha256:
-            continue  # another rank on this node fetched it
         problems = []
         for address in candidate.holders[entry.key]:
             try:
-                body, headers = get(key, address, f"/steps/{step}/files/{urllib.parse.quote(entry.key)}")
-            except OSError as exc:
+                fetch_verified(
+                    entry,
+                    dest / entry.key,
+                    tag=tag,
+                    what=address,
+                    download=functools.partial(_download, key, address, step, entry),
+                )
+                break
+            except (CheckpointError, OSError) as exc:
                 problems.append(str(exc))
-                continue
-            digest = hashlib.sha256(body).hexdigest()
-            if digest != entry.sha256:
-                problems.append(f"{address}: sha256 is {digest}, the manifest says {entry.sha256}")
-                continue
-            if not key.verify_body(headers.get(SIGNATURE_HEADER, ""), "file", step, entry.key, digest):
-                problems.append(f"{address}: the signature of {entry.key} does not verify")
-                continue
-            dest.mkdir(parents=True, exist_ok=True)
-            part = dest / f".{entry.key}.{tag}.part"
-            part.write_bytes(body)
-            os.replace(part, target)
-            break
         else:
             return f"step {step}: {entry.key}: " + "; ".join(problems)
     return None
+
+
+def _download(key: RunKey, address: str, step: int, entry: ManifestEntry, part: Path) -> None:
+    """File ``entry`` of replica ``step`` from the agent at ``address``, streamed into ``part``
+    once the agent's signature of it verifies with ``key`` for the manifest's sha256 (which the
+    bytes are then checked against). At most one byte more than the manifest's size is kept: a
+    holder that serves more fails the size check without filling the disk."""
+
+    def save(answer: http.client.HTTPResponse) -> None:
+        if not key.verify_body(answer.headers.get(SIGNATURE_HEADER, ""), "file", step, entry.key, entry.sha256):
+            raise CheckpointError(f"{address}: the signature of {entry.key} does not verify")
+        left = entry.size + 1
+        with part.open("wb") as out:
+            while left > 0 and (block := answer.read(min(_BLOCK, left))):
+                out.write(block)
+                left -= len(block)
+
+    path = f"/steps/{step}/files/{urllib.parse.quote(entry.key)}"
+    _exchange(address, "GET", path, None, {SIGNATURE_HEADER: key.sign_request("GET", path)}, read=save)
 
 
 class ReplicaReader(StorageReader):

@@ -55,15 +55,14 @@ from infractl.store import Store, open_store
 from trainer import memprobe
 from trainer.distributed import DistEnv, destroy_process_group, init_process_group
 from trainer.engine import Preempted, Trainer
-from trainer.errors import RunRefused
+from trainer.errors import REFUSED_EXIT, RunRefused
+from trainer.faults import Faults
 from trainer.preemption import PEER_PREEMPTED_EXIT
 
 __all__ = ["main", "warm_main"]
 
 log = get_logger("trainer")
 
-#: A bad spec, bad arguments or a run that cannot go on as specified: nothing was written.
-REFUSED_EXIT = 2
 # prctl(2): the signal this process gets when its parent dies (0: none).
 _PR_SET_PDEATHSIG = 1
 
@@ -109,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # and before touching the store, so it changes nothing. The launcher checked every world
         # size of the node range; this catches a layout started by hand on a world it cannot use.
         check_layout(spec, [(env.world_size, f"{env.world_size} rank(s)")], file=str(args.spec))
+        faults = Faults.from_environ(os.environ)
         store = open_store(args.store, field="--store")
         # Bad credentials or an unreachable store: one clear line now, not a traceback mid-run.
         store.check()
@@ -136,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workdir=args.workdir,
             env=env,
             device=device,
+            faults=faults,
             measure_steps=args.measure_memory,
         )
     except BaseException as exc:
@@ -176,6 +177,7 @@ def _train(
     workdir: Path,
     env: DistEnv,
     device: torch.device,
+    faults: Faults,
     measure_steps: int | None = None,
 ) -> int:
     # The Trainer lives only in this frame. DDP's reducer holds a reference to the gloo
@@ -184,9 +186,9 @@ def _train(
     # a deadlock at exit. Freed first, the group is destroyed by destroy_process_group,
     # which releases the GIL. Returns the last step trained.
     if measure_steps is None:
-        return Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device).train()
+        return Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device, faults=faults).train()
     baseline = memprobe.start()
-    trainer = Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device)
+    trainer = Trainer(spec, store=store, run_id=run_id, workdir=workdir, env=env, device=device, faults=faults)
     memprobe.measure(trainer, steps=measure_steps, store=store, run_id=run_id, baseline_rss=baseline)
     return measure_steps
 

@@ -10,10 +10,10 @@ from pydantic import Field, field_validator, model_validator
 
 from infractl.config.loader import load, read_text, validate
 from infractl.config.spec import Name, Spec, field_error
+from trainer.faults import HOOKS
 
 __all__ = [
     "DP_SHORTHANDS",
-    "FAULT_VARIABLES",
     "MAX_PROFILE_STEPS",
     "CheckpointSpec",
     "DataSpec",
@@ -386,10 +386,6 @@ class ProfileSpec(Spec):
 #: that change which code a node's processes run rather than what they do.
 _UNPASSABLE_PREFIXES = ("INFRACTL_", "TORCHELASTIC_", "LD_", "PYTHON")
 _UNPASSABLE = frozenset({"BASH_ENV", "ENV", "PATH", "HOME", "SHELL", "IFS", "PS4"})
-#: infractl's own variables a run.yaml ``env:`` may name all the same: the trainer's fault-injection
-#: knobs (trainer/checkpoint.py ``UPLOAD_DELAY_ENV``, trainer/engine.py and trainer/replica_server.py
-#: ``CORRUPT_ENV``), which rehearsals and tests set on purpose and nothing else may carry to a node.
-FAULT_VARIABLES = ("INFRACTL_CKPT_UPLOAD_DELAY_S", "INFRACTL_CORRUPT_WEIGHTS_AT_STEP", "INFRACTL_REPLICA_CORRUPT")
 
 
 class RunSpec(Spec):
@@ -486,8 +482,16 @@ class RunSpec(Spec):
             "Names of variables of the shell that runs `infractl train` that the trainers get too (an access "
             "token their code reads, NCCL_DEBUG, ...): nothing else of that environment reaches a node but the "
             "store's credentials where the nodes have no role of their own. Each must be set when the run "
-            "starts. Not infractl's own variables (but its fault-injection knobs), nor the dynamic loader's or "
-            "Python's (LD_*, PYTHON*)."
+            "starts. Not infractl's own variables (but, in a `rehearsal`, the trainer's fault-injection hooks), "
+            "nor the dynamic loader's or Python's (LD_*, PYTHON*)."
+        ),
+    )
+    rehearsal: bool = Field(
+        False,
+        description=(
+            "A rehearsal: a run drills and tests inject faults into through the trainer's fault-injection hooks "
+            "(trainer/faults.py: a delayed checkpoint upload, corrupted weights, corrupted replicas), which its "
+            "`env:` may then pass. A run that is not one refuses them."
         ),
     )
 
@@ -497,7 +501,7 @@ class RunSpec(Spec):
         for name in names:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", name):
                 raise ValueError(f"{name!r} is not an environment variable's name")
-            if (name.startswith(_UNPASSABLE_PREFIXES) or name in _UNPASSABLE) and name not in FAULT_VARIABLES:
+            if (name.startswith(_UNPASSABLE_PREFIXES) or name in _UNPASSABLE) and name not in HOOKS:
                 raise ValueError(
                     f"{name} cannot be passed to the trainers: infractl sets it itself, or it changes what code "
                     "the node runs (LD_*, PYTHON*, BASH_ENV)"
@@ -505,6 +509,17 @@ class RunSpec(Spec):
         if len(set(names)) != len(names):
             raise ValueError("names a variable twice")
         return names
+
+    @model_validator(mode="after")
+    def _hooks_only_in_a_rehearsal(self) -> RunSpec:
+        hook = next((name for name in self.env if name in HOOKS), None)
+        if hook is not None and not self.rehearsal:
+            raise field_error(
+                "env",
+                f"{hook} is a fault-injection hook for drills and tests (trainer/faults.py): only a run with "
+                "rehearsal: true passes it",
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_needs_fsdp(self) -> RunSpec:

@@ -8,7 +8,6 @@ markers (``infractl.proc``), a watch by one monitor thread for every node.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import threading
@@ -142,8 +141,8 @@ class LocalNodes(NodeControl):
         return _LocalWatch(self, run)
 
     def kill_node(self, node: str, run: str) -> None:
-        """A local node is its process tree: SIGKILL the run's processes there."""
-        self.signal(self.processes(node=node, run=run), signal.SIGKILL)
+        """A local node is its process tree: the run's processes there, killed until none is left."""
+        proc.kill_all(self.state.dir, node=node, run=run, timeout=proc.KILL_NODE_S)
 
     def ansible_host(self, node: str) -> dict[str, Any]:
         return {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}

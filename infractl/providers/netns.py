@@ -21,7 +21,6 @@ reached again), and its link is cut on the bridge or inside the namespace.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
 import json
@@ -30,9 +29,7 @@ import re
 import resource
 import shlex
 import shutil
-import signal
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,8 +52,6 @@ from infractl.statedir import ClusterIntent, ClusterState, Orphan
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
 _SSHD = "/usr/sbin/sshd"
-#: How long ``kill_node`` lists and kills again while the node's namespace still holds a process.
-_KILL_NODE_S = 5.0
 # Commands the module's provisioners and the launcher run, and the Debian package of each.
 _TOOLS = {
     "ip": "iproute2",
@@ -339,25 +334,12 @@ class NetnsNodes(SshNodes):
 
     def kill_node(self, node: str, run: str) -> None:
         """Every process in the node's namespace but its sshd listener (the node's own: it stays so
-        the node can be reached again), the run's among them; listed again until none is left (a
-        process forking as it was killed leaves a child no listing held), for up to
-        ``_KILL_NODE_S``."""
+        the node can be reached again), the run's among them."""
         entry = self.node(node)
         assert entry.ssh is not None
         pid_file = entry.ssh.known_hosts.with_name("sshd.pid")
         listener = int(pid_file.read_text().strip() or 0) if pid_file.is_file() else 0
-        deadline = time.monotonic() + _KILL_NODE_S
-        while True:
-            listed = proc.run(["ip", "netns", "pids", _namespace(self.state, node)])
-            pids = {int(pid) for pid in listed.stdout.split()} - {listener} if listed.returncode == 0 else set()
-            if not pids or time.monotonic() >= deadline:
-                return
-            for pid in sorted(pids):
-                try:
-                    psutil.Process(pid).send_signal(signal.SIGKILL)
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-            time.sleep(0.05)
+        _kill_namespace(_namespace(self.state, node), but=listener)
 
     def _link_commands(self, node: str, fault: str, latency_ms: int) -> tuple[list[str], list[str]]:
         """The command that makes ``fault`` on the node's link, and the one that undoes it."""
@@ -510,12 +492,20 @@ def _delete_guard(chain: str) -> None:
     _ip_or_raise(["iptables", "-w", "-X", chain])
 
 
+def _kill_namespace(name: str, *, but: int = 0) -> None:
+    """Every process in the namespace ``name`` (but the pid ``but``), killed until none is left."""
+
+    def in_namespace() -> list[psutil.Process]:
+        listed = proc.run(["ip", "netns", "pids", name])
+        pids = {int(pid) for pid in listed.stdout.split()} - {but} if listed.returncode == 0 else set()
+        return proc.processes(sorted(pids))
+
+    proc.kill_until_gone(in_namespace, proc.kill, timeout=proc.KILL_NODE_S, poll_s=0.05)
+
+
 def _delete_namespace(name: str) -> None:
     """Every process in it, then the namespace (its veth ends go with it)."""
-    listed = proc.run(["ip", "netns", "pids", name])
-    for pid in listed.stdout.split() if listed.returncode == 0 else []:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(int(pid)).kill()
+    _kill_namespace(name)
     _ip_or_raise(["ip", "netns", "del", name])
 
 

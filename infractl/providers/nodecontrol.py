@@ -11,13 +11,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from infractl import proc
 from infractl.errors import InfractlError, UsageError
 from infractl.node import Node
 from infractl.proc import NodeProcess
@@ -151,34 +151,26 @@ class NodeControl(ABC):
         self, *, timeout: float, node: str | None = None, run: str | None = None, poll_s: float = 0.2
     ) -> list[NodeProcess]:
         """Wait up to ``timeout`` seconds for the matching processes to exit; return those alive."""
-        deadline = time.monotonic() + timeout
-        while True:
-            alive = self.processes(node=node, run=run)
-            if not alive or time.monotonic() >= deadline:
-                return alive
-            time.sleep(poll_s)
+        return proc.wait_until_gone(lambda: self.processes(node=node, run=run), timeout=timeout, poll_s=poll_s)
 
     def stop_all(self, *, timeout: float, run: str | None = None) -> tuple[int, list[NodeProcess]]:
-        """SIGKILL every process of the cluster (or of ``run``) on every node, listing them again
-        until none is left (a process forking as it was killed leaves a child no listing held) or
-        ``timeout`` seconds passed; (how many were signalled, those that survived)."""
-        deadline = time.monotonic() + timeout
-        signalled: set[tuple[str, int, float]] = set()
-        while True:
-            alive = self.processes(run=run)
-            if not alive or time.monotonic() >= deadline:
-                return len(signalled), alive
-            self.signal(alive, signal.SIGKILL)
-            signalled.update(p.key for p in alive)
-            time.sleep(0.2)
+        """SIGKILL every process of the cluster (or of ``run``) on every node until none is left
+        or ``timeout`` seconds passed (``proc.kill_until_gone``); (how many were signalled, those
+        that survived)."""
+        return proc.kill_until_gone(
+            lambda: self.processes(run=run),
+            lambda alive: self.signal(alive, signal.SIGKILL),
+            timeout=timeout,
+            key=lambda p: p.key,
+        )
 
     # -- faults ---------------------------------------------------------------------------------
 
     @abstractmethod
     def kill_node(self, node: str, run: str) -> None:
         """``node`` dies at once: SIGKILL ``run``'s processes there and whatever else dies with the
-        node (anything slow to look up is looked up by the caller before: the fault's time is
-        taken just before this call)."""
+        node, by ``proc.kill_until_gone`` for up to ``proc.KILL_NODE_S`` (anything slow to look up
+        is looked up by the caller before: the fault's time is taken just before this call)."""
 
     def cut_link(self, node: str, fault: str, *, latency_ms: int = 0) -> dict[str, Any]:
         """Make ``fault`` (one of ``link_faults``) on ``node``'s link; what was done, for the

@@ -245,8 +245,8 @@ class SshNodes(NodeControl):
         return _SshWatch(self, run)
 
     def kill_node(self, node: str, run: str) -> None:
-        """The run's processes on the node, found and SIGKILLed by the node itself (one session:
-        not a listing's round trip late)."""
+        """The run's processes on the node, found and killed until none is left by the node itself
+        (``python -m infractl.proc kill``: one session, not a listing's round trip late)."""
         args = ["kill", "--cluster", str(self.state.dir), "--node", node, "--run", run]
         self._ask(node, shlex.join(self._node_side(node, *args)))
 

@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from infractl.errors import InfractlError, StoreError
@@ -22,6 +23,7 @@ __all__ = [
     "commit_checkpoint",
     "committed_steps",
     "fetch_checkpoint_file",
+    "fetch_verified",
     "file_sha256",
     "latest_committed_step",
     "prune_checkpoints",
@@ -38,24 +40,48 @@ class CheckpointError(InfractlError):
     """A checkpoint failed verification (missing key, wrong size or checksum)."""
 
 
-def fetch_checkpoint_file(store: Store, run_id: str, step: int, entry: ManifestEntry, dest: Path, *, tag: str) -> None:
-    """One file of a committed step into ``dest`` (``<restore directory>/<entry.key>``), checked
-    against its manifest entry: skipped when ``dest`` already holds it (another rank on this node
-    fetched it), downloaded to a ``tag``-named part file and renamed, never left half-written or
-    unchecked, and never written outside the restore directory (``CheckpointError``)."""
-    tmp = dest.with_name(f".{dest.name}.{tag}.part")
-    _confine(step, entry.key, dest, tmp)
-    if dest.is_file() and dest.stat().st_size == entry.size and file_sha256(dest) == entry.sha256:
+def fetch_verified(entry: ManifestEntry, dest: Path, *, tag: str, what: str, download: Callable[[Path], None]) -> None:
+    """The one way a file a manifest lists is fetched, from the store or from a replica's holder:
+    into ``dest`` (``<directory>/<entry.key>``). Skipped when ``dest`` already holds it (its size
+    and sha256: another rank on this node fetched it). Else ``download(part)`` writes the bytes,
+    streamed, to a ``tag``-named part file beside ``dest``, whose size and sha256 are checked
+    against ``entry`` (read back in blocks: never the whole file in memory) before it is renamed
+    onto ``dest``; the part file is removed whatever happens. ``CheckpointError`` (its message
+    starting with ``what``) when the bytes are not the manifest's, or when ``dest`` or the part
+    file would lead outside the directory; ``download``'s own errors are left to the caller."""
+    part = dest.with_name(f".{dest.name}.{tag}.part")
+    _confine(what, entry.key, dest, part)
+    if _holds(dest, entry):
         return
-    store.get_file(f"{checkpoint_prefix(run_id, step)}/{entry.key}", tmp)
-    digest = file_sha256(tmp)
-    if digest != entry.sha256:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"step {step}: {entry.key}: sha256 is {digest}, the manifest says {entry.sha256}")
-    os.replace(tmp, dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        download(part)
+        size = part.stat().st_size
+        if size != entry.size:
+            raise CheckpointError(f"{what}: {size} bytes, the manifest says {entry.size}")
+        digest = file_sha256(part)
+        if digest != entry.sha256:
+            raise CheckpointError(f"{what}: sha256 is {digest}, the manifest says {entry.sha256}")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
 
 
-def _confine(step: int, key: str, dest: Path, tmp: Path) -> None:
+def _holds(path: Path, entry: ManifestEntry) -> bool:
+    return path.is_file() and path.stat().st_size == entry.size and file_sha256(path) == entry.sha256
+
+
+def fetch_checkpoint_file(store: Store, run_id: str, step: int, entry: ManifestEntry, dest: Path, *, tag: str) -> None:
+    """One file of a committed step into ``dest`` (``<restore directory>/<entry.key>``), by
+    ``fetch_verified``: ``CheckpointError`` when it is not the manifest's, the store's errors as
+    they come."""
+    key = f"{checkpoint_prefix(run_id, step)}/{entry.key}"
+    fetch_verified(
+        entry, dest, tag=tag, what=f"step {step}: {entry.key}", download=lambda part: store.get_file(key, part)
+    )
+
+
+def _confine(what: str, key: str, dest: Path, tmp: Path) -> None:
     """``CheckpointError`` unless ``dest`` and its part file ``tmp``, resolved, lie inside the
     directory ``dest`` is ``key`` under. The key itself cannot climb out (``ManifestEntry``), but
     a symlink in the directory can lead out of it, and the download would write through it."""
@@ -65,9 +91,7 @@ def _confine(step: int, key: str, dest: Path, tmp: Path) -> None:
     directory = dest.parents[len(parts) - 1].resolve()
     for path in (dest, tmp):
         if not path.resolve().is_relative_to(directory):
-            raise CheckpointError(
-                f"step {step}: {key} leads to {path.resolve()}, outside the restore directory {directory}"
-            )
+            raise CheckpointError(f"{what}: leads to {path.resolve()}, outside the restore directory {directory}")
 
 
 def file_sha256(path: Path) -> str:

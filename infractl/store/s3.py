@@ -1,4 +1,6 @@
-"""``s3://BUCKET[/PREFIX]``: an S3 bucket (AWS or any S3-compatible server) through boto3."""
+"""``s3://BUCKET[/PREFIX]``: an S3 bucket (AWS or any S3-compatible server) through boto3: the
+Store operations on it, its access policies, preflights and safeguards, and its URI. How it talks
+to S3 (retries, timeouts, transfers, clients, boto3's errors turned into the store's): ``_boto``."""
 
 from __future__ import annotations
 
@@ -19,58 +21,32 @@ from urllib.parse import parse_qsl, quote, urlparse
 import psutil
 
 from infractl.errors import ConfigError, StoreError, UsageError
-from infractl.store import _iam
+from infractl.store import _boto, _iam
+from infractl.store._boto import (
+    S3_CHECK_CONNECT_TIMEOUT_S,
+    S3_CHECK_MAX_ATTEMPTS,
+    S3_CHECK_READ_TIMEOUT_S,
+    S3_CONNECT_TIMEOUT_S,
+    S3_DELETE_BATCH,
+    S3_INTERACTIVE_CONNECT_TIMEOUT_S,
+    S3_INTERACTIVE_MAX_ATTEMPTS,
+    S3_INTERACTIVE_READ_TIMEOUT_S,
+    S3_LIST_PAGE_SIZE,
+    S3_MAX_ATTEMPTS,
+    S3_MAX_CONCURRENCY,
+    S3_MIN_PART_SIZE,
+    S3_MULTIPART_CHUNKSIZE,
+    S3_MULTIPART_THRESHOLD,
+    S3_READ_TIMEOUT_S,
+)
 from infractl.store.base import ObjectInfo, Store
-from infractl.store.errors import StoreKeyError, StoreUnavailable
+from infractl.store.errors import StoreKeyError
 from infractl.store.rights import RoleRights
 
 __all__ = ["S3Store", "open_s3"]
 
-_MIB = 1024 * 1024
-
-# --- S3 tuning -------------------------------------------------------------------------------
-# Data path (checkpoint uploads, metrics, run records). Checkpoints upload in the background while
-# training goes on, so riding out a short store outage or throttling beats failing the save:
-# "standard" retry mode backs off exponentially with jitter (capped at 20 s a wait), so 8
-# attempts wait out roughly a minute. The timeouts turn a stuck connection into an error (which is
-# then retried) instead of a hang: 5 s to connect is ages on a healthy network; 60 s without a
-# byte on an open socket means the server is not coming back for this request.
-S3_MAX_ATTEMPTS = 8
-S3_CONNECT_TIMEOUT_S = 5.0
-S3_READ_TIMEOUT_S = 60.0
-# check() is a preflight a person is waiting on, before anything changes: fail within seconds.
-S3_CHECK_MAX_ATTEMPTS = 2
-S3_CHECK_CONNECT_TIMEOUT_S = 3.0
-S3_CHECK_READ_TIMEOUT_S = 10.0
-# The CLI's reads and writes (status, metrics, run records): a person is waiting too, so a store
-# that does not answer is reported within seconds, not after a minute of backing off.
-S3_INTERACTIVE_MAX_ATTEMPTS = 2
-S3_INTERACTIVE_CONNECT_TIMEOUT_S = 3.0
-S3_INTERACTIVE_READ_TIMEOUT_S = 5.0
-# Managed transfers: objects above the threshold go multipart, in parallel parts. S3 needs parts
-# of at least 5 MiB and allows at most 10,000 of them: 16 MiB parts reach 160 GiB per object,
-# far above a checkpoint shard, while keeping the memory in flight small (concurrency x chunk).
-S3_MULTIPART_THRESHOLD = 64 * _MIB
-S3_MULTIPART_CHUNKSIZE = 16 * _MIB
-S3_MIN_PART_SIZE = 5 * _MIB
-S3_MAX_CONCURRENCY = 4
-# ListObjectsV2 returns at most 1000 keys a page; DeleteObjects takes at most 1000 keys a call.
-S3_LIST_PAGE_SIZE = 1000
-S3_DELETE_BATCH = 1000
 # A concurrent conditional write on the same key may get 409 ConditionalRequestConflict: retry it.
 _CONDITIONAL_CONFLICT_ATTEMPTS = 5
-# Error codes that mean "try again later", as 5xx statuses do: the store is unavailable for now.
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-    }
-)
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # A bucket's public access block: every setting must be on (``check_safeguards``).
@@ -84,7 +60,7 @@ class S3Store(Store):
 
     ``endpoint_url`` points at an S3-compatible server (moto, MinIO, ...); it switches to
     path-style addressing, which those servers expect. Credentials come from boto3's standard
-    chain only. The tuning knobs default to the module constants; tests lower them.
+    chain only. The tuning knobs default to ``_boto``'s constants; tests lower them.
     """
 
     def __init__(
@@ -146,19 +122,15 @@ class S3Store(Store):
         self._lock = threading.Lock()
 
     def _make_client(self, *, max_attempts: int, connect_timeout: float, read_timeout: float) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        config = Config(
-            retries={"mode": "standard", "max_attempts": max_attempts},
+        return _boto.new_client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            max_attempts=max_attempts,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max(10, self.max_concurrency * 2),
-            s3={"addressing_style": "path"} if self.endpoint_url else None,
         )
-        # A session per store: boto3's default session is not thread-safe to create clients from.
-        session = boto3.session.Session(region_name=self.region)
-        return session.client("s3", endpoint_url=self.endpoint_url, config=config)
 
     def _client_for(self, kind: str) -> Any:
         with self._lock:
@@ -185,13 +157,8 @@ class S3Store(Store):
         return self._client_for("data")
 
     def _transfer_config(self) -> Any:
-        from boto3.s3.transfer import TransferConfig
-
-        return TransferConfig(
-            multipart_threshold=self.multipart_threshold,
-            multipart_chunksize=self.multipart_chunksize,
-            max_concurrency=self.max_concurrency,
-            use_threads=True,
+        return _boto.transfer_config(
+            threshold=self.multipart_threshold, chunksize=self.multipart_chunksize, concurrency=self.max_concurrency
         )
 
     def _key(self, key: str) -> str:
@@ -212,35 +179,9 @@ class S3Store(Store):
     def _relative(self, full: str) -> str:
         return full[len(self.prefix) + 1 :] if self.prefix else full
 
-    @contextlib.contextmanager
-    def _io(self, action: str, key: str | None) -> Iterator[None]:
-        """Turn boto3's errors into the store's: ``StoreUnavailable`` when the endpoint cannot be
-        reached or answers "later" (5xx, throttling, after the client's own retries), else
-        ``StoreError`` (access denied, no such bucket). One line naming the store and the cause."""
-        from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            yield
-        except StoreError:
-            raise
-        except ClientError as e:
-            raise self._translate(e, action, key) from e
-        except (S3UploadFailedError, S3TransferFailedError) as e:
-            # The managed transfer wraps the client's error; classify that one when it is there.
-            inner = e.__context__
-            if isinstance(inner, ClientError):
-                raise self._translate(inner, action, key) from e
-            raise StoreUnavailable(self.uri, f"{_doing(action, key)}: {' '.join(str(e).split())}") from e
-        except BotoCoreError as e:
-            raise StoreUnavailable(self.uri, f"{_doing(action, key)}: {self._reason(e)}") from e
-
-    def _translate(self, e: Any, action: str, key: str | None) -> StoreError:
-        cause = f"{_doing(action, key)}: {self._reason(e)}"
-        status = _status(e)
-        if (status is not None and status >= 500) or _code(e) in _TRANSIENT_CODES:
-            return StoreUnavailable(self.uri, cause)
-        return StoreError(self.uri, cause)
+    def _io(self, action: str, key: str | None) -> AbstractContextManager[None]:
+        """boto3's errors turned into the store's (``_boto.translating``)."""
+        return _boto.translating(self.uri, action, key, self._reason)
 
     # -- the Store API --------------------------------------------------------------------------
 
@@ -269,7 +210,7 @@ class S3Store(Store):
                     self.client.put_object(Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*")
                     return True
                 except ClientError as e:
-                    status, code = _status(e), _code(e)
+                    status, code = _boto.status(e), _boto.code(e)
                     if status == 412 or code == "PreconditionFailed":
                         return False
                     # 409: a concurrent conditional write to this key is in flight; S3 says retry.
@@ -348,9 +289,9 @@ class S3Store(Store):
         they get 403. Listing the key itself lies under the prefix and tells the two apart."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        if _is_missing(e):
+        if _boto.is_missing(e):
             return True
-        if _status(e) != 403:
+        if _boto.status(e) != 403:
             return False
         try:
             listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix=full, MaxKeys=1)
@@ -419,18 +360,14 @@ class S3Store(Store):
     # -- access: one IAM managed policy per role (store/_iam.py) --------------------------------
 
     def _iam_client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        config = Config(
-            retries={"mode": "standard", "max_attempts": self.max_attempts},
+        return _boto.new_client(
+            "iam",
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            max_attempts=self.max_attempts,
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
         )
-        # An S3-compatible server that speaks IAM (moto) serves it on the store's endpoint; on
-        # AWS (no endpoint_url) IAM has its own global endpoint, which boto3 knows.
-        session = boto3.session.Session(region_name=self.region)
-        return session.client("iam", endpoint_url=self.endpoint_url, config=config)
 
     def access_policy(self, rights: RoleRights) -> dict[str, Any]:
         """``ConfigError`` for a store at the root of its bucket: a role's rights would span it."""
@@ -517,7 +454,7 @@ class S3Store(Store):
             try:
                 block = client.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
             except ClientError as e:
-                if _code(e) != "NoSuchPublicAccessBlockConfiguration":
+                if _boto.code(e) != "NoSuchPublicAccessBlockConfiguration":
                     raise
                 block = {}
             if not all(block.get(setting) for setting in _PUBLIC_ACCESS_BLOCK):
@@ -535,7 +472,7 @@ class S3Store(Store):
                 try:
                     policy = json.loads(client.get_bucket_policy(Bucket=bucket)["Policy"])
                 except ClientError as e:
-                    if _code(e) != "NoSuchBucketPolicy":
+                    if _boto.code(e) != "NoSuchBucketPolicy":
                         raise
                     policy = {}
                 if not _refuses_plain_http(policy, bucket):
@@ -557,51 +494,9 @@ class S3Store(Store):
 
     def _reason(self, e: Exception, *, checking: bool = False) -> str:
         """Why a call failed, in one line (``checking``: the preflight client's timeouts applied)."""
-        from botocore.exceptions import (
-            ClientError,
-            ConnectTimeoutError,
-            EndpointConnectionError,
-            NoCredentialsError,
-            ReadTimeoutError,
-        )
-
         endpoint = self.endpoint_url or self._client_for("check" if checking else "data").meta.endpoint_url
-        if isinstance(e, ClientError):
-            code, message = _code(e), e.response.get("Error", {}).get("Message", "")
-            if code == "NoSuchBucket" or (checking and code == "404"):
-                reason = "bucket does not exist"
-            elif message and message != code:
-                reason = f"{code} ({message.rstrip('.')})"
-            else:
-                reason = code or f"HTTP {_status(e)}"
-        elif isinstance(e, ConnectTimeoutError):
-            reason = f"timed out connecting to endpoint {endpoint}"
-        elif isinstance(e, ReadTimeoutError):
-            waited = min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout) if checking else self.read_timeout
-            reason = f"endpoint {endpoint} did not answer within {waited:g} s"
-        elif isinstance(e, EndpointConnectionError):
-            reason = f"could not connect to endpoint {endpoint}"
-        elif isinstance(e, NoCredentialsError):
-            reason = (
-                "no AWS credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "AWS_PROFILE, or run with an instance role)"
-            )
-        else:
-            reason = str(e)
-        return " ".join(reason.split())  # one line
-
-
-def _doing(action: str, key: str | None) -> str:
-    return f"cannot {action} {key!r}" if key is not None else f"cannot {action}"
-
-
-def _status(e: Any) -> int | None:
-    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return int(status) if status is not None else None
-
-
-def _code(e: Any) -> str:
-    return str(e.response.get("Error", {}).get("Code", ""))
+        waited = min(S3_CHECK_READ_TIMEOUT_S, self.read_timeout) if checking else self.read_timeout
+        return _boto.reason(e, endpoint=endpoint, read_timeout=waited, checking=checking)
 
 
 def _refuses_plain_http(policy: Mapping[str, Any], bucket: str) -> bool:
@@ -629,10 +524,6 @@ def _refuses_plain_http(policy: Mapping[str, Any], bucket: str) -> bool:
         ):
             return True
     return False
-
-
-def _is_missing(e: Any) -> bool:
-    return _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound")
 
 
 def _s3_uri(bucket: str, prefix: str, endpoint_url: str | None, region: str | None) -> str:
