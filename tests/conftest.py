@@ -31,7 +31,7 @@ from infractl.providers import aws
 from infractl.state import ClusterState, started_clusters
 from infractl.store import Store
 
-from awsemu import NETWORK_RECORD, remove_network
+from awsemu import NETWORK_RECORD, STATE_BUCKET, EmulatedAws, emulated_aws, remove_network
 from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,6 +296,21 @@ def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float)
 
 
 # --- emulated AWS (tests/awsemu.py) ----------------------------------------------------------
+
+
+def emulation_fixture(folder: str, vpc_cidr: str) -> Any:
+    """A test module's ``emulation`` fixture (``emulation = emulation_fixture(...)``): one emulated AWS
+    for the module, its VPC ``vpc_cidr``, its files in a fresh ``folder`` of the session's temporary
+    directory, with the bucket the clusters' Terraform state goes in. Modules that may run at the
+    same time (on two workers) need VPCs of their own: two of one range would route each other's hosts."""
+
+    @pytest.fixture(scope="module")
+    def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
+        with emulated_aws(tmp_path_factory.mktemp(folder), vpc_cidr) as emulated:
+            emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
+            yield emulated
+
+    return emulation
 
 
 @pytest.fixture

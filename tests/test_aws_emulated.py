@@ -26,8 +26,8 @@ from infractl.infra import Node
 from infractl.providers import aws
 from infractl.state import ClusterState
 
-from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
-from conftest import BuiltImage, Cli, write
+from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, remove_network
+from conftest import BuiltImage, Cli, emulation_fixture, write
 
 # One emulated VPC of this CIDR at a time on this machine, and tests/test_gc.py's `gc --yes` takes the
 # `up`s these tests kill: the module's tests and gc's share one worker. (The whole-life test is
@@ -57,11 +57,7 @@ def ssh(node: Node, command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(node.ssh.argv(node.address, command), capture_output=True, text=True, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
-    with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC_CIDR) as emulated:
-        emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
-        yield emulated
+emulation = emulation_fixture("awsemu", VPC_CIDR)
 
 
 @pytest.fixture(scope="class")
