@@ -320,6 +320,18 @@ def _up_in_its_own_group(
     return cli.cwd.name, up
 
 
+def _ansible_changed_a_node(state_dir: Path) -> bool:
+    """Whether a task of the cluster's Ansible run changed something on a node: Ansible is at work
+    on it. ansible-runner's artifacts hold one event a file, written whole (renamed into place)."""
+    for path in state_dir.glob("ansible/artifacts/*/job_events/*.json"):
+        if path.name.endswith("-partial.json"):  # the callback's half of an event, written in place
+            continue
+        event = json.loads(path.read_text())
+        if event.get("event") == "runner_on_ok" and event["event_data"].get("res", {}).get("changed"):
+            return True
+    return False
+
+
 def _nothing_left(emulation: EmulatedAws, cli: Cli, name: str) -> None:
     assert aws.sweep(name, "us-east-1", endpoint_url=emulation.endpoint) == []
     assert f"{name}-store" not in [b["Name"] for b in emulation.client("s3").list_buckets()["Buckets"]]
@@ -352,7 +364,11 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
         said.append(line)
         if line.startswith("ansible: configuring nodes"):
             break
-    time.sleep(5)  # Ansible is at work on the instance
+    deadline = time.monotonic() + 300
+    while not _ansible_changed_a_node(cli.home / name):
+        assert up.poll() is None, f"`up` ended before Ansible changed anything on the instance: {said}"
+        assert time.monotonic() < deadline, f"Ansible changed nothing on the instance within 300 s: {said}"
+        time.sleep(0.2)
     os.killpg(up.pid, signal.SIGKILL)
     up.wait()
     assert "".join(said).count("rendezvous: ") == 1 and not (cli.home / name / "cluster.json").exists(), said
