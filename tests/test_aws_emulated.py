@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -257,9 +256,9 @@ class TestOneApply:
 def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     s3_server: str, tmp_path: Path, instance_type: str, efa: int, layout: list[tuple[int, int, str | None]]
 ) -> None:
-    """``terraform plan`` with the real provider and fake credentials (moto answers the few calls a
-    plan makes): the launch template's network interfaces, card by card, and the placement group
-    only where there is EFA."""
+    """``terraform plan`` of the root module infractl renders (``infra.plan``), with the real provider
+    and fake credentials (moto answers the few calls a plan makes): the launch template's network
+    interfaces, card by card, and the placement group only where there is EFA."""
     import boto3
 
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=STATE_BUCKET)
@@ -269,26 +268,12 @@ def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     )
     state = ClusterState(spec.name, tmp_path / "state")
     provider = aws.Aws()
-    root = provider.root_settings(spec, state)
-    folder = tmp_path / "root"
-    shutil.copytree(infra.module_dir("aws"), folder / "module")
-    variables = provider.variables(spec, state)
-    call = {"module": {"cluster": {"source": "./module", **variables}}}
-    write(folder / "main.tf.json", json.dumps(root.blocks | call))
-    env = {
-        **os.environ,
-        "TF_CLI_CONFIG_FILE": str(write(tmp_path / "terraformrc", root.cli_config)),
-        "CHECKPOINT_DISABLE": "1",
-    }
-
-    def terraform(*args: str) -> str:
-        done = subprocess.run(["terraform", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    terraform("init", "-input=false")
-    terraform("plan", "-input=false", "-out=tfplan")
-    planned = json.loads(terraform("show", "-json", "tfplan"))
+    planned = infra.plan(
+        state.terraform_dir,
+        infra.module_dir("aws"),
+        provider.variables(spec, state),
+        root=provider.root_settings(spec, state),
+    )
     resources = {r["address"]: r for r in planned["planned_values"]["root_module"]["child_modules"][0]["resources"]}
     template = resources[f'module.cluster.aws_launch_template.node["{instance_type}"]']["values"]
     interfaces = [
