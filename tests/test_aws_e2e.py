@@ -27,7 +27,7 @@ from infractl.store import open_store
 from awsemu import EmulatedAws
 from conftest import REPO, BuiltImage, Cli, emulation_fixture, wait_for_commit, wait_for_world, write
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-e2e"), pytest.mark.usefixtures("aws_left_clean")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("aws-e2e"), pytest.mark.usefixtures("aws_left_clean")]
 
 #: Not tests/awsemu.py's default: that one is tests/test_aws_emulated.py's, which may run meanwhile.
 VPC_CIDR = "10.76.0.0/16"

@@ -31,7 +31,7 @@ from conftest import BuiltImage, Cli, emulation_fixture, write
 # One emulated VPC of this CIDR at a time on this machine, and tests/test_gc.py's `gc --yes` takes the
 # `up`s these tests kill: the module's tests and gc's share one worker. (The whole-life test is
 # tests/test_aws_e2e.py, on an emulation of its own.)
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated"), pytest.mark.usefixtures("aws_left_clean")]
+pytestmark = [pytest.mark.xdist_group("aws-emulated"), pytest.mark.usefixtures("aws_left_clean")]
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -397,6 +397,7 @@ def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(
     _nothing_left(emulation, cli, name)
 
 
+@pytest.mark.cluster
 def test_a_second_network_for_a_routed_vpc_is_refused_until_the_left_one_is_removed(tmp_path: Path) -> None:
     """A killed emulation's bridge keeps routing its VPC, and this machine's replies to a new
     emulation's hosts would leave through it (every host's connection to the endpoint timed out):

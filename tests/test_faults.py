@@ -220,6 +220,7 @@ def test_the_collective_timeout_follows_the_slowest_step_within_its_bounds() -> 
     assert CollectiveTimeout(min_s=5, max_s=4, apply=applied.append, report=print).min_s == 4
 
 
+@pytest.mark.cluster
 def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_the_last_commit(
     tmp_path: Path,
 ) -> None:
@@ -266,6 +267,7 @@ def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_t
     assert committed_steps(store, spec.name)[-1] == spec.steps
 
 
+@pytest.mark.cluster
 def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     tmp_path: Path,
 ) -> None:
@@ -302,6 +304,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     assert verify_checkpoint(store, spec.name, spec.steps).extra["reason"] == "final"
 
 
+@pytest.mark.cluster
 def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
     tmp_path: Path,
 ) -> None:

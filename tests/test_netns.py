@@ -43,7 +43,7 @@ from runbook_steps import (
     store_outage_runbook,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("netns")]
 
 #: A worker's last line when it crashed (a collective timed out on a fault), as its node log holds it.
 _CRASHED = re.compile(r"stopped\s.*?reason=crashed")
