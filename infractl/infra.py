@@ -22,6 +22,7 @@ __all__ = [
     "ApplyResult",
     "RootSettings",
     "apply",
+    "plan",
     "destroy",
     "forget",
     "evaluate",
@@ -82,13 +83,10 @@ def apply(
     """
     tf_dir = tf_dir.resolve()
     tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    settings = root or RootSettings()
     cli_file, root_file = tf_dir / _CLI_CONFIG, tf_dir / _ROOT_MODULE
     previous_cli = cli_file.read_text() if cli_file.is_file() else ""
     previous = root_file.read_text() if root_file.is_file() else None
-    write_private(cli_file, settings.cli_config)
-    replaced = _replace_module(tf_dir, module_dir)
-    write_private(root_file, json.dumps(_root_module(variables, settings), indent=2) + "\n")
+    replaced = _write_root(tf_dir, module_dir, variables, root or RootSettings())
     with _terraform(tf_dir) as tf:
         try:
             _init(tf)
@@ -126,6 +124,33 @@ def apply(
     counts = result.summary
     summary = f"{counts.add} added, {counts.change} changed, {counts.remove} destroyed"
     return ApplyResult(changed=True, nodes=_nodes(outputs), summary=summary, outputs=outputs)
+
+
+def plan(
+    tf_dir: Path,
+    module_dir: Path,
+    variables: dict[str, object],
+    *,
+    root: RootSettings | None = None,
+) -> dict[str, Any]:
+    """Terraform's plan of ``module_dir`` called with ``variables``, as ``terraform show -json``
+    gives it; nothing is applied. ``tf_dir`` is a folder of its own: the root module is written
+    there as :func:`apply` writes it, and replaces what was there."""
+    tf_dir = tf_dir.resolve()
+    tf_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    replaced = _write_root(tf_dir, module_dir, variables, root or RootSettings())
+    if replaced is not None:
+        shutil.rmtree(replaced)
+    with _terraform(tf_dir) as tf:
+        _init(tf)
+        try:
+            _check(tf.plan(out=_PLAN_FILE), "plan")
+            shown = tf.show(_PLAN_FILE)
+            _check(shown, "show")
+        finally:
+            # The plan file holds the variables' values.
+            (tf_dir / _PLAN_FILE).unlink(missing_ok=True)
+    return dict(shown.value)
 
 
 def destroy(tf_dir: Path) -> None:
@@ -196,6 +221,16 @@ def _outputs(tf: Any) -> dict[str, Any]:
 
 def _nodes(outputs: dict[str, Any]) -> list[Node]:
     return [Node.from_record(item) for item in outputs.get("inventory") or []]
+
+
+def _write_root(tf_dir: Path, module_dir: Path, variables: dict[str, object], settings: RootSettings) -> Path | None:
+    """Write what Terraform runs in ``tf_dir``: ``settings``' CLI configuration, ``module_dir``
+    copied to ``tf_dir/module`` and the root module that calls it. The module copy it replaced, if
+    any, is moved aside and its new place returned (see :func:`_replace_module`)."""
+    write_private(tf_dir / _CLI_CONFIG, settings.cli_config)
+    replaced = _replace_module(tf_dir, module_dir)
+    write_private(tf_dir / _ROOT_MODULE, json.dumps(_root_module(variables, settings), indent=2) + "\n")
+    return replaced
 
 
 def _replace_module(tf_dir: Path, source: Path) -> Path | None:

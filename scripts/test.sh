@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Install everything, then run the whole test suite (unit, integration, end-to-end, property-based)
-# with the lint, format and type checks beside it. Extra arguments go to pytest.
+# with the lint, format and type checks beside it: CI's command (.ci/run). Extra arguments go to pytest.
+#
+#   --quick   the quick tier: every test not marked `cluster` (pyproject.toml's markers; tests/conftest.py
+#             says how a test gets the mark): no `infractl up`, netns, emulated AWS, torchrun launch or
+#             image build. It installs the same (Chromium too: the bundle page's quick test opens it)
+#             but does not prebuild the trainer image, which no quick test needs.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+quick=0
+pytest_args=()
+for arg in "$@"; do
+  if [ "$arg" = "--quick" ]; then quick=1; else pytest_args+=("$arg"); fi
+done
 
 # What this run started in the background, stopped and removed however the run ends.
 tools="" prebuild="" run_cache="" checks="" checks_log=""
@@ -37,8 +47,8 @@ tools=""
 # checks and the first tests run, into an image cache of this run's own that goes with it: the
 # first test that needs the image waits on the same lock, then finds it built. Workers no longer
 # sit idle for minutes at the start of the container tests. A cache named in INFRACTL_IMAGE_CACHE
-# (a developer's, across runs) is used as it is.
-if [ -z "${INFRACTL_IMAGE_CACHE:-}" ]; then
+# (a developer's, across runs) is used as it is. No quick test needs the image: --quick builds none.
+if [ "$quick" = 0 ] && [ -z "${INFRACTL_IMAGE_CACHE:-}" ]; then
   run_cache="$(mktemp -d -t infractl-images.XXXXXX)"
   export INFRACTL_IMAGE_CACHE="$run_cache"
   (cd "$repo" && exec setsid flock "$run_cache/.build.lock" python -m infractl image build \
@@ -74,8 +84,10 @@ checks=$!
 # (about 80 ms of CPU a CLI call); written once here, every process reads it (and recompiles a
 # module whose source changed).
 python -m compileall -q infractl trainer >/dev/null
+tier=()
+if [ "$quick" = 1 ]; then tier=(-m "not cluster"); fi
 tests_status=0
-python -m pytest -n 3 --dist loadgroup --durations=15 "$@" || tests_status=$?
+python -m pytest -n 3 --dist loadgroup --durations=15 "${tier[@]}" "${pytest_args[@]}" || tests_status=$?
 checks_status=0
 wait "$checks" || checks_status=$?
 checks=""

@@ -32,7 +32,7 @@ from infractl.providers.aws.sweep import CLUSTER_TAG, reap
 from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
 
-from awsemu import NETWORK_RECORD, remove_network
+from awsemu import NETWORK_RECORD, STATE_BUCKET, EmulatedAws, emulated_aws, remove_network
 from s3server import AWS_TEST_ENV, AWS_TEST_ENV_UNSET, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +75,47 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if done.returncode != 0:
         sys.stderr.write(f"infractl gc --yes before the tests failed:\n{done.stderr}")
+
+
+# --- tiers: what `scripts/test.sh --quick` runs ---------------------------------------------------
+#
+# Every test is quick unless it is marked `cluster` (pyproject.toml's markers, on the test or as its
+# module's pytestmark), and `--quick` deselects those (`-m "not cluster"`). Mark a test that brings a
+# cluster up (`infractl up`, netns), launches ranks (torchrun, a fixture's run included) or needs the
+# trainer image or the emulated AWS. The last two mark the tests that use their fixtures here; a
+# test that brings a cluster up without the mark fails before its `up` runs, naming the mark.
+
+#: Fixtures whose tests are cluster tests by using them: the trainer image, the emulated AWS.
+_CLUSTER_FIXTURES = frozenset({"cpu_image", "emulation"})
+
+#: The test being set up, run or torn down in this process (what an `up` is checked against).
+_running: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own, which deselects by the marks (-m)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.hookimpl(tryfirst=True)  # before its fixtures are set up (a module's cluster among them)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _running
+    _running = item
+
+
+def _refuse_unmarked_up(args: tuple[str, ...]) -> None:
+    """An `infractl up` that would bring a cluster up (not a dry run) is for tests marked
+    ``cluster`` only: anything else fails here, before the cluster exists."""
+    if args[:1] != ("up",) or "--dry-run" in args or _running is None:
+        return
+    if _running.get_closest_marker("cluster") is None:
+        pytest.fail(
+            f"{_running.nodeid} brings a cluster up: mark it @pytest.mark.cluster "
+            "(or its module: pytestmark), so that scripts/test.sh --quick leaves it out",
+            pytrace=False,
+        )
 
 
 #: Lines of each node's run log a failed test's report shows (its cluster is torn down, and its
@@ -159,7 +200,9 @@ class Cli:
         self, *args: str, expect: int | None = 0, timeout: float = 600, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run ``infractl ARGS`` (``env``: extra variables) and assert its exit code (None: any);
-        a failure must be one clean message."""
+        a failure must be one clean message. An ``up`` that may succeed must be a cluster test's."""
+        if expect in (0, None):
+            _refuse_unmarked_up(args)
         result = subprocess.run(
             [*self.program, *args],
             cwd=self.cwd,
@@ -297,6 +340,21 @@ def wait_for_commit(store: Store, run_id: str, *, at_least: int, timeout: float)
 
 
 # --- emulated AWS (tests/awsemu.py) ----------------------------------------------------------
+
+
+def emulation_fixture(folder: str, vpc_cidr: str) -> Any:
+    """A test module's ``emulation`` fixture (``emulation = emulation_fixture(...)``): one emulated AWS
+    for the module, its VPC ``vpc_cidr``, its files in a fresh ``folder`` of the session's temporary
+    directory, with the bucket the clusters' Terraform state goes in. Modules that may run at the
+    same time (on two workers) need VPCs of their own: two of one range would route each other's hosts."""
+
+    @pytest.fixture(scope="module")
+    def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
+        with emulated_aws(tmp_path_factory.mktemp(folder), vpc_cidr) as emulated:
+            emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
+            yield emulated
+
+    return emulation
 
 
 @pytest.fixture

@@ -525,7 +525,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         shutil.rmtree(cwd)
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("access")
 def test_grant_is_enforced_on_the_nodes_and_in_the_store(team: Team) -> None:
     team.cli("access", "grant", team.viewer, "viewer")
@@ -569,7 +569,7 @@ def test_grant_is_enforced_on_the_nodes_and_in_the_store(team: Team) -> None:
     }
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("access")
 def test_the_bundle_describes_the_roles_and_their_members(team: Team) -> None:
     files = access_docs.bundle_files(team.state)
@@ -599,7 +599,7 @@ def test_the_bundle_describes_the_roles_and_their_members(team: Team) -> None:
         assert f"| {role} | `{team.group(role)}` |" in readme
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("access")
 def test_bad_input_is_refused_and_changes_nothing(team: Team) -> None:
     record = team.state.dir / "access.json"
@@ -624,7 +624,7 @@ def test_bad_input_is_refused_and_changes_nothing(team: Team) -> None:
     assert {r: _members(team.group(r)) for r in access.ROLE_NAMES} == members
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("access")
 def test_revoke_takes_every_right_back(team: Team) -> None:
     team.cli("access", "grant", team.viewer, "viewer")  # held already if the tests above ran: applied again

@@ -12,7 +12,6 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,10 @@ from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
 from infractl.statedir import ClusterState
 from infractl.store import open_store
 
-from awsemu import STATE_BUCKET, EmulatedAws, emulated_aws
-from conftest import REPO, BuiltImage, Cli, wait_for_commit, wait_for_world, write
+from awsemu import EmulatedAws
+from conftest import REPO, BuiltImage, Cli, emulation_fixture, wait_for_commit, wait_for_world, write
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-e2e"), pytest.mark.usefixtures("aws_left_clean")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("aws-e2e"), pytest.mark.usefixtures("aws_left_clean")]
 
 #: Not tests/awsemu.py's default: that one is tests/test_aws_emulated.py's, which may run meanwhile.
 VPC_CIDR = "10.76.0.0/16"
@@ -41,11 +40,7 @@ _IMDS_TOKEN = (
 )
 
 
-@pytest.fixture(scope="module")
-def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
-    with emulated_aws(tmp_path_factory.mktemp("awsemu-e2e"), VPC_CIDR) as emulated:
-        emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
-        yield emulated
+emulation = emulation_fixture("awsemu-e2e", VPC_CIDR)
 
 
 #: Lives through three faults of main-1, each recovered on main-0, and is stopped below: paced, it

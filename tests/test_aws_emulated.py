@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -28,13 +27,13 @@ from infractl.providers.aws.ssh import ClusterKeys, wait_for_ssh
 from infractl.providers.aws.sweep import CLUSTER_TAG, sweep
 from infractl.statedir import ClusterIntent, ClusterState
 
-from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, emulated_aws, remove_network
-from conftest import BuiltImage, Cli, write
+from awsemu import NETWORK_RECORD, STATE_BUCKET, VPC_CIDR, EmulatedAws, cluster_config, remove_network
+from conftest import BuiltImage, Cli, emulation_fixture, write
 
 # One emulated VPC of this CIDR at a time on this machine, and tests/test_gc.py's `gc --yes` takes the
 # `up`s these tests kill: the module's tests and gc's share one worker. (The whole-life test is
 # tests/test_aws_e2e.py, on an emulation of its own.)
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated"), pytest.mark.usefixtures("aws_left_clean")]
+pytestmark = [pytest.mark.xdist_group("aws-emulated"), pytest.mark.usefixtures("aws_left_clean")]
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -59,11 +58,7 @@ def ssh(node: Node, command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(node.ssh.argv(node.address, command), capture_output=True, text=True, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def emulation(aws_test_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedAws]:
-    with emulated_aws(tmp_path_factory.mktemp("awsemu"), VPC_CIDR) as emulated:
-        emulated.client("s3").create_bucket(Bucket=STATE_BUCKET)
-        yield emulated
+emulation = emulation_fixture("awsemu", VPC_CIDR)
 
 
 @pytest.fixture(scope="class")
@@ -264,9 +259,9 @@ class TestOneApply:
 def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     s3_server: str, tmp_path: Path, instance_type: str, efa: int, layout: list[tuple[int, int, str | None]]
 ) -> None:
-    """``terraform plan`` with the real provider and fake credentials (moto answers the few calls a
-    plan makes): the launch template's network interfaces, card by card, and the placement group
-    only where there is EFA."""
+    """``terraform plan`` of the root module infractl renders (``infra.plan``), with the real provider
+    and fake credentials (moto answers the few calls a plan makes): the launch template's network
+    interfaces, card by card, and the placement group only where there is EFA."""
     import boto3
 
     boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=STATE_BUCKET)
@@ -276,26 +271,12 @@ def test_a_real_plan_renders_the_efa_interfaces_aws_documents(
     )
     state = ClusterState(spec.name, tmp_path / "state")
     provider = Aws()
-    root = provider.root_settings(spec, state)
-    folder = tmp_path / "root"
-    shutil.copytree(infra.module_dir("aws"), folder / "module")
-    variables = provider.variables(spec, state)
-    call = {"module": {"cluster": {"source": "./module", **variables}}}
-    write(folder / "main.tf.json", json.dumps(root.blocks | call))
-    env = {
-        **os.environ,
-        "TF_CLI_CONFIG_FILE": str(write(tmp_path / "terraformrc", root.cli_config)),
-        "CHECKPOINT_DISABLE": "1",
-    }
-
-    def terraform(*args: str) -> str:
-        done = subprocess.run(["terraform", *args], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-    terraform("init", "-input=false")
-    terraform("plan", "-input=false", "-out=tfplan")
-    planned = json.loads(terraform("show", "-json", "tfplan"))
+    planned = infra.plan(
+        state.terraform_dir,
+        infra.module_dir("aws"),
+        provider.variables(spec, state),
+        root=provider.root_settings(spec, state),
+    )
     resources = {r["address"]: r for r in planned["planned_values"]["root_module"]["child_modules"][0]["resources"]}
     template = resources[f'module.cluster.aws_launch_template.node["{instance_type}"]']["values"]
     interfaces = [
@@ -325,6 +306,18 @@ def _up_in_its_own_group(
         start_new_session=True,
     )
     return cli.cwd.name, up
+
+
+def _ansible_changed_a_node(state_dir: Path) -> bool:
+    """Whether a task of the cluster's Ansible run changed something on a node: Ansible is at work
+    on it. ansible-runner's artifacts hold one event a file, written whole (renamed into place)."""
+    for path in state_dir.glob("ansible/artifacts/*/job_events/*.json"):
+        if path.name.endswith("-partial.json"):  # the callback's half of an event, written in place
+            continue
+        event = json.loads(path.read_text())
+        if event.get("event") == "runner_on_ok" and event["event_data"].get("res", {}).get("changed"):
+            return True
+    return False
 
 
 def _nothing_left(emulation: EmulatedAws, cli: Cli, name: str) -> None:
@@ -359,7 +352,11 @@ def test_an_up_killed_while_ansible_configures_is_torn_down_with_nothing_left(
         said.append(line)
         if line.startswith("ansible: configuring nodes"):
             break
-    time.sleep(5)  # Ansible is at work on the instance
+    deadline = time.monotonic() + 300
+    while not _ansible_changed_a_node(cli.home / name):
+        assert up.poll() is None, f"`up` ended before Ansible changed anything on the instance: {said}"
+        assert time.monotonic() < deadline, f"Ansible changed nothing on the instance within 300 s: {said}"
+        time.sleep(0.2)
     os.killpg(up.pid, signal.SIGKILL)
     up.wait()
     assert "".join(said).count("rendezvous: ") == 1 and not (cli.home / name / "cluster.json").exists(), said
@@ -403,6 +400,7 @@ def test_an_up_killed_during_its_apply_is_torn_down_with_nothing_left(
     _nothing_left(emulation, cli, name)
 
 
+@pytest.mark.cluster
 def test_a_second_network_for_a_routed_vpc_is_refused_until_the_left_one_is_removed(tmp_path: Path) -> None:
     """A killed emulation's bridge keeps routing its VPC, and this machine's replies to a new
     emulation's hosts would leave through it (every host's connection to the endpoint timed out):

@@ -15,7 +15,7 @@ from infractl.planning.probe import COMPONENTS
 
 from conftest import REPO
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("bench")]
+pytestmark = pytest.mark.xdist_group("bench")
 
 
 def _bench(script: str, *args: str, out: Path, timeout: float) -> dict[str, Any]:
@@ -30,6 +30,7 @@ def _bench(script: str, *args: str, out: Path, timeout: float) -> dict[str, Any]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.cluster
 def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     # A model a tenth of --quick's: the test checks that every ratio is measured, not its value.
     tiny = ("--model", "2x32", "--seq-len", "32", "--batch-size", "8")
@@ -49,6 +50,7 @@ def test_trainer_benchmark_quick_reports_every_ratio(tmp_path: Path) -> None:
     assert results["upload"]["ours_mib_s"] > 0 and results["upload"]["ratio"] > 0
 
 
+@pytest.mark.cluster
 def test_recovery_benchmark_a_kill_node_series(tmp_path: Path) -> None:
     # Every kind is drilled on its own in tests/test_drill.py, and all of them in a chaos series in
     # tests/test_netns.py.
@@ -60,6 +62,7 @@ def test_recovery_benchmark_a_kill_node_series(tmp_path: Path) -> None:
     assert cold["drills"] == 1 and cold["succeeded"] == 1 and results["restart_ratio"] > 0, results
 
 
+@pytest.mark.cluster
 def test_recovery_benchmark_a_chaos_series(tmp_path: Path) -> None:
     # Seed 0 draws one store outage on local: the shortest series, with its comparison.
     results = _bench(
@@ -72,6 +75,7 @@ def test_recovery_benchmark_a_chaos_series(tmp_path: Path) -> None:
     assert results["series_s"] > 0 and results["nodes"] == {"the store": 1}
 
 
+@pytest.mark.cluster
 def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:
     # A sweep of 4 tiny shapes the planner was not tuned on (seed 126: a pipeline, zero1 and fsdp in
     # bf16, tensor parallel in fp32 with activation checkpointing); tests/test_plan.py measures

@@ -70,7 +70,7 @@ def assert_every_file_linked_and_shown(report: dict[str, Any], files: dict[str, 
     assert "http://" not in files["index.html"].decode() and "https://" not in files["index.html"].decode()
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("bundle")
 def test_bundle_holds_everything(cluster: Cli) -> None:
     result = json.loads(cluster("bundle", "--json").stdout)
@@ -93,7 +93,7 @@ def test_bundle_holds_everything(cluster: Cli) -> None:
     assert order.index("1. Edit the config") < order.index("2. `infractl up") < order.index("4. Resume")
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("bundle")
 def test_the_page_opens_from_disk_in_chromium_and_shows_the_runs(cluster: Cli, tmp_path: Path) -> None:
     cluster("bundle", "--out", str(tmp_path / "bundle"))
@@ -107,7 +107,7 @@ def test_the_page_opens_from_disk_in_chromium_and_shows_the_runs(cluster: Cli, t
     assert screenshot.width == 1280 and screenshot.height > 2000, screenshot.size  # the whole page
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("bundle")
 def test_the_same_bytes_again_and_wherever_written_and_a_bad_run_is_refused(cluster: Cli, tmp_path: Path) -> None:
     cluster("bundle", "--out", "again")
@@ -138,7 +138,7 @@ _PLANTED = {
 }
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("bundle")
 def test_no_file_of_a_bundle_holds_a_private_key_or_a_planted_secret(cluster: Cli, tmp_path: Path) -> None:
     """A copy of the cluster's state and store with secrets planted where a cluster keeps them: the

@@ -64,6 +64,7 @@ def _nudge_loss(store: Store, run_id: str, step: int) -> None:
             store.put_bytes(obj.key, "".join(json.dumps(r) + "\n" for r in lines).encode())
 
 
+@pytest.mark.cluster
 def test_a_run_matches_its_reference_bitwise_on_one_world_size_and_within_tolerance_after_another(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -320,6 +320,7 @@ def timestamp(event: dict[str, Any]) -> float:
     return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.cluster
 def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(tmp_path: Path, store_uri: str) -> None:
     store = open_store(store_uri)  # file:// and the S3 server (conftest's store_uri)
     run(tmp_path, spec_of(steps=5), store_uri=store_uri)
@@ -360,6 +361,7 @@ def test_killed_while_uploading_resumes_from_the_previous_commit_and_cleans_up(t
     assert not [p for p in (tmp_path / "node0").rglob("*") if p.is_file()]  # no staging left
 
 
+@pytest.mark.cluster
 def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     # Big enough (20 MB of model and optimizer state) that writing and uploading take a while.
     spec = spec_of(model=ModelSpec(layers=2, hidden=256, heads=4, seq_len=32), steps=10)
@@ -384,6 +386,7 @@ def test_save_blocks_training_only_while_staging(tmp_path: Path) -> None:
     assert (extra["blocking_s"], extra["seconds"]) == (last["blocking_s"], last["seconds"])
 
 
+@pytest.mark.cluster
 def test_one_save_in_flight_training_goes_on_and_the_last_commits_before_exit(
     tmp_path: Path,
 ) -> None:

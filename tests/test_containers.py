@@ -25,7 +25,7 @@ from infractl.store import FileStore
 
 from conftest import REPO, BuiltImage, Cli, module_cluster, stop_runs, wait_for_commit, write
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("containers")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("containers")]
 
 CLUSTER = """\
 name: boxed

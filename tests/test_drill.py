@@ -21,8 +21,6 @@ from trainer.faults import REPLICA_CORRUPT_ENV, UPLOAD_DELAY_ENV
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 from runbook_steps import hung_job_run
 
-pytestmark = pytest.mark.e2e
-
 # Steps are fast on this tiny model: `steps` sets how long a run lasts after its drill recovered.
 RUN = """\
 name: {name}
@@ -147,6 +145,7 @@ def test_the_drill_line_says_the_run_ended_before_the_node_rejoined() -> None:
     assert _line(record).endswith("final step 300/300 committed: recovered, run ended before node-1 rejoined")
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     refused = cluster("drill", "kill-node", expect=2)
@@ -182,6 +181,7 @@ def test_kill_node_0_recovers_on_the_survivor_and_rejoins(cluster: Cli) -> None:
     wait_for_commit(store, "kill0", at_least=whole + 10, timeout=120)
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_kill_node_1_twice_with_a_rejoin_between(cluster: Cli) -> None:
     store = start(cluster, "twice", steps=700)
@@ -197,6 +197,7 @@ def test_kill_node_1_twice_with_a_rejoin_between(cluster: Cli) -> None:
     assert [r.node for r in record.last_attempt.rejoins] == ["node-1"]
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cli) -> None:
     store = start(cluster, "budget", steps=100_000, pace=0.2)
@@ -213,6 +214,7 @@ def test_rejoin_refuses_a_running_or_unknown_node_and_a_spent_budget(cluster: Cl
     assert "node 'node-1' has already rejoined attempt 1 of run 'budget' 3 time(s) (max_restarts: 3)" in refused
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
     # Started right after the launch: the drill waits for the run's first commit, not a fault in its start-up.
@@ -233,6 +235,7 @@ def test_hung_node_is_detected_and_the_run_completes(cluster: Cli) -> None:
     assert "it is stopped and cannot answer SIGTERM" in log, log
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_preemption_commits_an_emergency_checkpoint_that_the_survivor_resumes_from(cluster: Cli) -> None:
     store = start(cluster, "preempt")
@@ -243,6 +246,7 @@ def test_preemption_commits_an_emergency_checkpoint_that_the_survivor_resumes_fr
     assert_recovered(result, store, world_after=1)
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cluster: Cli) -> None:
     store = start(cluster, "outage", steps=500)
@@ -256,6 +260,7 @@ def test_store_outage_training_goes_on_and_commits_when_the_store_is_back(cluste
     assert {r["restart_count"] for r in records} == {0} and {r["world_size"] for r in records} == {2}
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> None:
     # The knob holds every save between upload and commit, so the drill finds one in flight; at a
@@ -275,6 +280,7 @@ def test_kill_during_checkpoint_never_loads_the_partial_step(cluster: Cli) -> No
     assert_recovered(result, store, world_after=1)
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_a_killed_node_resumes_from_the_replicas_in_memory_losing_at_most_a_step(cluster: Cli) -> None:
     # A replica every step and a commit every 50: the store alone would lose up to 49 steps. A
@@ -291,6 +297,7 @@ def test_a_killed_node_resumes_from_the_replicas_in_memory_losing_at_most_a_step
     assert set(range(1, result["resumed_from_step"] + 1)) <= steps
 
 
+@pytest.mark.cluster
 @pytest.mark.xdist_group("drill")
 def test_a_corrupt_replica_is_not_loaded_and_the_run_resumes_from_the_store(cluster: Cli) -> None:
     # Each agent flips a byte of every copy it holds for the other node: once node-1 (and the
@@ -311,6 +318,7 @@ def test_a_corrupt_replica_is_not_loaded_and_the_run_resumes_from_the_store(clus
     assert "replica_invalid" in log and "the manifest says" in log
 
 
+@pytest.mark.cluster
 def test_s3_store_outage_pauses_the_local_endpoint_and_the_run_completes(cli: Cli, s3_store_uri: str) -> None:
     cluster = write(cli.cwd / "cluster.yaml", f"name: s3c\nnodes: 2\nstore: {s3_store_uri}\n")
     run = write(cli.cwd / "run.yaml", RUN.format(name="drill", steps=200, pace=0, checkpoint="{every: 10, keep: 2}"))

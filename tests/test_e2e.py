@@ -12,7 +12,7 @@ from infractl.store import FileStore, open_store
 
 from conftest import Cli, wait_for_commit, write
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 RUN = """\
 name: e2e

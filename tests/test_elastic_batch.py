@@ -26,7 +26,7 @@ from trainer.replica_server import REPLICA_ADDR_ENV, RunKey
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 STEPS = 150
 

@@ -90,6 +90,7 @@ def fresh_model(described: dict[str, Any]) -> GPT:
 # -- the done-when: same logits as the trainer's model ----------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("scheme", ["fsdp", "ddp"])
 def test_exported_weights_compute_the_trainers_logits(
     scheme: str, cli: Cli, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -155,6 +156,7 @@ def test_exported_weights_compute_the_trainers_logits(
     ]
 
 
+@pytest.mark.cluster
 def test_an_earlier_step_exports_its_own_weights_and_loss_and_again_the_same_bytes(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -182,6 +184,7 @@ def test_the_cli_offers_exactly_the_formats_export_writes() -> None:
 # -- refusals: one line, nothing written ----------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_refusals_are_one_line_exit_2_and_write_nothing(
     cli: Cli, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -215,6 +218,7 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(
     assert load_file(out).keys() == GPT(GPTConfig(layers=2, hidden=32, heads=2, seq_len=32)).state_dict().keys()
 
 
+@pytest.mark.cluster
 def test_a_corrupt_checkpoint_fails_in_one_line_and_writes_nothing(
     cli: Cli, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -238,6 +242,7 @@ def test_a_corrupt_checkpoint_fails_in_one_line_and_writes_nothing(
 # -- sample ---------------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_sample_is_the_same_text_for_the_same_seed(
     cli: Cli, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -259,6 +259,7 @@ def test_the_collective_timeout_follows_the_slowest_step_within_its_bounds() -> 
     assert CollectiveTimeout(min_s=5, max_s=4, apply=applied.append, report=print).min_s == 4
 
 
+@pytest.mark.cluster
 def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_the_last_commit(
     tmp_path: Path,
 ) -> None:
@@ -305,6 +306,7 @@ def test_a_hung_worker_is_reaped_by_the_watchdog_and_the_next_run_resumes_from_t
     assert committed_steps(store, spec.name)[-1] == spec.steps
 
 
+@pytest.mark.cluster
 def test_sigterm_saves_an_emergency_checkpoint_and_the_next_run_resumes_from_it(
     tmp_path: Path,
 ) -> None:
@@ -351,6 +353,7 @@ def test_a_trainer_started_with_a_hook_outside_a_rehearsal_refuses_and_writes_no
     assert committed_steps(store_of(tmp_path), spec.name) == []
 
 
+@pytest.mark.cluster
 def test_training_rides_out_a_store_outage_and_commits_when_the_store_is_back(
     tmp_path: Path,
 ) -> None:

@@ -29,7 +29,7 @@ from conftest import REPO, Cli, new_bucket_name, s3_client, write
 # gc --yes tears down every `up` on this machine that never finished: the other tests that leave
 # one for a moment (an `up` killed on purpose, torn down right after: tests/test_interrupted.py,
 # tests/test_aws_emulated.py) share this group's worker.
-pytestmark = pytest.mark.xdist_group("aws-emulated")
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("aws-emulated")]
 
 _SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 _SSHD = "/usr/sbin/sshd"

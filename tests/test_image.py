@@ -29,8 +29,6 @@ from infractl.providers.engines import ContainerEngine
 
 from conftest import REPO, BuiltImage, Cli
 
-pytestmark = pytest.mark.e2e
-
 
 def test_the_digest_is_the_layouts_and_the_lock_records_it_with_the_inputs(cpu_image: BuiltImage) -> None:
     index = json.loads((cpu_image.layout / "index.json").read_text())

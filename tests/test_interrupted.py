@@ -27,7 +27,7 @@ from conftest import Cli, write
 # Each kill leaves an `up` that never finished until the teardown right after it: `gc --yes`
 # (tests/test_gc.py) would tear it down first. Both run on the worker of the other tests that do
 # this (tests/test_aws_emulated.py).
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("aws-emulated")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("aws-emulated")]
 
 # How long a phase may take to begin (an apply on a busy machine included).
 _PHASE_TIMEOUT_S = 300

@@ -179,7 +179,7 @@ UNFIT = [
 ]
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("layout-cluster")
 @pytest.mark.parametrize(("body", "field", "message"), [c[1:] for c in UNFIT], ids=[c[0] for c in UNFIT])
 def test_a_node_range_the_layout_cannot_use_is_refused_at_train(
@@ -312,6 +312,7 @@ def test_split_batch_is_as_even_as_can_be_and_keeps_every_sample() -> None:
 # --- the trainer refuses a world its layout cannot use (real torchrun) -----------------------
 
 
+@pytest.mark.cluster
 def test_trainer_refuses_a_layout_that_does_not_fit_its_world(tmp_path: Path) -> None:
     run = torchrun(tmp_path, tiny_spec(parallel=ParallelSpec(tp=2)), nproc=1)
     # torchrun's agent exits 1 when a worker fails; it reports the worker's own exit code, 2.

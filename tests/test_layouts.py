@@ -20,6 +20,9 @@ from test_trainer import ok, store_of, torchrun
 
 from infractl.config import CheckpointSpec, ModelSpec, RunSpec
 
+# Every test trains on 2 or 4 ranks under torchrun.
+pytestmark = pytest.mark.cluster
+
 #: Largest relative loss difference between a layout and the single-rank run over the first
 #: steps. Each layout computes the same sums in another order (a TP row-wise all-reduce, a
 #: pipeline's micro-batches): measured at most 1.3e-7 over 12 steps.

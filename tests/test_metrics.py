@@ -131,6 +131,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
     return tmp_path, run
 
 
+@pytest.mark.cluster
 def test_records_split_the_step_time_and_carry_peak_memory(ddp_run: tuple[Path, Run]) -> None:
     tmp_path, _ = ddp_run
     records = read_metrics(store_of(tmp_path), "tiny")
@@ -148,6 +149,7 @@ def test_records_split_the_step_time_and_carry_peak_memory(ddp_run: tuple[Path, 
     assert peaks == sorted(peaks)  # a peak so far never falls
 
 
+@pytest.mark.cluster
 def test_first_record_and_every_checkpoint_carry_the_fingerprint(
     ddp_run: tuple[Path, Run],
 ) -> None:
@@ -165,6 +167,7 @@ def test_first_record_and_every_checkpoint_carry_the_fingerprint(
     assert {k: logged[k] for k in fingerprint} == fingerprint
 
 
+@pytest.mark.cluster
 def test_tensorboard_event_file_in_the_store_holds_every_step(ddp_run: tuple[Path, Run], tmp_path: Path) -> None:
     run_dir, _ = ddp_run
     store = store_of(run_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infractl import providers, runstore, workdir
+from infractl import launcher, providers, runstore, workdir
 from infractl.drill import KINDS, recovery
 from infractl.providers.nodecontrol import NodeControl
 from infractl.statedir import ClusterState
@@ -42,7 +43,10 @@ from runbook_steps import (
     store_outage_runbook,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("netns")]
+
+#: A worker's last line when it crashed (a collective timed out on a fault), as its node log holds it.
+_CRASHED = re.compile(r"stopped\s.*?reason=crashed")
 
 CLUSTER = """\
 name: multi
@@ -248,6 +252,19 @@ def _namespace_pids(namespace: str) -> list[str]:
     return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
 
 
+def _wait_for_a_crash(cli: Cli, run: str, *, within_s: float) -> None:
+    """Until a worker of ``run`` logs that it crashed on the fault (``stopped reason=crashed``: its
+    collectives timed out). The world of before the fault is over then: a commit it had agreed to
+    landed within moments of the fault, long before, and the next one comes only after the restart.
+    The logs are read on this machine, where the nodes' work directories are (a cut node's too)."""
+    nodes = json.loads((cli.home / "multi" / "cluster.json").read_text())["nodes"]
+    logs = [launcher.node_log(node, run) for node in nodes]
+    deadline = time.monotonic() + within_s
+    while not any(_CRASHED.search(log.read_text(errors="replace")) for log in logs if log.is_file()):
+        assert time.monotonic() < deadline, f"no worker of {run} crashed on the fault within {within_s} s"
+        time.sleep(0.2)
+
+
 def _runbook(cli: Cli, name: str) -> Path:
     return cli.cwd / "handover" / "multi" / "runbooks" / f"{name}.md"
 
@@ -296,9 +313,9 @@ def test_connection_loss_runbook_after_a_partition_of_node_0_and_the_run_trains_
     fault_time = time.time()
     nodes.cut_link("node-0", "down")  # as `infractl drill partition --node node-0 --kind down` does
     try:
-        # A commit the cut node had agreed to lands within moments; node-1 alone commits only
-        # seconds later (the rendezvous drops node-0 after 3 missed keep-alives of 1 s).
-        time.sleep(1)
+        # node-1 alone commits only after its restart (the rendezvous drops node-0 after 3 missed
+        # keep-alives of 1 s, then it trains 10 steps).
+        _wait_for_a_crash(cluster, name, within_s=60)
         committed = runstore.latest_committed_step(store, name)
         assert committed is not None
         wait_for_world(store, name, size=1, since=fault_time, timeout=60)
@@ -353,7 +370,7 @@ def test_hung_job_runbook_confirms_the_hang_the_watchdog_cleared_and_the_run_tra
     stopped = recovery.workers(nodes.processes(node="node-1", run=name))
     assert stopped
     nodes.signal(stopped, signal.SIGSTOP)
-    time.sleep(1)  # a commit the stopped rank had agreed to lands within moments; none after it until the restart
+    _wait_for_a_crash(cluster, name, within_s=HUNG_JOB_WITHIN_S)  # node-0's, the stopped rank's peer
     committed = runstore.latest_committed_step(store, name)
     assert committed is not None
     assert_symptoms(

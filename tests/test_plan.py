@@ -324,7 +324,7 @@ def test_four_configurations_cover_every_scheme_precision_and_checkpointing() ->
     assert {(s.nodes.min, s.nodes.max) for s in specs} == {(2, 2)}
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("plan-measure")
 @pytest.mark.parametrize("run", MEASURED, ids=[p.stem for p in MEASURED])
 def test_plan_matches_what_two_ranks_measure(cluster: Cli, run: Path) -> None:
@@ -378,7 +378,7 @@ def test_a_run_whose_depth_fits_only_in_stages_is_recommended_a_pipeline(cli: Cl
 MESHED = {"tp2": "{tp: 2}", "pp2": "{pp: 2}"}
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("plan-measure")
 @pytest.mark.parametrize("name", list(MESHED))
 def test_plan_matches_what_two_tensor_or_pipeline_parallel_ranks_measure(cluster: Cli, name: str) -> None:

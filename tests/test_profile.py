@@ -153,6 +153,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 # -- run.yaml's profile.steps under real torchrun ------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_two_ranks_trace_the_configured_steps_into_the_store_and_finish(tmp_path: Path) -> None:
     spec = tiny_spec(steps=8, profile=ProfileSpec(steps="3:5"))
     run = ok(torchrun(tmp_path, spec))
@@ -228,7 +229,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cli, Fil
         yield cli, store
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("profile-cluster")
 def test_profile_refuses_a_window_in_the_past_or_after_the_end_and_a_run_not_running(
     running: tuple[Cli, FileStore],
@@ -244,7 +245,7 @@ def test_profile_refuses_a_window_in_the_past_or_after_the_end_and_a_run_not_run
     assert 'set `profile: {steps: "FIRST:LAST"}` in its run.yaml' in other
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("profile-cluster")
 def test_profile_traces_the_requested_steps_on_every_rank_of_a_running_run(running: tuple[Cli, FileStore]) -> None:
     cli, store = running

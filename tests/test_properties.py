@@ -514,6 +514,7 @@ def test_generated_command_lines_with_nothing_up(tmp_path_factory: pytest.TempPa
         run_and_check(share, command_line(share, data, scratch), scratch)
 
 
+@pytest.mark.cluster
 @given(data=st.data())
 def test_generated_command_lines_against_an_unreachable_store(
     outage: Outage, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject

@@ -295,6 +295,7 @@ def _roundtrip(
     return loaded
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("scheme", ["fsdp", "zero1"])
 def test_a_replica_saved_on_two_ranks_loads_on_one_exactly_as_the_commit_of_its_step(
     scheme: str,

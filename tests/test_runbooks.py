@@ -66,7 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
         yield cli
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
     steps = 200  # the run stalls without node-1: it cannot end before the runbook brought it back
@@ -99,7 +99,7 @@ def test_node_failure_runbook_brings_the_run_back_and_it_completes_from_the_last
     assert [(r["state"], r["attention"]) for r in status["runs"] if r["run"] == "lost"] == [("completed", None)]
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_config(
     cluster: Cli, tmp_path: Path
@@ -128,7 +128,7 @@ def test_a_copied_bundle_launches_a_run_that_lost_every_node_again_from_its_own_
     assert_completed_from(store, "orphan", steps=steps, fault_time=fault_time, committed=committed)
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster: Cli) -> None:
     steps = 2000  # still training when the store is back and the runbook verifies
@@ -141,7 +141,7 @@ def test_store_outage_runbook_waits_for_the_store_and_the_run_completes(cluster:
     assert after[-1]["step"] == steps and after[-1]["world_size"] == 2
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_hung_job_runbook_brings_the_run_back_and_it_completes_from_the_last_commit(cluster: Cli) -> None:
     steps = 200  # the run may end before the runbook's last block: it verifies "or has completed"
@@ -271,7 +271,7 @@ def test_a_runbook_section_has_a_path_only_once_a_bundle_holds_it(tmp_path: Path
     assert section(state, "node-failure", None)["path"] == f"{tmp_path}/out/runbooks/node-failure.md"
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_preemption_runbook_brings_the_preempted_node_back_and_the_run_completes_from_its_save(
     cluster: Cli,
@@ -303,7 +303,7 @@ def test_preemption_runbook_brings_the_preempted_node_back_and_the_run_completes
     assert_completed_from(store, "reclaimed", steps=steps, fault_time=fault_time, committed=committed or 0)
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_full_restart_runbook_recreates_the_cluster_and_the_run_completes_from_its_last_commit(cluster: Cli) -> None:
     steps = 120
@@ -350,7 +350,7 @@ watchdog: {step_timeout_s: 8}
 SMALL_DEVICES = {"INFRACTL_DEVICE_MEMORY": str(68 << 20)}
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_train_refuses_a_run_its_plan_does_not_fit_before_anything_starts(cluster: Cli) -> None:
     """What the plan can see never gets as far as the out-of-memory runbook: a 48 x 8192 model
@@ -380,7 +380,7 @@ def test_train_refuses_a_run_its_plan_does_not_fit_before_anything_starts(cluste
         state.write(record)
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_out_of_memory_runbook_changes_the_run_to_a_way_that_fits_and_it_completes_from_its_last_commit(
     cluster: Cli,
@@ -432,7 +432,7 @@ def rolled_back(store: Store, name: str, transcript: str) -> int:
     return to
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_step_before_the_jump(
     cluster: Cli,
@@ -485,7 +485,7 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     assert f"--to: step {to + 1} is not a committed step of run {name!r} (committed: " in refused
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("runbooks")
 def test_teardown_runbook_exports_the_model_and_leaves_the_store_readable(cluster: Cli) -> None:
     """Last of the module's cluster tests: the runbook tears the cluster down; it is brought up

@@ -270,7 +270,7 @@ def check_result(result: dict[str, Any], *, nodes: int, global_batch: int) -> No
     assert result["gpu_utilization"] is None  # no NVML here
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("scaling")
 def test_bench_writes_the_baseline_and_both_plots(cluster: Cli) -> None:
     result = cluster("bench", str(QUICKSTART), "--nodes", "2,1", "--steps", str(STEPS), "--profile", "2")
@@ -326,7 +326,7 @@ def test_bench_writes_the_baseline_and_both_plots(cluster: Cli) -> None:
         assert record.last_attempt.nodes == [f"node-{i}" for i in range(nodes)]
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("scaling")
 def test_bench_refuses_what_the_cluster_cannot_run(cluster: Cli) -> None:
     store = store_of(cluster)
@@ -355,7 +355,7 @@ def test_bench_refuses_what_the_cluster_cannot_run(cluster: Cli) -> None:
     assert (bench_ids(store), runstore.list_runs(store)) == before
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 @pytest.mark.xdist_group("scaling")
 def test_bench_refuses_while_a_run_trains(cluster: Cli) -> None:
     cluster("train", str(REPO / "examples" / "elastic.yaml"), "--detach")

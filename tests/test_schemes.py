@@ -101,6 +101,7 @@ def attempt_losses(store: Store, attempt: int) -> dict[int, float]:
 # -- exact: same world size -------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_identical_runs_repeat_every_loss_bit(
     scheme: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -119,6 +120,7 @@ def test_identical_runs_repeat_every_loss_bit(
 RESUME_CASES = [*(("file", scheme) for scheme in SCHEMES), ("s3", "fsdp")]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(("store_uri", "scheme"), RESUME_CASES, indirect=["store_uri"])
 def test_resume_on_the_same_world_size_repeats_every_loss_bit(
     scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -140,6 +142,7 @@ def test_resume_on_the_same_world_size_repeats_every_loss_bit(
 # -- resharding: 2 ranks -> 1 -> 2 ---------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(("store_uri", "scheme"), RESUME_CASES, indirect=["store_uri"])
 def test_resume_on_another_world_size_stays_within_tolerance(
     scheme: str, store_uri: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -192,6 +195,7 @@ def test_zero1_writes_each_parameters_optimizer_state_once_from_its_owner(
 # -- options ------------------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_activation_checkpointing_bf16_and_offload_combine_with_each_scheme(
     scheme: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory

@@ -40,7 +40,7 @@ from trainer.replica_server import REPLICA_ADDR_ENV, SHA256_HEADER, SIGNATURE_HE
 
 from conftest import Cli, module_cluster, stop_runs, wait_for_commit, wait_for_world, write
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("security")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("security")]
 
 CLUSTER = """\
 name: guard

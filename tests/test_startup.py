@@ -31,6 +31,9 @@ from infractl.config import CheckpointSpec, ModelSpec
 from infractl.runstore import RunRecord
 from infractl.store import open_store
 
+# Every test starts ranks under torchrun.
+pytestmark = pytest.mark.cluster
+
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
 

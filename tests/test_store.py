@@ -616,7 +616,7 @@ nodes: {{min: 1, max: 1}}
 """
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 def test_a_purge_deletes_only_its_own_runs_from_a_store_shared_with_a_cluster_of_the_same_name(tmp_path: Path) -> None:
     """Two clusters named ``twin`` (two state roots, as on two machines) train into one store; the
     purge of one leaves the other's run, and a run recorded before runs carried their cluster's id

@@ -20,7 +20,7 @@ from infractl.drill import KINDS
 
 from conftest import Outage, store_down_cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("store-outage")]
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("store-outage")]
 
 
 @pytest.fixture(scope="module", params=["file", "s3"])

@@ -334,6 +334,7 @@ def test_metrics_are_written_in_chunks_by_count_and_by_time(tmp_path: Path) -> N
 # -- torchrun on gloo (integration) -----------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: Path) -> None:
     spec = tiny_spec(steps=12)
     run = ok(torchrun(tmp_path, spec))
@@ -377,6 +378,7 @@ def test_two_ranks_finish_commit_the_last_step_and_record_every_step(tmp_path: P
     assert not run.event("environment", rank=1) and not run.event("finished", rank=1)
 
 
+@pytest.mark.cluster
 def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Path) -> None:
     store = store_of(tmp_path)
     ok(torchrun(tmp_path, tiny_spec(steps=7)))
@@ -398,6 +400,7 @@ def test_rerun_with_more_steps_resumes_from_the_last_committed_step(tmp_path: Pa
     assert committed_steps(store, "tiny")[-1] == 12
 
 
+@pytest.mark.cluster
 def test_uncommitted_step_is_never_loaded_and_resume_is_exact(tmp_path: Path, store_uri: str) -> None:
     store = store_of(store_uri)  # file:// and the S3 server (conftest's store_uri)
     spec = tiny_spec(steps=10)
@@ -416,6 +419,7 @@ def test_uncommitted_step_is_never_loaded_and_resume_is_exact(tmp_path: Path, st
     assert committed_steps(store, spec.name) == [5, 10]
 
 
+@pytest.mark.cluster
 def test_corrupt_checkpoint_is_skipped_for_the_previous_committed_step(tmp_path: Path) -> None:
     store = store_of(tmp_path)
     spec = tiny_spec(steps=10)
@@ -434,6 +438,7 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_committed_step(tmp_path:
     assert [e["rewritten"] for e in run.event("checkpoint_committed") if e["step"] == 10] == [True]
 
 
+@pytest.mark.cluster
 def test_resume_on_fewer_ranks_reshards_and_keeps_the_data_order(tmp_path: Path) -> None:
     store = store_of(tmp_path)
     spec = tiny_spec(steps=10)
@@ -452,6 +457,7 @@ def test_resume_on_fewer_ranks_reshards_and_keeps_the_data_order(tmp_path: Path)
     assert verify_checkpoint(store, spec.name, 10).world_size == 1
 
 
+@pytest.mark.cluster
 def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path) -> None:
     store = store_of(tmp_path)
     ok(torchrun(tmp_path, tiny_spec(steps=6), nproc=1, nodes=2))
@@ -467,6 +473,7 @@ def test_two_nodes_with_their_own_workdirs_checkpoint_and_resume(tmp_path: Path)
         assert not [p for p in (tmp_path / node).rglob("*") if p.is_file()]
 
 
+@pytest.mark.cluster
 def test_an_uneven_batch_and_a_micro_batch_cap_train_like_one_rank_in_one_pass(tmp_path: Path) -> None:
     # 9 samples over 2 ranks: shares of 5 and 4, each pass weighted by its share of the batch. Capped
     # at 4 a pass (run.yaml's micro_batch), one rank takes its 9 in 3 passes of 3, gradients accumulated.
@@ -485,6 +492,7 @@ def test_an_uneven_batch_and_a_micro_batch_cap_train_like_one_rank_in_one_pass(t
     assert [r["loss"] for r in capped] == pytest.approx([r["loss"] for r in one], rel=1e-5)
 
 
+@pytest.mark.cluster
 def test_prepared_dataset_records_validation_loss_and_a_changed_dataset_is_refused(
     tmp_path: Path,
 ) -> None:

@@ -22,7 +22,7 @@ from infractl.image import infractl_wheel
 
 from conftest import REPO, Cli, write
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.cluster
 
 RUN = """\
 name: wheel
