@@ -88,7 +88,7 @@ def installed(folder: Path, modules: dict[str, str], entry_points: str) -> dict[
     return {"PYTHONPATH": str(folder)}
 
 
-@pytest.mark.e2e
+@pytest.mark.cluster
 def test_a_provider_from_another_package_brings_a_cluster_up_trains_and_tears_it_down(cli: Cli, tmp_path: Path) -> None:
     env = installed(tmp_path / "site", {"infractl_toy": TOY}, "toy = infractl_toy:Toy")
     cluster = write(cli.cwd / "cluster.yaml", "name: toys\nprovider: toy\nnodes: 2\n")
