@@ -22,7 +22,6 @@ from infractl.node import Node
 from infractl.planning.devices import EMULATED_MEMORY_ENV
 from infractl.planning.memory import parameters
 from infractl.planning.plan import refuse_unless_fits
-from infractl.playbook import network_env
 from infractl.providers import NodeControl
 from infractl.providers.engines import IMAGE_PYTHON, IMAGE_RUN_DIR
 from infractl.runstore import Attempt, Rejoin, RunRecord
@@ -265,7 +264,7 @@ def _node_env(
     key_file: Path | None,
 ) -> dict[str, str]:
     run_id, home = spec.name, node.workdir
-    env = passed_environment(spec, os.environ) | network_env(nodes, node.name) | nodes.agent_env(node.name)
+    env = passed_environment(spec, os.environ) | nodes.network_env(node.name) | nodes.agent_env(node.name)
     env.setdefault("OMP_NUM_THREADS", "1")
     if cluster.image:  # the reference the node's engine runs, pinned by digest
         env[proc.IMAGE_ENV] = cluster.image

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import sys
 from collections.abc import Callable, Iterable
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import infractl
-from infractl import proc, templates, workdir
+from infractl import proc, templates
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.providers.engines import IMAGE_PYTHON, IMAGE_UID, ContainerEngine
@@ -29,7 +28,6 @@ __all__ = [
     "configure",
     "container_vars",
     "inventory_of",
-    "network_env",
     "playbook_dir",
 ]
 
@@ -41,27 +39,6 @@ _KEEP_ARTIFACTS = 10
 ANSIBLE_NODE = "ansible"
 # A whole configure run (collective included) that takes longer than this is stuck.
 _RUN_TIMEOUT_S = 600
-
-
-#: The variables of a node's ``network.env`` an agent takes: the network role's, and NCCL's and
-#: libfabric's tuning knobs but those that load code or look for it (a plugin, a path).
-_NETWORK_KEYS = frozenset({"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "INFRACTL_NODE_ADDRESS"})
-_NETWORK_PREFIXES = ("NCCL_", "FI_")
-_LOADS_CODE = re.compile(r"PLUGIN|PATH|LIB")
-
-
-def network_env(nodes: NodeControl, node: str) -> dict[str, str]:
-    """The collective-communication variables the network role wrote for ``node`` (its
-    ``private/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before
-    Ansible ran. Read as a list of known keys, never sourced: any other line is left out."""
-    text = nodes.read_file(node, workdir.network_env(nodes.node(node).workdir)) or ""
-    found: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = (part.strip() for part in line.partition("="))
-        known = key in _NETWORK_KEYS or (key.startswith(_NETWORK_PREFIXES) and not _LOADS_CODE.search(key))
-        if sep and known and re.fullmatch(r"[A-Z][A-Z0-9_]*", key) and value.isprintable():
-            found[key] = value
-    return found
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from infractl import access, infra, providers, workdir
 from infractl.config import RuntimeSpec
 from infractl.errors import ConfigureError
 from infractl.node import Node
-from infractl.playbook import ConfigureResult, _unsafe_yaml, configure, network_env
+from infractl.playbook import ConfigureResult, _unsafe_yaml, configure
 from infractl.providers import NodeControl
 from infractl.statedir import ClusterState
 
@@ -197,7 +197,7 @@ def test_the_network_environment_is_read_as_known_keys_never_sourced(tmp_path: P
         "export NCCL_ALGO=Ring\nNCCL_BAD=\x1b[31m\nnot a line\n"
     )
 
-    found = network_env(_control(tmp_path, [node]), "node-0")
+    found = _control(tmp_path, [node]).network_env("node-0")
 
     assert found == {
         "GLOO_SOCKET_IFNAME": "eth0",

@@ -43,7 +43,6 @@ from infractl import providers, runs, runstore
 from infractl.errors import UsageError
 from infractl.handover import access_docs, baseline, page, redaction, runbooks, topology
 from infractl.handover.reference import ClickCommand, render_reference
-from infractl.playbook import network_env
 from infractl.runstore import RunRecord
 from infractl.statedir import ClusterRecord, ClusterState, home
 from infractl.store import Store, for_cluster
@@ -84,7 +83,7 @@ def assemble(state: ClusterState, *, run: str | None, cli: ClickCommand) -> Bund
             raise UsageError(f"no run {run!r} of cluster {state.name!r} in its store", field="--run")
     bench = baseline.newest_bench(store, state.name)
     nodes = providers.control(state)
-    interfaces = {name: network_env(nodes, name).get("GLOO_SOCKET_IFNAME") for name in nodes.nodes}
+    interfaces = {name: nodes.network_env(name).get("GLOO_SOCKET_IFNAME") for name in nodes.nodes}
     files: dict[str, bytes] = {
         "topology.md": topology.topology_markdown(
             cluster, interfaces, bench[0] if bench else None, providers.of(state).topology(state)

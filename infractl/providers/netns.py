@@ -263,8 +263,11 @@ class Netns(Provider):
     def orphans(self, owned: set[str]) -> list[Orphan]:
         """Namespaces (with everything in them: sshd, a run), bridges, veths and container run
         roots named after no started cluster, and sshd processes of a node whose state directory
-        is gone."""
-        return _made(lambda short_id: short_id not in owned, lambda cluster_dir: not cluster_dir.exists())
+        holds no cluster (gone, or deleted in part: its state files gone, ``nodes/`` left)."""
+        return _made(
+            lambda short_id: short_id not in owned,
+            lambda cluster_dir: not ClusterState(cluster_dir.name, cluster_dir).in_use(),
+        )
 
     def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
         """What the module's provisioners made after Terraform last saved its state (an apply

@@ -8,6 +8,7 @@ Nothing outside ``infractl/providers/`` knows what a node is: callers name nodes
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -17,7 +18,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from infractl import proc
+from infractl import proc, workdir
 from infractl.errors import InfractlError, UsageError
 from infractl.node import Node
 from infractl.proc import NodeProcess
@@ -34,6 +35,12 @@ LINK_FAULTS = ("down", "drop", "delay")
 NETEM_HINT = " (netem: this kernel lacks the sch_netem qdisc)"
 
 _T = TypeVar("_T")
+
+#: The variables of a node's ``network.env`` an agent takes: the network role's, and NCCL's and
+#: libfabric's tuning knobs but those that load code or look for it (a plugin, a path).
+_NETWORK_KEYS = frozenset({"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "INFRACTL_NODE_ADDRESS"})
+_NETWORK_PREFIXES = ("NCCL_", "FI_")
+_LOADS_CODE = re.compile(r"PLUGIN|PATH|LIB")
 
 
 class NodeControl(ABC):
@@ -98,6 +105,19 @@ class NodeControl(ABC):
         """The last ``size`` bytes of ``path`` on ``node`` (empty when there is none)."""
 
     # -- the agent ------------------------------------------------------------------------------
+
+    def network_env(self, node: str) -> dict[str, str]:
+        """The collective-communication variables the network role wrote for ``node`` (its
+        ``private/network.env``: GLOO/NCCL socket interfaces, the node's address); empty before
+        Ansible ran. Read as a list of known keys, never sourced: any other line is left out."""
+        text = self.read_file(node, workdir.network_env(self.node(node).workdir)) or ""
+        found: dict[str, str] = {}
+        for line in text.splitlines():
+            key, sep, value = (part.strip() for part in line.partition("="))
+            known = key in _NETWORK_KEYS or (key.startswith(_NETWORK_PREFIXES) and not _LOADS_CODE.search(key))
+            if sep and known and re.fullmatch(r"[A-Z][A-Z0-9_]*", key) and value.isprintable():
+                found[key] = value
+        return found
 
     def agent_env(self, node: str) -> dict[str, str]:
         """What ``node``'s agent needs in its environment from its provider (none by default)."""
