@@ -31,7 +31,7 @@ from infractl import access, cluster, proc, providers
 from infractl.config import ClusterSpec
 from infractl.errors import InfractlError
 from infractl.output import Output
-from infractl.statedir import ClusterState, Orphan, ledger, started_clusters
+from infractl.statedir import ClusterState, Orphan, abandoned, ledger, started_clusters
 
 __all__ = ["Found", "collect", "find"]
 
@@ -66,7 +66,7 @@ def find(account: ClusterSpec | None = None) -> Found:
     orphans = [
         Orphan("process", f"{process.pid} of {cluster_dir}", functools.partial(proc.kill, [process]))
         for cluster_dir, process in proc.marked()
-        if _started_by_infractl(process) and not ClusterState(cluster_dir.name, cluster_dir).in_use()
+        if _started_by_infractl(process) and abandoned(cluster_dir)
     ]
     owned = {s.short_id for s in started}
     for provider in providers.every():

@@ -30,6 +30,7 @@ __all__ = [
     "ClusterIntent",
     "ClusterRecord",
     "ClusterState",
+    "abandoned",
     "Endpoint",
     "KnownCluster",
     "Orphan",
@@ -358,17 +359,37 @@ class Orphan:
 def started_clusters() -> list[ClusterState]:
     """Every cluster state directory on this machine that an ``up`` started and no ``teardown``
     finished: those in the ledger and those under the state root."""
-    found: dict[Path, ClusterState] = {}
-    entries = sorted(ledger().glob("*.json")) if ledger().is_dir() else []
-    for entry in entries:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            listed = json.loads(entry.read_text())
-            found[Path(listed["dir"])] = ClusterState(str(listed["name"]), Path(listed["dir"]))
+    found = {state.dir: state for state in _listed()}
     root = home()
     for path in sorted(root.iterdir()) if root.is_dir() else []:
         if path.is_dir() and re.fullmatch(NAME_PATTERN, path.name):
             found.setdefault(path.resolve(), ClusterState(path.name, path.resolve()))
     return [state for state in found.values() if state.in_use()]
+
+
+def _listed() -> list[ClusterState]:
+    """The cluster state directories in this machine's ledger (an ``up`` started each)."""
+    found = []
+    for entry in sorted(ledger().glob("*.json")) if ledger().is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            listed = json.loads(entry.read_text())
+            found.append(ClusterState(str(listed["name"]), Path(listed["dir"])))
+    return found
+
+
+def abandoned(directory: Path) -> bool:
+    """Whether a cluster directory that processes name holds no cluster any more: it is gone, or
+    an ``up`` on this machine started it (the ledger lists it) and it holds none now (deleted in
+    part: its state files gone while running agents still write ``nodes/``). A directory the ledger
+    does not list, that processes started without an ``up`` name (by hand, or a test's), is not
+    judged by what it holds."""
+    if not directory.exists():
+        return True
+    resolved = directory.resolve()
+    return (
+        any(state.dir.resolve() == resolved for state in _listed())
+        and not ClusterState(directory.name, directory).in_use()
+    )
 
 
 def known_clusters() -> list[KnownCluster]:

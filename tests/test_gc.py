@@ -223,11 +223,13 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
 def test_a_state_directory_deleted_in_part_leaves_its_rendezvous_server_an_orphan(tmp_path: Path) -> None:
     """The state files of a cluster deleted, ``nodes/`` left (running agents still write it): the
     rendezvous server ``up`` started for it belongs to no cluster, and gc lists it and removes it.
-    (No ledger entry: another gc on this machine must not take this half-cluster for its own.)"""
+    The ledger lists the directory, as ``up`` does: processes that name a directory no ``up``
+    started (a test's own torchrun, say) are not judged by what it holds."""
     state = ClusterState("partial", tmp_path / "partial")
     state.dir.mkdir()
     state.intent_path.write_text("{}")
     state.record_path.write_text("{}")
+    write(ledger() / f"{state.short_id}.json", json.dumps({"name": state.name, "dir": str(state.dir.resolve())}))
     _, started = servers.ensure_rendezvous(providers.get("local").servers(state), "127.0.0.1", None, None)
     server = proc.find(state.dir, node=servers.RENDEZVOUS_NODE)
     try:
@@ -246,6 +248,7 @@ def test_a_state_directory_deleted_in_part_leaves_its_rendezvous_server_an_orpha
         assert proc.find(state.dir) == []
     finally:
         proc.kill(server)
+        state.unlist()
 
 
 def test_account_gc_takes_the_aws_clusters_whose_state_is_gone_and_no_other(tmp_path: Path, s3_server: str) -> None:

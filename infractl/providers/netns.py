@@ -47,7 +47,7 @@ from infractl.providers.engines import ContainerEngine
 from infractl.providers.local import node_directories
 from infractl.providers.nodecontrol import LINK_FAULTS, NETEM_HINT, NodeControl
 from infractl.providers.remote import SshNodes
-from infractl.statedir import ClusterIntent, ClusterState, Orphan
+from infractl.statedir import ClusterIntent, ClusterState, Orphan, abandoned
 
 __all__ = ["Netns", "NetnsNodes", "NetnsSpec"]
 
@@ -263,10 +263,10 @@ class Netns(Provider):
     def orphans(self, owned: set[str]) -> list[Orphan]:
         """Namespaces (with everything in them: sshd, a run), bridges, veths and container run
         roots named after no started cluster, and sshd processes of a node whose state directory
-        holds no cluster (gone, or deleted in part: its state files gone, ``nodes/`` left)."""
+        holds no cluster (``statedir.abandoned``: gone, or deleted in part)."""
         return _made(
             lambda short_id: short_id not in owned,
-            lambda cluster_dir: not ClusterState(cluster_dir.name, cluster_dir).in_use(),
+            abandoned,
         )
 
     def reap(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
