@@ -464,9 +464,9 @@ def test_rollback_runbook_sets_the_bad_steps_aside_and_the_run_goes_on_from_the_
     # As the runbook says: the engineer picks the newest committed step before the jump.
     to = max(step for step in runstore.committed_steps(store, name) if step <= 50)
     fault_time = time.time()
-    # The run's env: passes the hook, so the runbook's launch needs it set: empty, which injects
-    # nothing (the bad update's cause, fixed).
-    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to), CORRUPT_WEIGHTS_ENV: ""})
+    # The run's env: passes the hook, so the runbook's launch needs it set: to step 0, which no run
+    # trains (the bad update's cause, fixed).
+    transcript = run_blocks(cluster, runbook, env={"ROLLBACK_TO": str(to), CORRUPT_WEIGHTS_ENV: "0"})
 
     assert f"infractl stop --run {name} --no-save" in transcript and f"run {name} recovered: " in transcript
     assert rolled_back(store, name, transcript) == to == 40
