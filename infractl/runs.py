@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -188,10 +188,10 @@ def status(state: ClusterState) -> dict[str, Any]:
     committed step, newest metrics and, for a run that needs a person, where its runbook section
     is. With the store unreachable, the runs are what the nodes' processes tell, and the store's
     entry says so and where the store-outage runbook is."""
-    record = state.read()
+    record = state.record()
     control = providers.control(state)
-    nodes, live, training = _node_rows(record, control)
-    store_status: dict[str, Any] = {"uri": record["store"], "reachable": True, "error": None}
+    nodes, live, training = _node_rows(record.nodes, control)
+    store_status: dict[str, Any] = {"uri": record.store, "reachable": True, "error": None}
     try:
         rows = _run_rows(state, for_cluster(state), control, live, training)
     except StoreError as exc:
@@ -202,19 +202,19 @@ def status(state: ClusterState) -> dict[str, Any]:
         }
         rows = _running_rows(live)
     return {
-        "cluster": record["name"],
-        "provider": record["spec"]["provider"],
+        "cluster": record.name,
+        "provider": record.spec.provider,
         "store": store_status,
-        "rendezvous": {**record["rendezvous"], "running": rendezvous_running(state)},
+        "rendezvous": {**asdict(record.rendezvous), "running": rendezvous_running(state)},
         # What the nodes run the trainer in (pulled by digest at `up`); None: their own Python.
-        "image": record.get("image"),
+        "image": record.image,
         "nodes": nodes,
         "runs": rows,
     }
 
 
 def _node_rows(
-    record: dict[str, Any], control: NodeControl
+    cluster_nodes: Sequence[Node], control: NodeControl
 ) -> tuple[list[dict[str, Any]], dict[str, set[str]], set[str]]:
     """Each node with how many processes of the cluster it runs (None: it did not answer), run id
     -> the nodes running it, and the runs with workers (a run with agents alone is restarting)."""
@@ -225,12 +225,10 @@ def _node_rows(
             live.setdefault(p.run, set()).add(p.node)
     rows = [
         {
-            **n,
-            "live_processes": None
-            if n["name"] in control.unreachable
-            else sum(1 for p in processes if p.node == n["name"]),
+            **n.record(),
+            "live_processes": None if n.name in control.unreachable else sum(1 for p in processes if p.node == n.name),
         }
-        for n in record["nodes"]
+        for n in cluster_nodes
     ]
     return rows, live, {p.run for p in processes if p.run is not None and p.worker}
 

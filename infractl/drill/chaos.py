@@ -305,7 +305,7 @@ def _offered(state: ClusterState, store: Store, spec: RunSpec, nodes: list[str])
         if kind.node_leaves and len(nodes) - 1 < spec.nodes.min:
             why[name] = f"it takes a node out, and the run runs on {len(nodes)} with nodes.min {spec.nodes.min}"
         elif name == "partition" and not links:
-            why[name] = f"the nodes of provider {state.read()['spec']['provider']!r} have no link to cut off"
+            why[name] = f"the nodes of provider {state.record().spec.provider!r} have no link to cut off"
         elif name == _NO_RESTART:
             try:
                 store.outage()

@@ -26,7 +26,7 @@ _COMMIT_POLL_S = 0.2  # committed steps and their manifests, while watching
 def select(state: ClusterState, kind: Kind, node: str | None, run: str | None) -> Target:
     """Validate the target; change nothing. A drill measures recovery through the store: with
     the store unreachable it would strike blind, so that is checked first."""
-    cluster_nodes = [n["name"] for n in state.read()["nodes"]]
+    cluster_nodes = [n.name for n in state.record().nodes]
     if node is not None:
         runs.node(state, node, field="--node")
     for_cluster(state).ping()
