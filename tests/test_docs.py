@@ -1,10 +1,11 @@
 """The README and docs/ stay a newcomer's path that is true of the tree (unit): the README short,
 with the set-up commands first; every relative link and anchor resolving; docs/layout.md naming
-every module; the README's handover section naming every runbook. (docs/reference.md's freshness
-is tests/test_reference.py's.)"""
+every module; the README's handover section naming every runbook; SECURITY.md citing only code and
+tests that exist, by name, never by line. (docs/reference.md's freshness is tests/test_reference.py's.)"""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from infractl.handover.reference import RUNBOOKS
 from conftest import REPO
 
 README = REPO / "README.md"
+SECURITY = REPO / "SECURITY.md"
 LAYOUT = REPO / "docs" / "layout.md"
 #: The Markdown a reader follows links through: the README, docs/, and the pages they link to.
 PAGES = sorted(
@@ -138,3 +140,84 @@ def test_the_layout_names_every_module_and_nothing_that_is_gone() -> None:
     assert not gone and not unnamed, (
         f"docs/layout.md names what does not exist: {gone}; and names no line for: {unnamed}"
     )
+
+
+#: The folders of the repository a path SECURITY.md cites starts with (its other backquoted names
+#: with a "/" are folders of a node, a store or the bundle).
+_CODE_ROOTS = ("infractl/", "trainer/", "tests/", "infra/", "playbooks/", "scripts/", "images/", "docs/")
+_SYMBOL = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _defined_names(scope: ast.AST) -> set[str]:
+    """Every function, class, assigned name and parameter in ``scope``, at any depth."""
+    found: set[str] = set()
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.arg):
+            found.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+    return found
+
+
+def _defines(path: Path, parts: list[str]) -> bool:
+    """Whether ``path`` defines ``parts`` (``["Class", "method"]``, ``["function"]``; a last part
+    ending in ``...`` is a prefix, as the findings table shortens a test's name). Outside Python:
+    whether each part is a word of the file (``terraform_data.guard`` in a .tf file)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return all(re.search(rf"\b{re.escape(part)}\b", text) for part in parts)
+    scope: ast.AST = ast.parse(text)
+    for outer in parts[:-1]:
+        cls = next((n for n in ast.walk(scope) if isinstance(n, ast.ClassDef) and n.name == outer), None)
+        if cls is None:
+            return False
+        scope = cls
+    last = parts[-1]
+    names = _defined_names(scope)
+    if last.endswith("..."):
+        return any(name.startswith(last.removesuffix("...")) for name in names)
+    return last in names
+
+
+def test_security_cites_no_line_numbers() -> None:
+    """A line number goes stale with the next edit above it: SECURITY.md names the file and the
+    function, class or method instead (``path``, ``Class.method``)."""
+    text = SECURITY.read_text()
+    assert re.findall(r"`[^`]*\.\w+:\d+[^`]*`|`:\d+`", text) == []
+
+
+def test_security_cites_only_files_tests_and_names_that_exist() -> None:
+    """Each backquoted path of the repository in SECURITY.md (a bare ``test_*.py`` is under tests/,
+    any other ``.py`` must be given from the repository's root) exists; each ``path::test`` (and a
+    ``::test`` that continues the test file cited before it) names a test the file defines; and each
+    name that follows a path with only commas between them (``infractl/launcher.py``, ``launch``,
+    ``_PASSED``) is defined in that file. So a rename or a move fails here until the page follows it."""
+    text = SECURITY.read_text()
+    missing = []
+    cited: Path | None = None  # the file the names that follow it are looked up in
+    test_file: Path | None = None  # the file a ``::test`` continuation is in
+    end = 0
+    for span in re.finditer(r"`([^`]+)`", text):
+        gap, end = text[end : span.start()], span.end()
+        name, *tests = span[1].split("::")
+        if not name:
+            if test_file is None or not _defines(test_file, tests):
+                missing.append(f"{test_file.relative_to(REPO) if test_file else '(no test file)'}{span[1]}")
+            cited = None
+        elif name.startswith(_CODE_ROOTS) or name.endswith(".py"):
+            path = REPO / "tests" / name if name.startswith("test_") else REPO / name
+            cited = path if path.is_file() else None
+            if not path.exists():
+                missing.append(span[1])
+            elif tests:
+                test_file = path
+                if not _defines(path, tests):
+                    missing.append(span[1])
+        elif cited is not None and _SYMBOL.fullmatch(name) and re.fullmatch(r"[,\s]*", gap):
+            if not _defines(cited, name.split(".")):
+                missing.append(f"{cited.relative_to(REPO)}: {name}")
+        else:
+            cited = None
+    assert missing == [], f"SECURITY.md cites what is not in the tree: {missing}"
