@@ -37,7 +37,6 @@ __all__ = [
     "LAUNCH_LAST_CALL_KEY",
     "NODE_ENV",
     "RUN_ENV",
-    "SPOT_NOTICE_ENV",
     "NodeProcess",
     "group_exists",
     "run",
@@ -64,9 +63,6 @@ NODE_ENV = "INFRACTL_NODE"
 RUN_ENV = "INFRACTL_RUN"
 #: The module a node's elastic agent runs (``python -m trainer.agent``): tells agents from workers.
 AGENT_MODULE = "trainer.agent"
-#: The instance metadata service (its ``/latest`` URL) whose spot interruption notice a node's agent
-#: polls, on a node that may be reclaimed (``trainer.agent``); unset elsewhere.
-SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
 #: The image reference (pinned by digest) a containerized agent and its workers run in, as the
 #: launcher told the node's engine to run it (``--pull=never``: what ``up`` pulled and verified);
 #: the checkpoints' environment fingerprint records it. Unset on a node's own Python.

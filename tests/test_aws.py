@@ -24,7 +24,7 @@ from infractl.providers.aws.pricing import planned_resources
 from infractl.providers.aws.spec import module_variables
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap, sweep
 from infractl.providers.contract import provider_named
-from infractl.statedir import ClusterState
+from infractl.statedir import ClusterRecord, ClusterState, Endpoint
 from infractl.store import S3Store, open_store
 
 from conftest import REPO, Cli, new_bucket_name, one_line, s3_client, write
@@ -244,14 +244,11 @@ def test_teardown_sweeps_ec2_by_the_clusters_tag_and_names_every_leftover(cli: C
     config = yaml.safe_load(EXAMPLE.read_text()) | {"store": f"s3://{bucket}/train-p5?endpoint_url={s3_server}"}
     spec = load_cluster(write(cli.cwd / "cluster.yaml", yaml.safe_dump(config)))
     state = ClusterState(spec.name, cli.home / spec.name)
+    assert spec.store is not None
     state.write(
-        {
-            "name": spec.name,
-            "spec": spec.model_dump(mode="json"),
-            "store": spec.store,
-            "rendezvous": {"host": "10.42.0.10", "port": 29400},
-            "nodes": [],
-        }
+        ClusterRecord(
+            name=spec.name, spec=spec, store=spec.store, id=None, rendezvous=Endpoint("10.42.0.10", 29400), nodes=()
+        )
     )
     ec2 = boto3.client("ec2", endpoint_url=s3_server, region_name="us-east-1")
     tags = [{"Key": CLUSTER_TAG, "Value": spec.name}]

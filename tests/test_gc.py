@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from infractl import gc, proc, providers, servers
-from infractl.config import load_cluster
+from infractl.config import load_cluster, parse_cluster
 from infractl.providers.servers import free_port, port_open
-from infractl.statedir import ClusterState, ledger, started_clusters
+from infractl.statedir import ClusterIntent, ClusterState, ledger, started_clusters
 
 from conftest import REPO, Cli, new_bucket_name, s3_client, write
 
@@ -99,7 +99,7 @@ def planted(tmp_path: Path) -> Iterator[dict[str, object]]:
     leaves is removed after it."""
     orphan, gone = _free_id(), tmp_path / "deleted-state"
     owner = ClusterState("owner", tmp_path / "owner")  # a cluster that is up
-    owner.start({"name": "owner"})
+    owner.start(ClusterIntent(name="owner", spec=parse_cluster({"name": "owner"}), store=owner.default_store.as_uri()))
     owner.record_path.write_text("{}")
     namespace, bridge, veth = f"infractl-{orphan}-0", f"ixb{orphan}", f"ixv{orphan}-1"
     groups = {"orphan": f"gcplant-{orphan}-viewer", "owned": f"gcowned-{owner.short_id}-viewer"}
@@ -176,7 +176,7 @@ def test_gc_lists_then_removes_an_orphan_of_each_kind_and_keeps_what_a_cluster_o
     config = write(cli.cwd / "cluster.yaml", "name: halfway\nprovider: local\nnodes: 1\n")
     halfway = ClusterState("halfway", cli.home / "halfway")
     spec = load_cluster(config)
-    halfway.start({"name": "halfway", "spec": spec.model_dump(mode="json"), "store": f"file://{halfway.default_store}"})
+    halfway.start(ClusterIntent(name="halfway", spec=spec, store=halfway.default_store.as_uri()))
     processes: dict[str, subprocess.Popen[bytes]] = planted["processes"]  # type: ignore[assignment]
     lookalikes: dict[str, subprocess.Popen[bytes]] = planted["lookalikes"]  # type: ignore[assignment]
     groups: dict[str, str] = planted["groups"]  # type: ignore[assignment]

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from infractl import access, infra, providers, workdir
-from infractl.config import RuntimeSpec
+from infractl.config import RuntimeSpec, parse_cluster
 from infractl.errors import ConfigureError
 from infractl.node import Node
 from infractl.playbook import ConfigureResult, _unsafe_yaml, configure
 from infractl.providers import NodeControl
-from infractl.statedir import ClusterState
+from infractl.statedir import ClusterIntent, ClusterState
 
 
 def _free_port() -> int:
@@ -72,7 +72,7 @@ def _access_groups(state_dir: Path) -> Iterator[dict[str, Any]]:
     `infractl teardown` does. Meanwhile the state directory is a started cluster's, as `up` makes
     it (in the machine's ledger): `infractl gc` leaves its groups alone."""
     state = ClusterState("test", state_dir)
-    state.start({"name": "test"})
+    state.start(ClusterIntent(name="test", spec=parse_cluster({"name": "test"}), store=state.default_store.as_uri()))
     state.record_path.write_text("{}")
     try:
         yield _vars(state_dir)

@@ -83,14 +83,15 @@ def test_an_up_that_cannot_list_its_cluster_in_the_ledger_is_refused_before_it_m
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from infractl import statedir as state_module
+    from infractl.config import parse_cluster
     from infractl.errors import StateError
-    from infractl.statedir import ClusterState
+    from infractl.statedir import ClusterIntent, ClusterState
 
     blocker = write(tmp_path / "a-file", "not a directory\n")
     monkeypatch.setattr(state_module, "ledger", lambda: blocker / "clusters")
     state = ClusterState("c5", tmp_path / ".infractl" / "c5")
     with pytest.raises(StateError) as refused, state.lock("up"):
-        state.start({"name": "c5"})
+        state.start(ClusterIntent(name="c5", spec=parse_cluster({"name": "c5"}), store=state.default_store.as_uri()))
     assert f"cannot list the cluster in {blocker / 'clusters'} (Not a directory)" in str(refused.value)
     assert not (tmp_path / ".infractl").exists()
 

@@ -59,10 +59,11 @@ from torch.distributed.launcher import api as launcher_api
 from infractl import no_collection_at_exit
 from infractl.errors import UsageError
 from infractl.log import get_logger
-from infractl.proc import LAUNCH_LAST_CALL_KEY, SPOT_NOTICE_ENV
+from infractl.proc import LAUNCH_LAST_CALL_KEY
 from trainer import rendezvous_patch, replica_server, warm
 from trainer.errors import REFUSED_EXIT
 from trainer.faults import Faults
+from trainer.preemption import SPOT_NOTICE_ENV
 
 __all__ = ["StopStoppedWorkersAgent", "main"]
 

@@ -16,12 +16,16 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-__all__ = ["PEER_PREEMPTED_EXIT", "PreemptionNotice"]
+__all__ = ["PEER_PREEMPTED_EXIT", "SPOT_NOTICE_ENV", "PreemptionNotice"]
 
 #: Exit code of a rank that was not signalled but whose peer was: "a peer was preempted;
 #: restart me". Non-zero, so its agent restarts it; it then re-rendezvouses without the
 #: preempted node and resumes from the emergency checkpoint. (75 is EX_TEMPFAIL.)
 PEER_PREEMPTED_EXIT = 75
+#: The instance metadata service (its ``/latest`` URL) whose spot interruption notice a node's agent
+#: polls, on a node that may be reclaimed (``trainer.agent``); a provider whose nodes get such
+#: notices sets it in their agents' environment, unset elsewhere.
+SPOT_NOTICE_ENV = "INFRACTL_SPOT_NOTICE_URL"
 
 
 class PreemptionNotice:

@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from infractl import proc
 from infractl.errors import InfraError
 from infractl.node import Node
 from infractl.providers.aws.spec import instance_types
 from infractl.providers.engines import DOCKER, IMAGE_PYTHON, ContainerEngine
 from infractl.providers.remote import SYSTEM_PYTHON, SshNodes
 from infractl.statedir import ClusterState, write_private
+from trainer.preemption import SPOT_NOTICE_ENV
 
 __all__ = ["REGISTRY_PORT", "AwsNodes", "Provisioned", "engine_for"]
 
@@ -139,7 +139,7 @@ class AwsNodes(SshNodes):
     def agent_env(self, node: str) -> dict[str, str]:
         """Every instance's agent polls its metadata service for a spot interruption notice (on an
         on-demand instance there never is one) and takes it as the preemption it announces."""
-        return {proc.SPOT_NOTICE_ENV: _METADATA_URL}
+        return {SPOT_NOTICE_ENV: _METADATA_URL}
 
     def ansible_host(self, node: str) -> dict[str, Any]:
         """A fresh instance has no work directory yet: the base role makes it."""
