@@ -112,6 +112,7 @@ __all__ = [
     "Budget",
     "ModelSplit",
     "PEAK_BAND",
+    "PEAK_PROMISE",
     "PeakBand",
     "Term",
     "parameters",
@@ -258,6 +259,14 @@ PEAK_BAND = PeakBand(
     command="python bench/planner_vs_peers.py --sweep 24 --seed 1",
     measured_on="2 CPU ranks (torch 2.13), `plan --measure`'s probe of each run",
 )
+
+#: The planner's promise: no run peaks more than this above its prediction. It leaves room above
+#: PEAK_BAND's highest error for a run measured again on a busy machine: `python
+#: bench/peak_under_load.py` probed the CI sweep's sweep-126-1 five times each beside 0 to 3 busy
+#: processes, and its error moved by under a point beside 2 and by 2 points beside 3 (-15% to -13%).
+#: The CI smoke sweep holds the planner to it (tests/test_bench.py); bench/planner_vs_peers.py
+#: counts the runs above it.
+PEAK_PROMISE = 0.05
 
 
 @dataclass(frozen=True)
