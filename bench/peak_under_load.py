@@ -1,6 +1,6 @@
 """How far one shape's measured peak moves when it is probed again, alone and beside busy processes.
 
-The planner promises that no run peaks more than ``memory.PEAK_PROMISE`` above its prediction, and
+The planner promises that no run peaks more than ``accuracy.PEAK_PROMISE`` above its prediction, and
 the CI smoke sweep (tests/test_bench.py) holds it to that on a machine busy with the rest of the
 suite. This probes one shape of a ``bench/planner_vs_peers.py`` sweep ``--repeats`` times beside
 each number of busy processes in ``--spinners`` (``python -c 'while True: pass'``, started before
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.planner_vs_peers import probe, sweep_specs  # noqa: E402
-from infractl.planning import memory  # noqa: E402
+from infractl.planning import accuracy  # noqa: E402
 
 _BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -88,7 +88,7 @@ def main() -> None:
     spec = sweep_specs(args.sweep, args.seed)[args.index]
     print(f"{spec.name}: {args.repeats} probes beside each of {args.spinners} `{' '.join(_BUSY[1:])}`")
     series = [_series(spec, repeats=args.repeats, steps=args.steps, spinners=n) for n in args.spinners]
-    promise = f"the promise: at most +{memory.PEAK_PROMISE:.0%}"
+    promise = f"the promise: at most +{accuracy.PEAK_PROMISE:.0%}"
     print(f"\nPeak error of {spec.name}, (measured - predicted) / predicted; {promise}")
     print("| busy processes beside | least | median | largest | peak spread (KiB) | 1-min load before, after |")
     print("|---:|---:|---:|---:|---:|---|")

@@ -23,7 +23,7 @@ fsdp, tensor parallel, pipeline), precision and activation checkpointing, each s
 probe in seconds. It prints the prediction beside the measurement for each shape, and the
 distribution of the peak's error, (measured - predicted) / predicted: its least, median and
 largest, the median of its size, and how many shapes peaked more than the planner promises above the
-prediction (``memory.PEAK_PROMISE``).
+prediction (``accuracy.PEAK_PROMISE``).
 
 Each probe is a standalone torchrun of 2 ranks with its own file store (about 10 s each on 2
 cores), run as one node, in the layout `infractl plan --measure` gives it on two nodes of one
@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.trainer import torchrun  # noqa: E402
 from infractl.config import NodeRange, RunSpec, load_run  # noqa: E402
-from infractl.planning import memory  # noqa: E402
+from infractl.planning import accuracy, memory  # noqa: E402
 from infractl.planning.probe import compare, read_reports  # noqa: E402
 from infractl.store import open_store  # noqa: E402
 
@@ -182,7 +182,7 @@ def distribution(errors: list[float]) -> dict[str, float | int]:
         "median": statistics.median(errors),
         "max": max(errors),
         "median_abs": statistics.median(abs(e) for e in errors),
-        "above_promise": sum(e > memory.PEAK_PROMISE for e in errors),
+        "above_promise": sum(e > accuracy.PEAK_PROMISE for e in errors),
     }
 
 
@@ -201,7 +201,7 @@ def _print_sweep(rows: list[dict[str, Any]], summary: dict[str, float | int]) ->
     print(
         f"\nPeak error over {len(rows)} shapes, (measured - predicted) / predicted: min {summary['min']:+.1%}, "
         f"median {summary['median']:+.1%}, max {summary['max']:+.1%}; median |error| {summary['median_abs']:.1%}; "
-        f"{summary['above_promise']} shape(s) more than {memory.PEAK_PROMISE:.0%} above the prediction."
+        f"{summary['above_promise']} shape(s) more than {accuracy.PEAK_PROMISE:.0%} above the prediction."
     )
 
 

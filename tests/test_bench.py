@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from infractl.planning import memory
+from infractl.planning import accuracy
 from infractl.planning.probe import COMPONENTS
 
 from conftest import REPO
@@ -91,10 +91,10 @@ def test_planner_against_its_peers_reports_every_field(tmp_path: Path) -> None:
         # The same tensors, measured exactly (AdamW's step counters are the few bytes apart).
         assert r["measured_model_states"] == pytest.approx(r["ours_model_states"], rel=1e-3), r
         assert set(r["predicted"]) == set(r["measured"]) == set(COMPONENTS), r
-        # The planner's promise: no run peaks more than memory.PEAK_PROMISE above the prediction.
-        assert r["peak_error"] <= memory.PEAK_PROMISE, r
+        # The planner's promise: no run peaks more than accuracy.PEAK_PROMISE above the prediction.
+        assert r["peak_error"] <= accuracy.PEAK_PROMISE, r
     band = results["peak_error"]
-    assert band["above_promise"] == 0 and band["min"] <= band["median"] <= band["max"] <= memory.PEAK_PROMISE, band
+    assert band["above_promise"] == 0 and band["min"] <= band["median"] <= band["max"] <= accuracy.PEAK_PROMISE, band
 
 
 def test_published_configurations_are_planned(tmp_path: Path) -> None:

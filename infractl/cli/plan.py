@@ -19,7 +19,7 @@ from infractl.config.loader import rewrite, validate
 from infractl.errors import ConfigError, UsageError
 from infractl.log import LogFormat
 from infractl.output import Output
-from infractl.planning import memory
+from infractl.planning import accuracy, memory
 from infractl.planning.devices import CATALOG, device, shared_cpu
 from infractl.planning.plan import (
     Plan,
@@ -100,9 +100,9 @@ def plan_command(
     if explain:
         parts.append(_explain(result, spec))
     parts.append(_advice(result))
-    shown = result.to_dict() | {"peak_band": memory.PEAK_BAND.to_dict()}
+    shown = result.to_dict() | {"peak_band": accuracy.PEAK_BAND.to_dict()}
     assert result.recommended is not None and shown["recommended"] is not None
-    shown["recommended"]["peak_bound_bytes"] = memory.PEAK_BAND.bound(result.recommended.budget)
+    shown["recommended"]["peak_bound_bytes"] = accuracy.PEAK_BAND.bound(result.recommended.budget)
     if apply:
         shown["applied"], said = _apply(run_file, spec, result)
         parts.append(said)
@@ -203,8 +203,8 @@ def _measure(
 
 
 def _band() -> str:
-    """The peak's measured error band, in words (memory.PEAK_BAND)."""
-    band = memory.PEAK_BAND
+    """The peak's measured error band, in words (accuracy.PEAK_BAND)."""
+    band = accuracy.PEAK_BAND
     return (
         f"the peaks of {band.runs} runs the planner was not tuned on measured {-band.low:.1%} below to "
         f"{band.high:.1%} above its prediction, the fragmentation margin aside (`{band.command}`: {band.measured_on})"
@@ -251,7 +251,7 @@ def _advice(result: Plan) -> Text:
     fields = RunSpec.model_fields
     settings = [f"{k}: {_flow(v)}" for k, v in rec.settings.items() if k == "parallel" or v != fields[k].default]
     passes = f" in {rec.accumulation} passes of {rec.micro_batch} sequence(s) a step" if rec.accumulates else ""
-    band = memory.PEAK_BAND
+    band = accuracy.PEAK_BAND
     return Text(
         f"recommended: {rec.label} on {rec.devices} device(s), {rec.nodes} node(s){passes}: at most "
         f"{format_bytes(band.bound(rec.budget))} per device of {format_bytes(result.device.memory_bytes)} "
