@@ -38,7 +38,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 # One torchrun of the benchmark; a run that takes longer is stuck (the full step-time run takes ~30 s).
 _RUN_TIMEOUT_S = 600
-sys.path.insert(0, str(REPO / "tests"))  # the S3 server launcher the tests use
+# Run as a script, this folder comes first on the path, and this file would be the `trainer` package
+# that infractl imports: the checkout comes first instead.
+sys.path[0:1] = [str(REPO), str(REPO / "tests")]  # the tests' folder: the S3 server launcher they use
 
 import psutil  # noqa: E402
 import torch  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infractl import launcher, providers, runstore, workdir
+from infractl import providers, runstore, workdir
 from infractl.drill import KINDS, recovery
 from infractl.providers.nodecontrol import NodeControl
 from infractl.statedir import ClusterState
@@ -258,7 +258,7 @@ def _wait_for_a_crash(cli: Cli, run: str, *, within_s: float) -> None:
     landed within moments of the fault, long before, and the next one comes only after the restart.
     The logs are read on this machine, where the nodes' work directories are (a cut node's too)."""
     nodes = json.loads((cli.home / "multi" / "cluster.json").read_text())["nodes"]
-    logs = [launcher.node_log(node, run) for node in nodes]
+    logs = [workdir.run_log(Path(node["workdir"]), run) for node in nodes]
     deadline = time.monotonic() + within_s
     while not any(_CRASHED.search(log.read_text(errors="replace")) for log in logs if log.is_file()):
         assert time.monotonic() < deadline, f"no worker of {run} crashed on the fault within {within_s} s"
