@@ -260,6 +260,8 @@ def up(state: ClusterState, spec: ClusterSpec, store: Store, out: Output) -> UpR
     uri = store_uri(state, spec)
     provider = providers.get(spec.provider)
     state.start(ClusterIntent(name=spec.name, spec=spec, store=uri))
+    for note in provider.notes(spec):
+        out.warn(note)
     applied, provisioned = _provision(state, spec, store, out)
     nodes = provider.control(state, provisioned)
 

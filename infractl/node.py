@@ -21,8 +21,10 @@ class SshLogin:
     identity_file: Path
     known_hosts: Path
     jump: str | None = None
-    """``user@host`` of the jump host the node is reached through (the same key and pinned host
-    keys), or None: reached directly."""
+    """``user@host`` (or ``ssh://user@host:port``) of the jump host the node is reached through (the
+    same key and pinned host keys), or None: reached directly."""
+    port: int = 22
+    """The node's sshd port."""
 
     def options(self) -> list[str]:
         """``ssh`` options: the host key must match the pinned one (never accepted on first use), only
@@ -41,10 +43,11 @@ class SshLogin:
             "-o", "ForwardAgent=no",
             "-o", "ForwardX11=no",
         ]  # fmt: skip
+        port = ["-o", f"Port={self.port}"] if self.port != 22 else []
         if self.jump is None:
-            return direct
+            return [*direct, *port]
         proxy = shlex.join(["ssh", *direct, "-W", "%h:%p", self.jump])
-        return [*direct, "-o", f"ProxyCommand={proxy}"]
+        return [*direct, *port, "-o", f"ProxyCommand={proxy}"]
 
     def argv(self, address: str, command: str | None = None) -> list[str]:
         """The ``ssh`` command line that runs the shell command ``command`` on the node at ``address``
@@ -78,7 +81,13 @@ class Node:
             address=item["address"],
             workdir=Path(item["workdir"]),
             processes=int(item["processes"]),
-            ssh=SshLogin(ssh["user"], Path(ssh["identity_file"]), Path(ssh["known_hosts"]), ssh.get("jump"))
+            ssh=SshLogin(
+                ssh["user"],
+                Path(ssh["identity_file"]),
+                Path(ssh["known_hosts"]),
+                ssh.get("jump"),
+                int(ssh.get("port", 22)),
+            )
             if ssh
             else None,
         )
@@ -92,5 +101,5 @@ class Node:
             "processes": self.processes,
         }
         if self.ssh is not None:
-            item["ssh"] = {k: str(v) for k, v in asdict(self.ssh).items() if v is not None}
+            item["ssh"] = {k: v if isinstance(v, int) else str(v) for k, v in asdict(self.ssh).items() if v is not None}
         return item

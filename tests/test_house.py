@@ -140,6 +140,11 @@ def test_no_import_cycle_among_the_modules() -> None:
     assert cycles == []
 
 
+#: Provider names that are also words of infractl's own, outside any provider: ``ssh`` is the
+#: command every SSH node is reached with and a node's login (``Node.ssh``).
+_COMMON_WORDS = frozenset({"ssh"})
+
+
 def test_only_the_providers_name_a_provider() -> None:
     """Outside infractl/providers/, no module imports a provider's module, and no code names a
     provider: no attribute, imported name or string (docstrings and comments aside) is a
@@ -159,6 +164,20 @@ def test_only_the_providers_name_a_provider() -> None:
         if name.startswith("infractl.providers"):
             continue
         tree = ast.parse(path.read_text())
+        # A provider's name that is also a word of the tool's own (the ``ssh`` command, a node's
+        # ``ssh`` login) names the provider only as a string compared with, or asked for.
+        asked = {
+            id(operand)
+            for node in ast.walk(tree)
+            for operand in (
+                [node.left, *node.comparators]
+                if isinstance(node, ast.Compare)
+                else node.args
+                if isinstance(node, ast.Call) and ast.unparse(node.func) in ("providers.get", "provider_named")
+                else []
+            )
+            if isinstance(operand, ast.Constant)
+        }
         for imported in _imports(name, path, modules):
             if imported.rpartition(".")[2] in names and imported.startswith("infractl.providers."):
                 found.append(f"{path.relative_to(REPO)}: imports {imported}")
@@ -171,7 +190,7 @@ def test_only_the_providers_name_a_provider() -> None:
                 named = node.value
             elif isinstance(node, ast.alias):
                 named = node.asname or node.name.rpartition(".")[2]
-            if named in names:
+            if named in names and (named not in _COMMON_WORDS or id(node) in asked):
                 found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {named!r}")
     assert found == []
 

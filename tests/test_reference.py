@@ -121,7 +121,7 @@ def test_constraints_come_from_the_schema(reference: str) -> None:
     assert "pattern `^([0-9]{1,10}):([0-9]{1,10})$`" in row(run, "`profile.steps`")[3]
     assert row(run, "`model`")[1] == "section"
     assert row(run, "`parallel`")[1] == "section"
-    assert row(section(reference, "## cluster.yaml"), "`provider`")[3] == "one of `local`, `aws`, `netns`"
+    assert row(section(reference, "## cluster.yaml"), "`provider`")[3] == "one of `local`, `aws`, `netns`, `ssh`"
 
 
 def commands(group: TyperGroup, path: tuple[str, ...] = ("infractl",)) -> Iterator[tuple[str, Any]]:

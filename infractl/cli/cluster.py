@@ -1,4 +1,4 @@
-"""Cluster commands: ``up``, ``teardown``, ``status``."""
+"""Cluster commands: ``up``, ``keyscan``, ``teardown``, ``status``, ``gc``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from infractl import cluster, providers, runs
+from infractl import cluster, proc, providers, runs
 from infractl.cli._common import ClusterOpt, JsonOpt, YesOpt, confirm, output
 from infractl.config import default_cluster, load_cluster
-from infractl.errors import InfractlError
+from infractl.errors import InfractlError, UsageError
 from infractl.providers.contract import Plan
-from infractl.statedir import ClusterState, known_clusters, resolve_cluster
+from infractl.statedir import ClusterState, known_clusters, resolve_cluster, write_private
 
 __all__ = ["register"]
 
@@ -248,8 +248,39 @@ def _runs_table(rows: list[dict[str, Any]], *, store_reachable: bool) -> Table:
     return table
 
 
+def keyscan(cluster_opt: ClusterOpt = None, yes: YesOpt = False, json_mode: JsonOpt = False) -> None:
+    """Pin the host keys of a cluster's hosts (provider ssh): print each key's fingerprint as the host
+    offers it now, and write cluster.yaml's known_hosts only once the operator confirms them."""
+    out = output(json_mode)
+    state, spec = resolve_cluster(cluster_opt, down_ok=True)
+    if spec is None:
+        raise UsageError("give the cluster.yaml whose hosts to scan with -c", field="--cluster")
+    scanned = providers.get(spec.provider).scan_host_keys(spec)
+    if scanned is None:
+        raise UsageError(
+            f"provider {spec.provider} pins its nodes' host keys itself; nothing to scan", field="provider"
+        )
+    entries = [(host, line, _fingerprint(line)) for host, line in scanned.entries]
+    for host, _, fingerprint in entries:
+        out.info(f"{host}: {fingerprint}")
+    confirm(f"Pin these {len(entries)} key(s) in {scanned.path}? Compare them with the hosts' own first", yes=yes)
+    write_private(scanned.path, "".join(f"{line}\n" for _, line, _ in entries))
+    out.success(f"{len(entries)} host key(s) pinned in {scanned.path}")
+    out.result({"known_hosts": str(scanned.path), "keys": [{"host": h, "fingerprint": f} for h, _, f in entries]})
+
+
+def _fingerprint(line: str) -> str:
+    """``ssh-keygen -l``'s fingerprint of one known_hosts line: bits, SHA256 hash, key type."""
+    done = proc.run(["ssh-keygen", "-l", "-f", "-"], input=line.split(" ", 1)[1] + "\n", timeout=30)
+    if done.returncode != 0:
+        raise InfractlError(f"ssh-keygen cannot read the key offered: {proc.last_line(done.stderr)}")
+    bits, digest, *_, kind = done.stdout.split()
+    return f"{kind.strip('()')} {digest} ({bits} bits)"
+
+
 def register(app: typer.Typer) -> None:
     app.command()(up)
+    app.command()(keyscan)
     app.command()(teardown)
     app.command()(status)
     app.command()(gc)

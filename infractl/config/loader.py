@@ -18,7 +18,16 @@ from infractl.errors import ConfigError
 if TYPE_CHECKING:  # PyYAML is imported where a file is parsed: every CLI command imports this module
     import yaml
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "load", "read_text", "rewrite", "validate"]
+__all__ = [
+    "CONFIG_DIR",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_NODES",
+    "load",
+    "read_text",
+    "rewrite",
+    "validate",
+]
 
 #: Config files are small; anything larger is refused before it is parsed (parsing a 50 MB YAML
 #: file takes half a minute). Nesting and the node count after alias expansion are bounded too:
@@ -27,6 +36,8 @@ __all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_NODES", "load", "
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_NODES = 100_000
+#: The key of a validation context that holds the folder of the config file being validated.
+CONFIG_DIR = "config_dir"
 # Longest key shown in a field path of an error message.
 _MAX_KEY_SHOWN = 64
 
@@ -149,11 +160,13 @@ def load(path: Path, model: type[_M], what: str) -> _M:
 
 def validate(model: type[_M], raw: object, source: Path) -> _M:
     """``raw`` (a mapping, or JSON text) as ``model``; the first error as one ``ConfigError`` naming
-    ``source`` and the field path."""
+    ``source`` and the field path. A validator finds the folder of ``source`` in its context
+    (``CONFIG_DIR``): a file a config names by a relative path is relative to the config."""
+    context = {CONFIG_DIR: source.parent.absolute()}
     try:
         if isinstance(raw, str):
-            return model.model_validate_json(raw)
-        return model.model_validate(raw)
+            return model.model_validate_json(raw, context=context)
+        return model.model_validate(raw, context=context)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = _field_path(tuple(err["loc"]))

@@ -21,7 +21,7 @@ from string import Template
 
 from pydantic import ValidationError
 
-from infractl import templates
+from infractl import providers, templates
 from infractl.config import RunSpec
 from infractl.handover.reference import RUNBOOKS
 from infractl.runstore import RunRecord, checkpoint_prefix
@@ -83,6 +83,7 @@ def _cluster_values(cluster: ClusterRecord) -> dict[str, str]:
         "nodes": " ".join(n.name for n in cluster.nodes),
         "node_count": str(len(cluster.nodes)),
         "per_node": str(cluster.spec.processes_per_node),
+        "node_not_back": providers.get(cluster.spec.provider).lost_node(cluster.spec),
     }
 
 

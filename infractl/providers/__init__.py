@@ -7,6 +7,7 @@ names one.
 - ``local.py``: nodes are work directories and process trees on this machine.
 - ``netns.py``: nodes are network namespaces on this machine, each with its own address and sshd
   (infra/netns), reached over SSH.
+- ``ssh/``: the team's own machines, reached over SSH with pinned host keys (no Terraform module).
 - ``aws/``: GPU instances (infra/aws), swept by the cluster's tag after destroy (its
   ``__init__`` lists its modules).
 

@@ -19,7 +19,7 @@ from infractl.providers.nodecontrol import NodeControl
 from infractl.providers.servers import LocalServers, ServerHost
 from infractl.statedir import ClusterIntent, ClusterState, Orphan
 
-__all__ = ["Cost", "CostLine", "Plan", "Provider", "every_provider", "provider_named", "register"]
+__all__ = ["Cost", "CostLine", "KeyScan", "Plan", "Provider", "every_provider", "provider_named", "register"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,17 @@ class Plan:
         }
 
 
+@dataclass(frozen=True)
+class KeyScan:
+    """The host keys a cluster's hosts offer now (``infractl keyscan``), for the operator to confirm
+    before they are pinned."""
+
+    path: Path
+    """The known_hosts file cluster.yaml names, where they are pinned once confirmed."""
+    entries: tuple[tuple[str, str], ...]
+    """(host name, known_hosts line) for every key offered."""
+
+
 class Provider(ABC):
     """One kind of node. ``up``, ``teardown`` and ``up --dry-run`` call these and never branch on
     the provider themselves."""
@@ -148,6 +159,20 @@ class Provider(ABC):
         Markdown each): where its hosts run, what they are. Nothing by default."""
         return []
 
+    def notes(self, spec: ClusterSpec) -> list[str]:
+        """What ``up`` tells the operator of the cluster besides its steps, one line each (a
+        dependency they must know of). Nothing by default."""
+        return []
+
+    def lost_node(self, spec: ClusterSpec) -> str:
+        """What the node-failure runbook tells a person to do about a node that does not come back
+        (Markdown). Here: the provider makes nodes, so ``up`` makes it again."""
+        return (
+            f"`infractl up -c {spec.name}` makes a node that is gone again (the provider's module replaces "
+            "what no longer exists), then `infractl rejoin NODE --run RUN` takes it back into the run; the run "
+            "goes on on the surviving nodes meanwhile."
+        )
+
     def makes_store(self, spec: ClusterSpec) -> bool:
         """Whether the module creates the cluster's store (so it cannot be checked before ``up``
         applies it)."""
@@ -188,6 +213,11 @@ class Provider(ABC):
     @abstractmethod
     def control(self, state: ClusterState, nodes: Sequence[Node]) -> NodeControl:
         """How the control plane reaches ``nodes`` (the cluster's, as provisioned)."""
+
+    def scan_host_keys(self, spec: ClusterSpec) -> KeyScan | None:
+        """The keys the cluster's hosts offer now, for ``infractl keyscan`` to pin once the operator
+        confirms them; None where the provider pins its nodes' keys itself (it makes the nodes)."""
+        return None
 
     def orphans(self, owned: set[str]) -> list[Orphan]:
         """What the provider makes on this machine under a cluster's ``short_id`` and no started

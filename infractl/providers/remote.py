@@ -31,7 +31,7 @@ from infractl.providers.servers import SERVER_START_S, ServerHost, free_port, po
 from infractl.statedir import ClusterState
 from infractl.workdir import WORK, run_private
 
-__all__ = ["SYSTEM_PYTHON", "RemoteServers", "SshNodes"]
+__all__ = ["SYSTEM_PYTHON", "ImageNodes", "RemoteServers", "SshNodes"]
 
 # Environment variables a POSIX shell can set: the rest stay behind on an SSH node.
 _SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -301,11 +301,30 @@ class SshNodes(NodeControl):
             "ansible_connection": "ssh",
             "ansible_host": address,
             "ansible_user": login.user,
+            "ansible_port": login.port,
             "ansible_ssh_private_key_file": str(login.identity_file),
             "ansible_ssh_common_args": shlex.join(login.options()),
             "ansible_python_interpreter": self.python(node),
             "ansible_become": login.user != "root",
         }
+
+
+class ImageNodes(SshNodes):
+    """SSH nodes with no infractl of their own (a cloud instance, a team's machine): Ansible runs
+    with the host's own Python, infractl's node side from the cluster's image, in a container that
+    shares the node's namespaces, as the trainer does."""
+
+    def __init__(self, state: ClusterState, nodes: Sequence[Node]) -> None:
+        super().__init__(state, nodes, python=SYSTEM_PYTHON)
+        self._image: str | None = None
+
+    def _node_side(self, node: str, *args: str) -> list[str]:
+        if self._image is None:
+            self._image = self.state.record().image
+            if self._image is None:
+                raise InfractlError(f"cluster {self.state.name!r} records no image: its nodes were never configured")
+        prefix = self.containers(node).run_prefix()
+        return [*prefix, "--interactive", self._image, IMAGE_PYTHON, "-m", "infractl.proc", *args]
 
 
 class _SshWatch(Watch):
@@ -487,13 +506,19 @@ class RemoteServers(ServerHost):
                 tunnel.wait()
 
     def pull(self, reference: str, ca: Path) -> None:
+        """Into the engine's own store, trusting ``ca`` from its ``certs/`` where it has one, else
+        from the system-wide folder of the registry's host:port."""
         registry = reference.split("/", 1)[0]
-        if self._engine.certs_dir is not None:
+        cert_dir = ""
+        if self._engine.home is not None:
+            self.put(self._engine.home / "certs" / "ca.crt", ca.read_text())
+            cert_dir = f"--cert-dir {shlex.quote(str(self._engine.home / 'certs'))} "
+        elif self._engine.certs_dir is not None:
             self.put(self._engine.certs_dir / registry / "ca.crt", ca.read_text())
         engine = shlex.join(self._engine.argv)
         quoted = shlex.quote(reference)
         pulled = self._shell(
-            f"{engine} image inspect {quoted} >/dev/null 2>&1 || {engine} pull --quiet {quoted}", timeout=900
+            f"{engine} image inspect {quoted} >/dev/null 2>&1 || {engine} pull --quiet {cert_dir}{quoted}", timeout=900
         )
         if pulled.returncode != 0:
             raise InfractlError(f"{self._name} could not pull {reference}: {proc.last_line(pulled.stderr)}")

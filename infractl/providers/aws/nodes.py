@@ -14,8 +14,8 @@ from typing import Any
 from infractl.errors import InfraError
 from infractl.node import Node
 from infractl.providers.aws.spec import instance_types
-from infractl.providers.engines import DOCKER, IMAGE_PYTHON, ContainerEngine
-from infractl.providers.remote import SYSTEM_PYTHON, SshNodes
+from infractl.providers.engines import DOCKER, ContainerEngine
+from infractl.providers.remote import ImageNodes
 from infractl.statedir import ClusterState, write_private
 from trainer.preemption import SPOT_NOTICE_ENV
 
@@ -113,28 +113,17 @@ class Provisioned:
         return found
 
 
-class AwsNodes(SshNodes):
-    """Instances, over SSH through the controller. Ansible runs with the instance's own Python;
-    infractl's node side runs from the cluster's image (an instance has no infractl of its own),
-    in a container that shares the instance's namespaces, as the trainer does."""
+class AwsNodes(ImageNodes):
+    """Instances, over SSH through the controller; an instance has no infractl of its own."""
 
     withheld = _CREDENTIAL_VARIABLES
 
     def __init__(self, state: ClusterState, nodes: Sequence[Node], *, instance_types: Mapping[str, str]) -> None:
-        super().__init__(state, nodes, python=SYSTEM_PYTHON)
+        super().__init__(state, nodes)
         self._types = dict(instance_types)
-        self._image: str | None = None
 
     def containers(self, node: str) -> ContainerEngine:
         return engine_for(self._types[node])
-
-    def _node_side(self, node: str, *args: str) -> list[str]:
-        if self._image is None:
-            self._image = self.state.record().image
-            if self._image is None:
-                raise InfraError(f"cluster {self.state.name!r} records no image: its nodes were never configured")
-        prefix = self.containers(node).run_prefix()
-        return [*prefix, "--interactive", self._image, IMAGE_PYTHON, "-m", "infractl.proc", *args]
 
     def agent_env(self, node: str) -> dict[str, str]:
         """Every instance's agent polls its metadata service for a spot interruption notice (on an
