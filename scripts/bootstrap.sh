@@ -13,9 +13,11 @@ fi
 # acl (setfacl: the access roles are POSIX ACLs on the nodes, and local nodes are this machine),
 # openssh-server and iproute2 (sshd and ip: the netns provider's nodes), util-linux (unshare,
 # nsenter); the trainer image's build and its cluster registry: mmdebstrap, buildah and skopeo (build,
-# push), podman with runc (the netns nodes' engine), docker-registry (the CNCF distribution registry).
+# push), podman with runc (the netns nodes' engine), docker-registry (the CNCF distribution registry);
+# sudo (the login user of the ssh provider's test hosts, tests/labhosts.py, has password-less sudo).
 missing=""
 command -v setfacl >/dev/null || missing="$missing acl"
+command -v sudo >/dev/null || missing="$missing sudo"
 [ -x /usr/sbin/sshd ] || missing="$missing openssh-server"
 command -v ssh >/dev/null || missing="$missing openssh-client"
 command -v ip >/dev/null && command -v bridge >/dev/null || missing="$missing iproute2"

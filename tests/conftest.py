@@ -23,12 +23,14 @@ import pytest
 import torch.distributed as dist
 import yaml
 from hypothesis import HealthCheck, settings
+from labhosts import LAB_RECORD, remove_lab
 
 from infractl import proc, providers, runstore
 from infractl.cli import main
 from infractl.errors import InfractlError
 from infractl.providers.aws.spec import AwsSpec
 from infractl.providers.aws.sweep import CLUSTER_TAG, reap
+from infractl.providers.ssh.hosts import HostRecord
 from infractl.statedir import ClusterState, started_clusters
 from infractl.store import Store
 
@@ -150,7 +152,8 @@ def _reap_earlier_sessions(sessions: Path) -> None:
     clusters still up (namespaces, sshds, a run still training: their state directories still
     exist, so gc sees them as owned) are torn down, then its other processes (moto servers,
     torchrun agents it started itself) are killed, and its emulated AWS networks removed (a second
-    bridge routing the emulation's VPC would take this session's replies to its hosts)."""
+    bridge routing the emulation's VPC would take this session's replies to its hosts), with its
+    labs of existing machines and this machine's record of their hosts."""
     for state in started_clusters():
         if not state.dir.is_relative_to(sessions):
             continue
@@ -179,6 +182,13 @@ def _reap_earlier_sessions(sessions: Path) -> None:
         if session.is_dir() and _ended(session):
             for record in [*session.glob(f"*/{NETWORK_RECORD}"), *session.glob(f"*/*/{NETWORK_RECORD}")]:
                 remove_network(record.parent)
+            for record in session.glob(f"*/{LAB_RECORD}"):
+                remove_lab(record.parent)
+    # The ssh clusters of those sessions: their hosts (tests/labhosts.py) went with them.
+    for hosts in HostRecord.every():
+        cluster_dir = Path(hosts.cluster_dir)
+        if cluster_dir.is_relative_to(sessions) and _ended(sessions / cluster_dir.relative_to(sessions).parts[0]):
+            hosts.remove()
 
 
 @dataclass

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Lab", "LabHost", "lab"]
+__all__ = ["LAB_RECORD", "Lab", "LabHost", "lab", "remove_lab"]
 
 _SSHD = "/usr/sbin/sshd"
 # The host's own folders: the path it sees, and the folder of the host's that holds it.
@@ -39,10 +39,16 @@ _PRIVATE = {
     "/var/lib/containers": "containers",
     "/var/lib/infractl": "infractl",
 }
-# What the comparison leaves out: infractl's own folder, and what sshd writes of every login.
+# What the comparison leaves out: infractl's own folder; and the copies of the previous version that
+# shadow-utils writes beside the account files at every groupadd and groupdel (the account files
+# themselves are compared).
 _NOT_COMPARED = {"infractl"}
+_BACKUPS = {"etc/group-", "etc/gshadow-", "etc/passwd-", "etc/shadow-"}
 _MAX_NPROC = 32768
 _USERS = {"ops": 2101, "guest": 2102}
+#: In a lab's folder while its network exists: its bridge and namespaces, so that what a killed test
+#: session left can be removed later (``remove_lab``; tests/conftest.py).
+LAB_RECORD = "lab.json"
 
 
 @dataclass
@@ -72,7 +78,12 @@ class Lab:
         self.key = folder / "lab_ed25519"
         self.hosts: dict[str, LabHost] = {}
 
+    def _record(self) -> None:
+        namespaces = [f"{self.bridge}-{index}" for index in range(len(self.hosts) + 1)]
+        (self.folder / LAB_RECORD).write_text(json.dumps({"bridge": self.bridge, "namespaces": namespaces}))
+
     def open(self) -> None:
+        self._record()
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/{self.network.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -84,6 +95,7 @@ class Lab:
         namespace, veth = f"{self.bridge}-{index}", f"{self.bridge}h{index}"
         folder = self.folder / "hosts" / name
         folder.mkdir(parents=True)
+        self._record()
         _ip("netns", "add", namespace)
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
         _ip("link", "set", veth, "master", self.bridge, "up")
@@ -98,7 +110,7 @@ class Lab:
                 "nsenter",
                 f"--net=/run/netns/{namespace}",
                 f"--mount=/proc/{sshd}/ns/mnt",
-                "sh",
+                "bash",
                 "-c",
                 "exec -a team-daemon sleep 86400",
             ],
@@ -107,6 +119,11 @@ class Lab:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+        deadline = time.monotonic() + 10  # nsenter joins the namespace a moment after it starts
+        while str(team.pid) not in _pids(namespace):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the team's process did not start in {namespace}")
+            time.sleep(0.05)
         host = LabHost(name, address, namespace, folder, sshd, team.pid)
         self.hosts[name] = host
         return host
@@ -205,14 +222,34 @@ class Lab:
                 digest = ""
                 if path.is_file() and not path.is_symlink():
                     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-                files[str(path.relative_to(host.folder))] = (info.st_mode, info.st_uid, info.st_gid, digest)
+                relative = str(path.relative_to(host.folder))
+                if relative not in _BACKUPS:
+                    files[relative] = (info.st_mode, info.st_uid, info.st_gid, digest)
         return {"processes": processes, "files": files}
 
     def close(self) -> None:
         for host in self.hosts.values():
             _remove_namespace(host.namespace, {host.sshd_pid, host.team_pid})
         self.hosts.clear()
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        remove_lab(self.folder)
+
+
+def remove_lab(folder: Path) -> None:
+    """What a lab in ``folder`` left (its ``LAB_RECORD``): its hosts' namespaces, every process in
+    them killed by PID, and its bridge."""
+    record = folder / LAB_RECORD
+    if not record.is_file():
+        return
+    made = json.loads(record.read_text())
+    for namespace in made["namespaces"]:
+        _remove_namespace(namespace, set())
+    subprocess.run(["ip", "link", "del", made["bridge"]], capture_output=True, check=False)
+    record.unlink()
+
+
+def _pids(namespace: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    return listed.stdout.split()
 
 
 def _remove_namespace(namespace: str, pids: set[int]) -> None:
@@ -241,7 +278,6 @@ def lab(folder: Path, subnet: str, names: list[str]) -> Iterator[Lab]:
     try:
         for name in names:
             made.add(name)
-        (folder / "lab.json").write_text(json.dumps({n: h.address for n, h in made.hosts.items()}))
         yield made
     finally:
         made.close()

@@ -5,7 +5,10 @@ for ``teardown`` and, from the machine's own record of the hosts (``HostRecord``
 
 What infractl puts on a host, and nothing else: the cluster's work directory (its image store
 among it), the container run root under ``/run/infractl``, the access roles' groups (named after
-the cluster's ``short_id``), the firewall role's chain, and processes with the cluster's marker.
+the cluster's ``short_id``), the firewall role's chain, and processes with the cluster's marker;
+and what the tools it runs there leave outside those paths (``FOOTPRINTS``: podman's blob cache and
+configuration folder, Ansible's temporary folder), removed only where the host had none before the
+cluster's first ``up``.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from infractl.statedir import ledger, write_private
 __all__ = [
     "CONTAINERS",
     "RUNROOTS",
+    "FOOTPRINTS",
     "HostRecord",
     "Reached",
+    "absent_footprints",
     "check_hosts",
     "clean_host",
     "left_on_host",
@@ -48,6 +53,17 @@ _CLOCK_OFFSET_S = 5.0
 _PYTHON_MIN = (3, 8)
 # Seconds a preflight question to a host may take.
 _CHECK_TIMEOUT_S = 30.0
+#: What podman and Ansible leave on a host outside infractl's paths, whatever their options: podman
+#: 4's pull writes its blob cache to the system folder (``--root`` does not move it) and its client
+#: makes root's configuration folder; Ansible keeps a temporary folder in the login's home (``~``).
+#: Each as (path, how it goes): ``tree`` removed whole, ``empty`` removed when empty. Deepest first.
+FOOTPRINTS = (
+    ("/var/lib/containers/cache", "tree"),
+    ("/var/lib/containers", "empty"),
+    ("/root/.config/containers", "tree"),
+    ("/root/.config", "empty"),
+    ("~/.ansible", "tree"),
+)
 # What ssh says, on stderr, when the host's key is not the pinned one, or none is pinned.
 _KEY_CHANGED = ("REMOTE HOST IDENTIFICATION HAS CHANGED", "Host key verification failed")
 _NO_KEY = "No ED25519 host key is known"
@@ -194,16 +210,42 @@ def _marked(short_dir: str) -> str:
 
 
 def _groups(short_id: str) -> str:
-    """A shell pipeline that prints the access roles' groups of the cluster (access/roles.py names them)."""
-    return f"getent group | cut -d: -f1 | grep -E -- {shlex.quote(f'-{short_id}-[a-z]+$')}"
+    """A shell pipeline that prints the access roles' groups of the cluster (access/roles.py names
+    them ``<name>-<short_id>-<role>``, a role's name letters and '-')."""
+    return f"getent group | cut -d: -f1 | grep -E -- {shlex.quote(f'-{short_id}-[a-z][a-z-]*$')}"
+
+
+def _path(path: str, login: SshLogin) -> str:
+    """A footprint's path for the shell: ``~`` is the login user's home (the script runs as root)."""
+    if path.startswith("~/"):
+        return f'"$(getent passwd {shlex.quote(login.user)} | cut -d: -f6)"/{shlex.quote(path[2:])}'
+    return shlex.quote(path)
+
+
+def absent_footprints(host: Reached) -> list[str]:
+    """The ``FOOTPRINTS`` the host does not have now (before the cluster's first ``up`` changes it):
+    those ``clean_host`` removes. ``InfractlError`` when the host does not answer."""
+    script = "; ".join(f"[ -e {_path(path, host.login)} ] || echo {shlex.quote(path)}" for path, _ in FOOTPRINTS)
+    done = host.run(script + "; exit 0", sudo=True)
+    if done.returncode != 0:
+        raise InfractlError(f"{host.name} ({host.address}): {_ssh_problem(done.stderr, host.login)}")
+    return done.stdout.split()
 
 
 def clean_host(
-    host: Reached, *, workdir: Path, base: Path, cluster_dir: str, short_id: str, engine: Sequence[str]
+    host: Reached,
+    *,
+    workdir: Path,
+    base: Path,
+    cluster_dir: str,
+    short_id: str,
+    engine: Sequence[str],
+    absent: Sequence[str],
 ) -> None:
     """Remove everything infractl put on ``host`` for the cluster: its containers and image store
     (by its engine, ``engine``), its processes, its work directory (and ``base`` once empty), its run
-    roots, its groups and the firewall's chains. Idempotent; ``InfractlError`` naming the host when
+    roots, its groups and the firewall's chains, and the ``FOOTPRINTS`` that were ``absent`` before
+    the cluster's first ``up``. Idempotent; ``InfractlError`` naming the host when
     it cannot (it does not answer, or a step fails)."""
     quoted = shlex.quote(str(workdir))
     runroots = shlex.quote(str(RUNROOTS)) + f"/{short_id}-*"
@@ -219,6 +261,13 @@ def clean_host(
             f"rm -rf -- {quoted} {runroots}",
             f"rmdir -- {shlex.quote(str(base))} {shlex.quote(str(RUNROOTS))} 2>/dev/null",
             f'for g in $({_groups(short_id)}); do groupdel "$g" || exit 1; done',
+            *(
+                f"rm -rf -- {_path(path, host.login)}"
+                if how == "tree"
+                else f"rmdir -- {_path(path, host.login)} 2>/dev/null"
+                for path, how in FOOTPRINTS
+                if path in absent
+            ),
             f"for c in {chains}; do for hook in INPUT OUTPUT; do "
             'while iptables -w -D "$hook" -j "$c" 2>/dev/null; do :; done; done; '
             'if iptables -w -S "$c" >/dev/null 2>&1; then '
@@ -232,7 +281,7 @@ def clean_host(
         raise InfractlError(f"{host.name} ({host.address}): could not remove what infractl put there: {why}")
 
 
-def left_on_host(host: Reached, *, workdir: Path, cluster_dir: str, short_id: str) -> list[str]:
+def left_on_host(host: Reached, *, workdir: Path, cluster_dir: str, short_id: str, absent: Sequence[str]) -> list[str]:
     """What of the cluster is still on ``host``, one item each (what ``clean_host`` removes)."""
     quoted = shlex.quote(str(workdir))
     script = " ; ".join(
@@ -242,6 +291,11 @@ def left_on_host(host: Reached, *, workdir: Path, cluster_dir: str, short_id: st
             f'for pid in $({_marked(cluster_dir)}); do echo "process $pid"; done',
             f'for g in $({_groups(short_id)}); do echo "group $g"; done',
             f'for c in {" ".join(_CHAINS)}; do iptables -w -S "$c" >/dev/null 2>&1 && echo "iptables chain $c"; done',
+            *(
+                f"[ -e {_path(path, host.login)} ] && echo {shlex.quote(f'{path} (made by podman or Ansible)')}"
+                for path, how in FOOTPRINTS
+                if path in absent and how == "tree"
+            ),
             "exit 0",
         ]
     )
@@ -264,6 +318,8 @@ class HostRecord:
     base: str
     hosts: tuple[Node, ...]
     """The training hosts and the controller host, with their logins."""
+    absent: dict[str, list[str]]
+    """Host name -> the ``FOOTPRINTS`` it did not have before the cluster's first ``up``."""
 
     @staticmethod
     def folder() -> Path:
@@ -276,6 +332,7 @@ class HostRecord:
             "workdir": self.workdir,
             "base": self.base,
             "hosts": [node.record() for node in self.hosts],
+            "absent": self.absent,
         }
         write_private(self.folder() / f"{self.short_id}.json", json.dumps(document, indent=2) + "\n")
 
@@ -283,21 +340,25 @@ class HostRecord:
         (self.folder() / f"{self.short_id}.json").unlink(missing_ok=True)
 
     @classmethod
+    def load(cls, short_id: str) -> HostRecord | None:
+        """The record of the cluster ``short_id``; None when there is none (or it cannot be read:
+        not one of ours, or half written)."""
+        path = cls.folder() / f"{short_id}.json"
+        try:
+            document = json.loads(path.read_text())
+            return cls(
+                short_id=short_id,
+                name=document["name"],
+                cluster_dir=document["cluster_dir"],
+                workdir=document["workdir"],
+                base=document["base"],
+                hosts=tuple(Node.from_record(item) for item in document["hosts"]),
+                absent={str(k): [str(p) for p in v] for k, v in document["absent"].items()},
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    @classmethod
     def every(cls) -> list[HostRecord]:
-        found = []
-        for path in sorted(cls.folder().glob("*.json")) if cls.folder().is_dir() else []:
-            try:
-                document = json.loads(path.read_text())
-                found.append(
-                    cls(
-                        short_id=path.stem,
-                        name=document["name"],
-                        cluster_dir=document["cluster_dir"],
-                        workdir=document["workdir"],
-                        base=document["base"],
-                        hosts=tuple(Node.from_record(item) for item in document["hosts"]),
-                    )
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # not one of ours, or half written: nothing to act on
-        return found
+        paths = sorted(cls.folder().glob("*.json")) if cls.folder().is_dir() else []
+        return [found for path in paths if (found := cls.load(path.stem)) is not None]

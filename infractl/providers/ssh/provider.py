@@ -11,7 +11,7 @@ import functools
 import json
 import shlex
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from infractl.config import ClusterSpec
 from infractl.errors import ConfigError, InfractlError, UsageError
 from infractl.infra import ApplyResult
 from infractl.node import Node, SshLogin
+from infractl.planning.devices import CATALOG, Device, shared_cpu
 from infractl.providers.contract import KeyScan, Plan, Provider
 from infractl.providers.engines import ContainerEngine
 from infractl.providers.nodecontrol import NodeControl
@@ -30,6 +31,7 @@ from infractl.providers.ssh.hosts import (
     RUNROOTS,
     HostRecord,
     Reached,
+    absent_footprints,
     check_hosts,
     clean_host,
     left_on_host,
@@ -148,6 +150,12 @@ class Ssh(Provider):
             ),
         )
 
+    def device(self, spec: ClusterSpec, environ: Mapping[str, str]) -> Device:
+        """``ssh.device`` from the planner's catalog; else the hosts' CPUs: a host's memory (taken to
+        be this machine's) shared by its ranks, or the emulated device ``environ`` sets."""
+        named = ssh_settings(spec).device
+        return CATALOG[named] if named is not None else shared_cpu(spec.processes_per_node, environ)
+
     def preflight(self, spec: ClusterSpec, state: ClusterState) -> None:
         """This machine's ssh and the pinned keys file, then every host at once: reachable with its
         pinned key, root or password-less sudo, Linux with Python for Ansible, podman and iptables,
@@ -180,16 +188,29 @@ class Ssh(Provider):
 
     def provisioned(self, spec: ClusterSpec, state: ClusterState, applied: ApplyResult | None) -> list[Node]:
         """The hosts as they are; recorded on this machine first (``HostRecord``), so that ``gc``
-        finds them should the state directory go without a teardown."""
+        finds them should the state directory go without a teardown, with the ``FOOTPRINTS`` each
+        host lacks before the cluster's first ``up`` touches it. A host an earlier ``up`` configured
+        and cluster.yaml no longer names stays in the record: ``teardown`` cleans it too."""
         nodes = _nodes(spec)
         controller = _controller(spec)
+        hosts = [*nodes, *([controller] if controller is not None else [])]
+        previous = HostRecord.load(state.short_id)
+        if previous is not None:
+            hosts += [host for host in previous.hosts if host.name not in {h.name for h in hosts}]
+        known = previous.absent if previous is not None else {}
+        new = [host for host in hosts if host.name not in known]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(new)))) as pool:
+            probed = dict(
+                zip((h.name for h in new), pool.map(lambda h: absent_footprints(_reached(h)), new), strict=True)
+            )
         HostRecord(
             short_id=state.short_id,
             name=spec.name,
             cluster_dir=str(state.dir),
             workdir=str(_workdir(spec)),
             base=ssh_settings(spec).workdir,
-            hosts=(*nodes, *([controller] if controller is not None else [])),
+            hosts=tuple(hosts),
+            absent={host.name: known[host.name] if host.name in known else probed[host.name] for host in hosts},
         ).save()
         return nodes
 
@@ -269,24 +290,15 @@ class Ssh(Provider):
         return KeyScan(path=Path(ssh.known_hosts), entries=tuple(found))
 
     def before_destroy(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
-        """Every process stopped: remove what infractl put on each host (``clean_host``), then this
-        machine's record of the hosts."""
+        """Every process stopped: remove what infractl put on each host (``clean_host``)."""
         recorded = _record(state, record)
         _clean(recorded)
         return [f"hosts: removed what infractl put on {', '.join(n.name for n in recorded.hosts)}"]
 
     def leftovers(self, state: ClusterState, record: ClusterIntent) -> list[str]:
-        """What of the cluster is still on its hosts (``left_on_host``)."""
-        recorded = _record(state, record)
-        found = []
-        for node in recorded.hosts:
-            found += left_on_host(
-                _reached(node),
-                workdir=Path(recorded.workdir),
-                cluster_dir=recorded.cluster_dir,
-                short_id=recorded.short_id,
-            )
-        return found
+        """What of the cluster is still on its hosts (``left_on_host``); once nothing is, this
+        machine's record of the hosts goes too."""
+        return _left(_record(state, record))
 
     def orphans(self, owned: set[str]) -> list[Orphan]:
         """The hosts of a cluster this machine configured whose state is gone (no started cluster
@@ -295,7 +307,7 @@ class Ssh(Provider):
             Orphan(
                 "ssh cluster",
                 f"{recorded.name} on {', '.join(f'{n.name} ({n.address})' for n in recorded.hosts)}",
-                functools.partial(_clean, recorded),
+                functools.partial(_collect, recorded),
             )
             for recorded in HostRecord.every()
             if recorded.short_id not in owned
@@ -303,21 +315,26 @@ class Ssh(Provider):
 
 
 def _record(state: ClusterState, record: ClusterIntent) -> HostRecord:
-    nodes = _nodes(record.spec)
-    controller = _controller(record.spec)
+    """This machine's record of the cluster's hosts; without one (an ``up`` stopped before it wrote
+    it: nothing was done to a host yet), the hosts cluster.yaml names, with no footprint of ours."""
+    recorded = HostRecord.load(state.short_id)
+    if recorded is not None:
+        return recorded
+    hosts = (*_nodes(record.spec), *([c] if (c := _controller(record.spec)) is not None else []))
     return HostRecord(
         short_id=state.short_id,
         name=record.name,
         cluster_dir=str(state.dir),
         workdir=str(_workdir(record.spec)),
         base=ssh_settings(record.spec).workdir,
-        hosts=(*nodes, *([controller] if controller is not None else [])),
+        hosts=hosts,
+        absent={host.name: [] for host in hosts},
     )
 
 
 def _clean(recorded: HostRecord) -> None:
-    """``clean_host`` on every host of ``recorded`` at once; then the record goes. ``InfractlError``
-    naming every host that could not be cleaned (the record stays for the next try)."""
+    """``clean_host`` on every host of ``recorded`` at once. ``InfractlError`` naming every host
+    that could not be cleaned."""
     failed: list[str] = []
 
     def clean(node: Node) -> None:
@@ -329,6 +346,7 @@ def _clean(recorded: HostRecord) -> None:
                 cluster_dir=recorded.cluster_dir,
                 short_id=recorded.short_id,
                 engine=engine(Path(recorded.workdir), recorded.short_id, node.name).argv,
+                absent=recorded.absent.get(node.name, []),
             )
         except InfractlError as exc:
             failed.append(exc.message)
@@ -337,7 +355,32 @@ def _clean(recorded: HostRecord) -> None:
         list(pool.map(clean, recorded.hosts))
     if failed:
         raise InfractlError("; ".join(failed))
-    recorded.remove()
+
+
+def _left(recorded: HostRecord) -> list[str]:
+    """What of the cluster is still on the hosts of ``recorded``; the record goes once nothing is."""
+
+    def left(node: Node) -> list[str]:
+        return left_on_host(
+            _reached(node),
+            workdir=Path(recorded.workdir),
+            cluster_dir=recorded.cluster_dir,
+            short_id=recorded.short_id,
+            absent=recorded.absent.get(node.name, []),
+        )
+
+    with ThreadPoolExecutor(max_workers=min(16, len(recorded.hosts))) as pool:
+        found = [item for items in pool.map(left, recorded.hosts) for item in items]
+    if not found:
+        recorded.remove()
+    return found
+
+
+def _collect(recorded: HostRecord) -> None:
+    """``gc``'s removal of a cluster whose state is gone: clean every host, then prove it."""
+    _clean(recorded)
+    if found := _left(recorded):
+        raise InfractlError(f"left on the hosts after cleaning: {'; '.join(found)}")
 
 
 class SshHosts(ImageNodes):

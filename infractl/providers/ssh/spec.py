@@ -14,6 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.config.loader import CONFIG_DIR
 from infractl.config.spec import Name
+from infractl.planning.devices import CATALOG
 
 __all__ = ["CONFIG", "ControllerHost", "Host", "JumpHost", "SshSpec", "ssh_settings"]
 
@@ -96,6 +97,14 @@ class SshSpec(Spec):
             "own, or `local` (this machine: the run then depends on it staying up and reachable from the hosts)."
         ),
     )
+    device: str | None = Field(
+        None,
+        description=(
+            "The accelerator each rank trains on, by the planner's catalog name (a100-80gb, h100-80gb, h200, b200, "
+            "l40s): `train` refuses a run that does not fit it. Default: the hosts' CPUs, each host's memory taken "
+            "to be this machine's, shared by its ranks."
+        ),
+    )
     workdir: str = Field(
         "/var/lib/infractl",
         description=(
@@ -114,6 +123,13 @@ class SshSpec(Spec):
                 f"{value!r} must be an absolute path at least two levels deep (e.g. /var/lib/infractl) whose "
                 "segments are letters, digits, '.', '_' and '-', none starting with '.' or '-'"
             )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str | None) -> str | None:
+        if value is not None and value not in CATALOG:
+            raise ValueError(f"{value!r} is not a device of the planner's catalog ({', '.join(CATALOG)})")
         return value
 
     @model_validator(mode="after")
