@@ -147,7 +147,14 @@ def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_w
         assert "cluster 'lab' is up: 2 node(s)" in up.stderr, up.stderr
         cli("train", str(REPO / "examples" / "quickstart.yaml"), "-c", "lab", timeout=900)
         manifest = runstore.read_manifest(store, "quickstart", 60)
-        assert manifest is not None and manifest.extra["environment"]["image_digest"] == cpu_image.digest
+        assert manifest is not None
+        # Read inside the container from what the engine says it ran, not copied from cluster.yaml.
+        environment = manifest.extra["environment"]
+        assert (environment["runtime"], environment["image_digest"]) == ("container", cpu_image.digest)
+        record = json.loads((cli.home / "lab" / "cluster.json").read_text())
+        assert environment["image"] == record["image"] and environment["interpreter"] == "/opt/venv/bin/python"
+        logs = cli("logs", "-c", "lab", "--run", "quickstart", "--node", "gpu-b").stdout
+        assert "checkpoint_committed" in logs and "step=60" in logs
 
         cli("train", str(write(cli.cwd / "drilled.yaml", RUN)), "-c", "lab", "--detach")
         wait_for_commit(store, "drilled", at_least=10, timeout=300)
