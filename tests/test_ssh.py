@@ -25,12 +25,14 @@ from labhosts import Lab, lab
 from infractl import runstore
 from infractl.store import FileStore
 
-from conftest import REPO, BuiltImage, Cli, wait_for_commit, write
+from conftest import REPO, Cli, wait_for_commit, write
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ssh")]
 
 _SUBNET = "10.94.0.0/24"
 _HOSTS = ["gpu-a", "gpu-b", "ctl"]
+# What a cluster.yaml pins where no image is pulled: `up` refuses (or keyscan scans) before that.
+_UNBUILT = "sha256:" + "0" * 64
 RUN = """\
 name: drilled
 model: {layers: 2, hidden: 64, heads: 2, seq_len: 64}
@@ -50,7 +52,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         yield made
 
 
-def _cluster(made: Lab, cli: Cli, cpu_image: BuiltImage, name: str, **changes: object) -> Path:
+def _cluster(made: Lab, cli: Cli, digest: str, name: str, **changes: object) -> Path:
     """A cluster.yaml of the lab's two training hosts and its controller host, a file store every
     host mounts at the same path (this machine's folders are the hosts')."""
     store = cli.cwd / "store"
@@ -58,7 +60,7 @@ def _cluster(made: Lab, cli: Cli, cpu_image: BuiltImage, name: str, **changes: o
         "name": name,
         "provider": "ssh",
         "store": store.as_uri(),
-        "runtime": {"image": f"infractl/trainer@{cpu_image.digest}"},
+        "runtime": {"image": f"infractl/trainer@{digest}"},
         "ssh": {
             "user": "ops",
             "key": str(made.key),
@@ -95,8 +97,8 @@ def _unchanged(made: Lab, before: dict[str, dict[str, object]]) -> None:
         assert made.hosts[name].team_pid in after[name]["processes"]  # type: ignore[operator]
 
 
-def test_keyscan_pins_only_what_the_operator_confirms(hosts: Lab, cli: Cli, cpu_image: BuiltImage) -> None:
-    cluster = _cluster(hosts, cli, cpu_image, "lab")
+def test_keyscan_pins_only_what_the_operator_confirms(hosts: Lab, cli: Cli) -> None:
+    cluster = _cluster(hosts, cli, _UNBUILT, "lab")
     refused = cli("keyscan", "-c", str(cluster), expect=2).stderr
     assert "--yes" in refused and not (cli.cwd / "lab_known_hosts").exists()
     scanned = json.loads(cli("keyscan", "-c", str(cluster), "--yes", "--json").stdout)
@@ -105,9 +107,33 @@ def test_keyscan_pins_only_what_the_operator_confirms(hosts: Lab, cli: Cli, cpu_
     pinned = (cli.cwd / "lab_known_hosts").read_text().splitlines()
     assert pinned == [hosts.hosts[n].public_key_line() for n in _HOSTS]
 
+    # Behind a jump host (ctl, here): its key first, then the others scanned from it; `up` then
+    # reaches every host through it with the pinned keys (gpu-b's login has no sudo: refused, the
+    # others checked through the jump host and found fine).
+    ctl = hosts.hosts["ctl"]
+    jumped = _cluster(hosts, cli, _UNBUILT, "jumped", jump={"address": ctl.address})
+    scanned = json.loads(cli("keyscan", "-c", str(jumped), "--yes", "--json").stdout)
+    assert [k["host"] for k in scanned["keys"]] == ["jump", "gpu-a", "gpu-b", "controller"]
+    pinned = (cli.cwd / "lab_known_hosts").read_text().splitlines()
+    assert pinned == [hosts.hosts[n].public_key_line() for n in ("ctl", *_HOSTS)]
+    refused = _cluster(
+        hosts,
+        cli,
+        _UNBUILT,
+        "jumped",
+        jump={"address": ctl.address},
+        hosts=[
+            {"name": "gpu-a", "address": hosts.hosts["gpu-a"].address},
+            {"name": "gpu-b", "address": hosts.hosts["gpu-b"].address, "user": "guest"},
+        ],
+    )
+    line = cli("up", "-c", str(refused), expect=2).stderr.strip()
+    assert line.startswith("error: ssh.hosts: 1 problem(s) with the hosts, nothing was changed"), line
+    assert "gpu-b" in line and "no password-less sudo" in line, line
+
 
 def test_up_refuses_a_changed_key_a_login_without_sudo_and_an_unreachable_host_before_anything_changes(
-    hosts: Lab, cli: Cli, cpu_image: BuiltImage
+    hosts: Lab, cli: Cli
 ) -> None:
     before = {name: hosts.snapshot(name) for name in _HOSTS}
     # gpu-a's address pinned with ctl's key; gpu-b logged in as guest (no sudo); gpu-c answers nobody.
@@ -118,7 +144,7 @@ def test_up_refuses_a_changed_key_a_login_without_sudo_and_an_unreachable_host_b
     cluster = _cluster(
         hosts,
         cli,
-        cpu_image,
+        _UNBUILT,
         "bad",
         hosts=[
             {"name": "gpu-a", "address": a.address},
@@ -135,12 +161,10 @@ def test_up_refuses_a_changed_key_a_login_without_sudo_and_an_unreachable_host_b
     _unchanged(hosts, before)
 
 
-def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_was(
-    hosts: Lab, cli: Cli, cpu_image: BuiltImage
-) -> None:
+def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_was(hosts: Lab, cli: Cli) -> None:
     before = {name: hosts.snapshot(name) for name in _HOSTS}
     hosts.known_hosts(cli.cwd / "lab_known_hosts", *_HOSTS)
-    cluster = _cluster(hosts, cli, cpu_image, "lab")
+    cluster = _cluster(hosts, cli, cpu_image.digest, "lab")
     store = FileStore(cli.cwd / "store")
     try:
         up = cli("up", "-c", str(cluster), timeout=900)
@@ -178,7 +202,7 @@ def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_w
 
     # Up again, this time with this machine as the controller (no spare host); the state directory
     # deleted while it is up: gc finds the hosts in this machine's record and cleans each of them.
-    local = _cluster(hosts, cli, cpu_image, "lab", controller="local")
+    local = _cluster(hosts, cli, cpu_image.digest, "lab", controller="local")
     up = cli("up", "-c", str(local), timeout=900).stderr
     assert "controller: local: the rendezvous endpoint and the image registry run on this machine" in up, up
     assert f"rendezvous: {hosts.gateway}:" in up, up

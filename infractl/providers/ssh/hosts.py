@@ -183,16 +183,15 @@ def check_hosts(
         return [problem for found in pool.map(check, entries) for problem in found]
 
 
-def scan_keys(hosts: Iterable[tuple[str, str, int]], jump: tuple[str, str, int] | None) -> list[tuple[str, str]]:
+def scan_keys(hosts: Iterable[tuple[str, str, int]], jump: Reached | None) -> list[tuple[str, str]]:
     """The host keys each host (name, address, port) offers now, as known_hosts lines with the
-    name they belong to; through ``jump`` (its name, ``user@address``, port: its own key must be
-    pinned already) for hosts behind it. ``InfractlError`` naming a host that offers none."""
+    name they belong to; scanned from ``jump`` (logged in with the key it offered the scan of it,
+    which the operator confirms with the rest) for hosts behind it. ``InfractlError`` naming a
+    host that offers none."""
     found: list[tuple[str, str]] = []
     for name, address, port in hosts:
         scan = ["ssh-keyscan", "-T", "10", "-t", "ed25519,ecdsa,rsa", "-p", str(port), address]
-        if jump is not None:
-            scan = ["ssh", "-o", "BatchMode=yes", "-p", str(jump[2]), jump[1], shlex.join(scan)]
-        done = proc.run(scan, timeout=60)
+        done = jump.run(shlex.join(scan), timeout=60) if jump is not None else proc.run(scan, timeout=60)
         lines = [line for line in done.stdout.splitlines() if line and not line.startswith("#")]
         if not lines:
             raise InfractlError(f"{name} ({address}:{port}) offered no host key: {proc.last_line(done.stderr)}")

@@ -11,6 +11,7 @@ import functools
 import json
 import shlex
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -275,18 +276,21 @@ class Ssh(Provider):
         return SshHosts(state, nodes)
 
     def scan_host_keys(self, spec: ClusterSpec) -> KeyScan:
-        """Every host's key as it offers it now (the jump host's first, directly; the others through
-        it), for the operator to confirm."""
+        """Every host's key as it offers it now, for the operator to confirm: the jump host's first,
+        directly, then the others from the jump host, logged in with the login key and trusting only
+        the key the jump host just offered (pinned nowhere until the operator confirms it)."""
         ssh = ssh_settings(spec)
         hosts = [(h.name, h.address, h.port or ssh.port) for h in ssh.hosts]
         if isinstance(ssh.controller, ControllerHost):
             hosts.append((_CONTROLLER, ssh.controller.address, ssh.controller.port or ssh.port))
-        found = []
-        jump = None
-        if ssh.jump is not None:
-            found += scan_keys([("jump", ssh.jump.address, ssh.jump.port)], None)
-            jump = ("jump", f"{ssh.jump.user or ssh.user}@{ssh.jump.address}", ssh.jump.port)
-        found += scan_keys(hosts, jump)
+        if ssh.jump is None:
+            return KeyScan(path=Path(ssh.known_hosts), entries=tuple(scan_keys(hosts, None)))
+        found = scan_keys([("jump", ssh.jump.address, ssh.jump.port)], None)
+        with tempfile.TemporaryDirectory() as scratch:
+            offered = Path(scratch) / "jump_known_hosts"
+            offered.write_text("".join(f"{line}\n" for _, line in found))
+            login = SshLogin(ssh.jump.user or ssh.user, Path(ssh.key), offered, port=ssh.jump.port)
+            found += scan_keys(hosts, Reached("jump", ssh.jump.address, login))
         return KeyScan(path=Path(ssh.known_hosts), entries=tuple(found))
 
     def before_destroy(self, state: ClusterState, record: ClusterIntent, *, purge: bool) -> list[str]:
