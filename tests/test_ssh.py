@@ -161,7 +161,9 @@ def test_up_refuses_a_changed_key_a_login_without_sudo_and_an_unreachable_host_b
     _unchanged(hosts, before)
 
 
-def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_was(hosts: Lab, cli: Cli) -> None:
+def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_was(
+    hosts: Lab, cli: Cli, cpu_image: BuiltImage
+) -> None:
     before = {name: hosts.snapshot(name) for name in _HOSTS}
     hosts.known_hosts(cli.cwd / "lab_known_hosts", *_HOSTS)
     cluster = _cluster(hosts, cli, cpu_image.digest, "lab")
