@@ -25,7 +25,7 @@ from labhosts import Lab, lab
 from infractl import runstore
 from infractl.store import FileStore
 
-from conftest import REPO, Cli, wait_for_commit, write
+from conftest import REPO, BuiltImage, Cli, wait_for_commit, write
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ssh")]
 
