@@ -198,6 +198,9 @@ def test_a_team_cluster_trains_recovers_hands_over_and_leaves_every_host_as_it_w
         topology = (cli.cwd / "handover" / "topology.md").read_text()
         assert "Provider: `ssh`" in topology and "The team's own hosts" in topology, topology
         assert f"| gpu-a | {hosts.hosts['gpu-a'].address} |" in topology, topology
+        # A host that does not come back is the team's to repair or replace: the runbook says how.
+        runbook = (cli.cwd / "handover" / "runbooks" / "node-failure.md").read_text()
+        assert "The host is the team's own machine" in runbook and "infractl keyscan" in runbook, runbook
     finally:
         cli("teardown", "-c", "lab", "--yes", timeout=600)
     _unchanged(hosts, before)
