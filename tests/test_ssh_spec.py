@@ -14,6 +14,9 @@ from infractl.config import load_cluster
 from infractl.errors import ConfigError
 from infractl.node import Node, SshLogin
 from infractl.providers.ssh.spec import SshSpec
+from infractl.statedir import ClusterState
+
+from conftest import REPO
 
 DIGEST = "sha256:" + "a" * 64
 
@@ -106,3 +109,17 @@ def test_a_login_carries_its_port_and_jump_host_to_ssh_and_the_record() -> None:
     node = Node("gpu-b", "10.1.0.12", Path("/var/lib/infractl/lab"), 1, ssh=login)
     assert Node.from_record(node.record()) == node
     assert SshLogin("root", Path("/k"), Path("/kh")).options().count("Port=22") == 0
+
+
+def test_the_example_loads_as_the_docs_describe_it() -> None:
+    example = REPO / "examples" / "ssh" / "cluster.yaml"
+    spec = load_cluster(example)
+    ssh = spec.settings(SshSpec)
+    assert ssh is not None and ssh.jump is not None and not isinstance(ssh.controller, str)
+    assert (spec.nodes, spec.processes_per_node, [h.gpus for h in ssh.hosts]) == (2, 8, [8, 8])
+    assert ssh.known_hosts == str(example.parent / "lab_known_hosts") and ssh.key == str(
+        Path("~/.ssh/lab_ed25519").expanduser()
+    )
+    # A dry run reaches no host: it says what `up` would do to the team's machines.
+    plan = providers.get("ssh").dry_run(spec, ClusterState("lab", REPO / ".infractl" / "lab"))
+    assert (plan.module, plan.resources, plan.cost) == (None, (), None) and "10.1.0.11" in plan.cost_note
