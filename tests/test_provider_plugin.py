@@ -123,7 +123,7 @@ def test_a_provider_from_another_package_brings_a_cluster_up_trains_and_tears_it
 
     # Without the package, its cluster.yaml names a provider infractl does not have.
     refused = one_line(cli("up", "--dry-run", "-c", str(cluster), expect=2).stderr)
-    assert "cluster.yaml: provider: Input should be 'local', 'aws' or 'netns'" in refused
+    assert "cluster.yaml: provider: Input should be 'local', 'aws', 'netns' or 'ssh'" in refused
 
 
 def test_an_entry_point_that_names_no_provider_class_is_refused_in_one_line(cli: Cli, tmp_path: Path) -> None:
