@@ -5,8 +5,8 @@
 #   --quick   the quick tier: every test not marked `cluster` (pyproject.toml's markers; tests/conftest.py
 #             says how a test gets the mark): no `infractl up`, netns, emulated AWS, torchrun launch or
 #             image build. It installs the same (Chromium too: the bundle page's quick test opens it)
-#             but does not prebuild the trainer image, which no quick test needs. 488 of the 651
-#             tests: 6m41s on a fresh clone of 2d2ed7c on 2 cores (4m49s of it in pytest).
+#             but does not prebuild the trainer image, which no quick test needs. 499 of the 664
+#             tests: 6m51s on a fresh clone of 6a78ae0 on 2 cores (5m52s of it in pytest).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 quick=0
