@@ -58,7 +58,11 @@ __all__ = [
     "EmulatedAws",
     "cluster_config",
     "emulated_aws",
+    "engine_settings",
+    "ip",
+    "remove_namespace",
     "remove_network",
+    "start_sshd",
     "terraform_mirror",
 ]
 
@@ -131,9 +135,9 @@ class EmulatedAws:
                 "is up, or a killed one left its bridge (remove_network removes it, given that one's folder)"
             )
         (self.folder / NETWORK_RECORD).write_text(json.dumps({"bridge": self.bridge}))
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.router}/{self.network.prefixlen}", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.router}/{self.network.prefixlen}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
 
     def close_network(self) -> None:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
@@ -211,23 +215,23 @@ class EmulatedAws:
         return host
 
     def _make(self, ec2: Any, host: _Host) -> None:
-        _ip("netns", "add", host.namespace)
-        _ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
-        _ip("link", "set", host.veth, "master", self.bridge, "up")
-        _ip("-n", host.namespace, "addr", "add", f"{host.private_ip}/{self.network.prefixlen}", "dev", "eth0")
+        ip("netns", "add", host.namespace)
+        ip("link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+        ip("link", "set", host.veth, "master", self.bridge, "up")
+        ip("-n", host.namespace, "addr", "add", f"{host.private_ip}/{self.network.prefixlen}", "dev", "eth0")
         if host.public_ip:
-            _ip("-n", host.namespace, "addr", "add", f"{host.public_ip}/32", "dev", "eth0")
-        _ip("-n", host.namespace, "link", "set", "eth0", "up")
-        _ip("-n", host.namespace, "link", "set", "lo", "up")
-        _ip("-n", host.namespace, "route", "add", "default", "via", self.router)
+            ip("-n", host.namespace, "addr", "add", f"{host.public_ip}/32", "dev", "eth0")
+        ip("-n", host.namespace, "link", "set", "eth0", "up")
+        ip("-n", host.namespace, "link", "set", "lo", "up")
+        ip("-n", host.namespace, "route", "add", "default", "via", self.router)
         if host.public_ip:
-            _ip("route", "replace", f"{host.public_ip}/32", "via", host.private_ip, "dev", self.bridge)
+            ip("route", "replace", f"{host.public_ip}/32", "via", host.private_ip, "dev", self.bridge)
         raw = ec2.describe_instance_attribute(InstanceId=host.instance_id, Attribute="userData")
         encoded = raw.get("UserData", {}).get("Value")
         cloud_config = _cloud_config(base64.b64decode(encoded).decode() if encoded else "")
         if cloud_config.get("ssh_keys") and cloud_config.get("ssh_authorized_keys"):
             host.sshd_pid = self._start_sshd(host, cloud_config)
-        _ip("-n", host.namespace, "addr", "add", f"{_IMDS_ADDRESS}/32", "dev", "lo")
+        ip("-n", host.namespace, "addr", "add", f"{_IMDS_ADDRESS}/32", "dev", "lo")
         subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{host.namespace}", sys.executable, __file__, "imds"]
             + ["--folder", str(host.folder), "--instance", host.instance_id],
@@ -268,38 +272,12 @@ class EmulatedAws:
             # The controller is the jump host: ssh -W needs TCP forwarding.
             "AllowTcpForwarding yes\nX11Forwarding no\nLogLevel VERBOSE\nSubsystem sftp internal-sftp\n"
         )
-        # sshd runs in the host's own mount namespace, so every session it opens sees the host's folders.
-        script = " && ".join(
-            [
-                "mount -t tmpfs -o mode=0755 emulated-run /run",
-                "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
-                # A machine that never ran podman has no /var/lib/containers to mount over.
-                *(f"mkdir -p {point} && mount --bind {folder} {point}" for point, folder in mounts.items()),
-                f"exec {_SSHD} -E {host.folder / 'sshd.log'}",
-            ]
-        )
-        started = subprocess.run(
-            ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--mount", "--propagation", "private"]
-            + ["sh", "-c", script],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if started.returncode != 0:
-            raise RuntimeError(f"sshd of {host.instance_id} did not start: {started.stderr.strip()}")
-        # sshd's daemon writes its pid file a moment after the command that started it returns.
-        pid_file = host.folder / "sshd.pid"
-        deadline = time.monotonic() + 10
-        while not (pid_file.is_file() and pid_file.read_text().strip()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of {host.instance_id} wrote no pid file; see {host.folder / 'sshd.log'}")
-            time.sleep(0.05)
-        return int(pid_file.read_text().strip())
+        return start_sshd(host.namespace, host.folder, mounts)
 
     def _remove(self, host: _Host) -> None:
         if host.public_ip:
             subprocess.run(["ip", "route", "del", f"{host.public_ip}/32"], capture_output=True, check=False)
-        _remove_namespace(host.namespace, {host.sshd_pid} if host.sshd_pid else set())
+        remove_namespace(host.namespace, {host.sshd_pid} if host.sshd_pid else set())
 
     def watch(self, interval: float = 0.5) -> threading.Thread:
         """Sync in a thread until ``stop``."""
@@ -325,6 +303,53 @@ class EmulatedAws:
             _remove_namespaces(f"{self.bridge}-")
 
 
+def start_sshd(namespace: str, folder: Path, mounts: dict[str, Path]) -> int:
+    """sshd in the network namespace ``namespace`` and a mount namespace of its own, where each
+    path of ``mounts`` is the host's folder it maps to and ``/run`` is empty, so that every session
+    it opens sees the host's folders; its configuration is the host's ``/etc/ssh`` (among
+    ``mounts``), its log and pid file in ``folder``. Its pid."""
+    script = " && ".join(
+        [
+            "mount -t tmpfs -o mode=0755 host-run /run",
+            "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
+            # A machine that never ran podman has no /var/lib/containers to mount over.
+            *(f"mkdir -p {point} && mount --bind {source} {point}" for point, source in mounts.items()),
+            f"exec {_SSHD} -E {folder / 'sshd.log'}",
+        ]
+    )
+    started = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{namespace}", "unshare", "--mount", "--propagation", "private"]
+        + ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if started.returncode != 0:
+        raise RuntimeError(f"sshd of {namespace} did not start: {started.stderr.strip()}")
+    # sshd's daemon writes its pid file a moment after the command that started it returns.
+    pid_file = folder / "sshd.pid"
+    deadline = time.monotonic() + 10
+    while not (pid_file.is_file() and pid_file.read_text().strip()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sshd of {namespace} wrote no pid file; see {folder / 'sshd.log'}")
+        time.sleep(0.05)
+    return int(pid_file.read_text().strip())
+
+
+def engine_settings(etc: Path) -> None:
+    """The container engine's configuration in a host's own ``/etc`` (``etc``): what this machine's
+    kernel needs, as a machine image would ship it. crun refuses this machine's hybrid cgroup
+    mounts, there is no systemd, and podman would raise the limits past the hard ones, which this
+    machine refuses."""
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    nproc = _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    (etc / "containers" / "containers.conf").write_text(
+        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+        '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
+    )
+
+
 def _private_folders(folder: Path) -> dict[str, Path]:
     """A host's own folders (made in ``folder``), by the path it sees each at: its instance-store
     disk, its image store, and its ``/etc`` (this machine's, copied: its accounts and groups are
@@ -335,15 +360,7 @@ def _private_folders(folder: Path) -> dict[str, Path]:
     store.mkdir(exist_ok=True)
     if not etc.is_dir():  # a host made again in its folder (a retried start) keeps its /etc, as its disk would
         shutil.copytree("/etc", etc, symlinks=True)
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-    nproc = _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC)
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    (etc / "containers" / "containers.conf").write_text(
-        # crun refuses this machine's hybrid cgroup mounts, there is no systemd, and podman would raise
-        # the limits past the hard ones, which this machine refuses.
-        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
-        '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
-    )
+    engine_settings(etc)
     return {"/mnt": disk, "/var/lib/containers": store, "/etc": etc}
 
 
@@ -470,10 +487,10 @@ def _remove_namespaces(prefix: str) -> None:
     listed = subprocess.run(["ip", "-json", "netns", "list"], capture_output=True, text=True, check=False)
     for entry in json.loads(listed.stdout or "[]"):
         if entry["name"].startswith(prefix):
-            _remove_namespace(entry["name"], set())
+            remove_namespace(entry["name"], set())
 
 
-def _remove_namespace(namespace: str, pids: set[int]) -> None:
+def remove_namespace(namespace: str, pids: set[int]) -> None:
     """Kill what runs in ``namespace`` (and ``pids``), then remove it. Its link goes first: a process
     that escaped the kill would keep the namespace, and its address on the VPC's link, alive."""
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
@@ -499,7 +516,7 @@ def _links_routing(network: ipaddress.IPv4Network) -> list[str]:
     )
 
 
-def _ip(*args: str) -> None:
+def ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")

@@ -17,15 +17,15 @@ import hashlib
 import ipaddress
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from awsemu import engine_settings, ip, remove_namespace, start_sshd
 
 __all__ = ["LAB_RECORD", "Lab", "LabHost", "lab", "remove_lab"]
 
@@ -44,7 +44,6 @@ _PRIVATE = {
 # themselves are compared).
 _NOT_COMPARED = {"infractl"}
 _BACKUPS = {"etc/group-", "etc/gshadow-", "etc/passwd-", "etc/shadow-"}
-_MAX_NPROC = 32768
 _USERS = {"ops": 2101, "guest": 2102}
 #: In a lab's folder while its network exists: its bridge and namespaces, so that what a killed test
 #: session left can be removed later (``remove_lab``; tests/conftest.py).
@@ -84,9 +83,9 @@ class Lab:
 
     def open(self) -> None:
         self._record()
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/{self.network.prefixlen}", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.gateway}/{self.network.prefixlen}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True)
 
     def add(self, name: str) -> LabHost:
@@ -96,15 +95,15 @@ class Lab:
         folder = self.folder / "hosts" / name
         folder.mkdir(parents=True)
         self._record()
-        _ip("netns", "add", namespace)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
-        _ip("link", "set", veth, "master", self.bridge, "up")
-        _ip("-n", namespace, "addr", "add", f"{address}/{self.network.prefixlen}", "dev", "eth0")
-        _ip("-n", namespace, "link", "set", "eth0", "up")
-        _ip("-n", namespace, "link", "set", "lo", "up")
-        _ip("-n", namespace, "route", "add", "default", "via", self.gateway)
+        ip("netns", "add", namespace)
+        ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+        ip("link", "set", veth, "master", self.bridge, "up")
+        ip("-n", namespace, "addr", "add", f"{address}/{self.network.prefixlen}", "dev", "eth0")
+        ip("-n", namespace, "link", "set", "eth0", "up")
+        ip("-n", namespace, "link", "set", "lo", "up")
+        ip("-n", namespace, "route", "add", "default", "via", self.gateway)
         self._prepare(folder)
-        sshd = self._start_sshd(namespace, folder)
+        sshd = start_sshd(namespace, folder, {point: folder / inside for point, inside in _PRIVATE.items()})
         team = subprocess.Popen(
             [
                 "nsenter",
@@ -150,13 +149,7 @@ class Lab:
                 os.chown(path, uid, uid)
         (etc / "sudoers.d" / "ops").write_text("ops ALL=(ALL) NOPASSWD: ALL\n")
         (etc / "sudoers.d" / "ops").chmod(0o440)
-        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-        nproc = _MAX_NPROC if nproc == resource.RLIM_INFINITY else min(nproc, _MAX_NPROC)
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        (etc / "containers" / "containers.conf").write_text(
-            f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
-            '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
-        )
+        engine_settings(etc)
         (folder / "srv" / "datasets").mkdir()
         (folder / "srv" / "datasets" / "README").write_text("the team's data: infractl must not touch it\n")
         for key in (etc / "ssh").glob("ssh_host_*"):
@@ -170,32 +163,6 @@ class Lab:
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             "AllowTcpForwarding yes\nX11Forwarding no\nSubsystem sftp internal-sftp\n"
         )
-
-    def _start_sshd(self, namespace: str, folder: Path) -> int:
-        script = " && ".join(
-            [
-                "mount -t tmpfs -o mode=0755 lab-run /run",
-                "mkdir -m 0755 /run/sshd && mkdir -m 1777 /run/lock",
-                *(f"mkdir -p {point} && mount --bind {folder / inside} {point}" for point, inside in _PRIVATE.items()),
-                f"exec {_SSHD} -E {folder / 'sshd.log'}",
-            ]
-        )
-        started = subprocess.run(
-            ["nsenter", f"--net=/run/netns/{namespace}", "unshare", "--mount", "--propagation", "private"]
-            + ["sh", "-c", script],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if started.returncode != 0:
-            raise RuntimeError(f"sshd of {namespace} did not start: {started.stderr.strip()}")
-        pid_file = folder / "sshd.pid"
-        deadline = time.monotonic() + 10
-        while not (pid_file.is_file() and pid_file.read_text().strip()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sshd of {namespace} wrote no pid file; see {folder / 'sshd.log'}")
-            time.sleep(0.05)
-        return int(pid_file.read_text().strip())
 
     def known_hosts(self, path: Path, *names: str) -> Path:
         path.write_text("".join(f"{self.hosts[n].public_key_line()}\n" for n in names or self.hosts))
@@ -229,7 +196,7 @@ class Lab:
 
     def close(self) -> None:
         for host in self.hosts.values():
-            _remove_namespace(host.namespace, {host.sshd_pid, host.team_pid})
+            remove_namespace(host.namespace, {host.sshd_pid, host.team_pid})
         self.hosts.clear()
         remove_lab(self.folder)
 
@@ -242,7 +209,7 @@ def remove_lab(folder: Path) -> None:
         return
     made = json.loads(record.read_text())
     for namespace in made["namespaces"]:
-        _remove_namespace(namespace, set())
+        remove_namespace(namespace, set())
     subprocess.run(["ip", "link", "del", made["bridge"]], capture_output=True, check=False)
     record.unlink()
 
@@ -250,23 +217,6 @@ def remove_lab(folder: Path) -> None:
 def _pids(namespace: str) -> list[str]:
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
     return listed.stdout.split()
-
-
-def _remove_namespace(namespace: str, pids: set[int]) -> None:
-    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
-    for pid in {int(p) for p in listed.stdout.split()} | pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-    subprocess.run(["ip", "-n", namespace, "link", "del", "eth0"], capture_output=True, check=False)
-    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
-
-
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
 @contextmanager

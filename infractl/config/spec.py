@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-__all__ = ["NAME_PATTERN", "Name", "Spec", "field_error"]
+__all__ = ["NAME_PATTERN", "Name", "Spec", "field_error", "node_folder"]
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="Lower-case letters, digits and '-', at most 40.")]
@@ -37,3 +38,20 @@ def field_error(field: str, message: str) -> ValidationError:
         "Spec",
         [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=(field,), input=None)],
     )
+
+
+# A folder on a node: root makes it and sets its owner and ACLs, and it reaches Ansible's variables
+# and shell commands, so plain segments only (nothing a shell or Jinja reads), and never a
+# top-level directory or / itself, which setfacl and chmod would then change.
+_NODE_FOLDER = re.compile(r"^(/[A-Za-z0-9_][A-Za-z0-9._-]*){2,}$")
+
+
+def node_folder(value: str, example: str) -> str:
+    """``value`` if it is a folder infractl may make and remove on a node (``_NODE_FOLDER``);
+    ``ValueError`` otherwise, with ``example`` of one."""
+    if not _NODE_FOLDER.fullmatch(value):
+        raise ValueError(
+            f"{value!r} must be an absolute path at least two levels deep (e.g. {example}) whose segments are "
+            "letters, digits, '.', '_' and '-', none starting with '.' or '-'"
+        )
+    return value

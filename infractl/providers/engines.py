@@ -43,6 +43,33 @@ class ContainerEngine:
     certs_dir: Path | None = None
     """Where an engine with a system-wide store trusts a registry's CA: ``<certs_dir>/<host:port>/ca.crt``."""
 
+    @classmethod
+    def podman_own_store(
+        cls, home: Path, runroot: Path, options: tuple[str, ...] = (), run_options: tuple[str, ...] = ()
+    ) -> ContainerEngine:
+        """podman with a store of its own (``home``: ``storage/``, ``certs/``) and run state of its
+        own (``runroot``, libpod's among it: else every such engine of a machine shares
+        /run/libpod), never the machine's system-wide ones; ``options`` after these."""
+        return cls(
+            argv=(
+                "podman",
+                "--root",
+                str(home / "storage"),
+                "--runroot",
+                str(runroot),
+                "--tmpdir",
+                str(runroot / "libpod"),
+                "--storage-driver",
+                "overlay",
+                *options,
+            ),
+            home=home,
+            runroot=runroot,
+            run_options=run_options,
+            # A container of a run that a killed node left behind has the name the next start takes.
+            named_options=("--replace",),
+        )
+
     def run_prefix(
         self,
         *,

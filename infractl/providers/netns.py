@@ -290,34 +290,13 @@ class NetnsNodes(SshNodes):
         """podman with the node's own store; runc and cgroupfs (there is no systemd, and crun
         refuses this machine's hybrid cgroup mounts), events in a file (no journald)."""
         home, runroot = _container_home(self.state, node), _container_runroot(self.state, node)
-        return ContainerEngine(
-            argv=(
-                "podman",
-                "--root",
-                str(home / "storage"),
-                "--runroot",
-                str(runroot),
-                # libpod's own state (its "alive" lock among it), else shared by every node in /run/libpod.
-                "--tmpdir",
-                str(runroot / "libpod"),
-                "--storage-driver",
-                "overlay",
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ),
-            home=home,
-            runroot=runroot,
-            # A container of a run that a killed node left behind has the name the next start takes.
-            named_options=("--replace",),
-            run_options=(
-                # podman raises the limits past the hard ones by default, which this machine refuses
-                # without CAP_SYS_RESOURCE: the node's own hard limits, as its processes have them.
-                *(f"--ulimit={name}={hard}:{hard}" for name, hard in _hard_limits().items()),
-            ),
+        return ContainerEngine.podman_own_store(
+            home,
+            runroot,
+            options=("--runtime", "runc", "--cgroup-manager", "cgroupfs", "--events-backend", "file"),
+            # podman raises the limits past the hard ones by default, which this machine refuses
+            # without CAP_SYS_RESOURCE: the node's own hard limits, as its processes have them.
+            run_options=tuple(f"--ulimit={name}={hard}:{hard}" for name, hard in _hard_limits().items()),
         )
 
     def remove_containers(self) -> list[str]:

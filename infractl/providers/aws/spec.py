@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,16 +16,13 @@ from pydantic import Field, field_validator, model_validator
 
 from infractl import infra
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
+from infractl.config.spec import node_folder
 from infractl.errors import InfraError
 
 __all__ = ["CONFIG", "AwsSpec", "NodeGroup", "aws_settings", "instance_types", "module_variables", "prices", "tls"]
 
 _GROUP_NAME = r"^[a-z][a-z0-9]{0,15}$"
 _AWS_ID = r"^{kind}-[0-9a-f]{{8,17}}$"
-# A node's work directory: root makes it and sets its owner and ACLs, and it reaches Ansible's
-# variables and shell commands, so plain segments only (nothing a shell or Jinja reads), and never
-# a top-level directory or / itself, which setfacl and chmod would then change.
-_WORKDIR = re.compile(r"^(/[A-Za-z0-9_][A-Za-z0-9._-]*){2,}$")
 
 
 class NodeGroup(Spec):
@@ -147,12 +143,7 @@ class AwsSpec(Spec):
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, value: str) -> str:
-        if not _WORKDIR.fullmatch(value):
-            raise ValueError(
-                f"{value!r} must be an absolute path at least two levels deep (e.g. /opt/dlami/nvme/infractl) "
-                "whose segments are letters, digits, '.', '_' and '-', none starting with '.' or '-'"
-            )
-        return value
+        return node_folder(value, "/opt/dlami/nvme/infractl")
 
     @field_validator("ssh_key", "provider_mirror")
     @classmethod

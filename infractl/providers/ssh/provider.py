@@ -54,22 +54,7 @@ def engine(workdir: Path, short_id: str, node: str) -> ContainerEngine:
     state: the team's own containers and images are never listed, pulled over or removed. The
     runtime, cgroup manager and limits are the host's own configuration (containers.conf)."""
     home, runroot = workdir / CONTAINERS, RUNROOTS / f"{short_id}-{node}"
-    return ContainerEngine(
-        argv=(
-            "podman",
-            "--root",
-            str(home / "storage"),
-            "--runroot",
-            str(runroot),
-            "--tmpdir",
-            str(runroot / "libpod"),
-            "--storage-driver",
-            "overlay",
-        ),
-        home=home,
-        runroot=runroot,
-        named_options=("--replace",),
-    )
+    return ContainerEngine.podman_own_store(home, runroot)
 
 
 def _workdir(spec: ClusterSpec) -> Path:

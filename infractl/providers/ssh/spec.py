@@ -5,7 +5,6 @@ rules across fields."""
 from __future__ import annotations
 
 import ipaddress
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +12,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from infractl.config import ClusterSpec, ProviderConfig, Spec, field_error
 from infractl.config.loader import CONFIG_DIR
-from infractl.config.spec import Name
+from infractl.config.spec import Name, node_folder
 from infractl.planning.devices import CATALOG
 
 __all__ = ["CONFIG", "ControllerHost", "Host", "JumpHost", "SshSpec", "ssh_settings"]
@@ -22,9 +21,6 @@ __all__ = ["CONFIG", "ControllerHost", "Host", "JumpHost", "SshSpec", "ssh_setti
 _USER = r"^[a-z_][a-z0-9_-]{0,31}$"
 # A host name or an IPv4/IPv6 address: what ssh takes as a destination, and nothing a shell reads.
 _ADDRESS = r"^[A-Za-z0-9][A-Za-z0-9.:-]{0,252}$"
-# The folder under which each host keeps a cluster's work directory: root makes it, sets its mode
-# and ACLs and removes it, and it reaches shell commands: plain segments only, two levels at least.
-_WORKDIR = re.compile(r"^(/[A-Za-z0-9_][A-Za-z0-9._-]*){2,}$")
 
 
 def _config_path(value: str | None, info: ValidationInfo) -> str | None:
@@ -118,12 +114,7 @@ class SshSpec(Spec):
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, value: str) -> str:
-        if not _WORKDIR.fullmatch(value):
-            raise ValueError(
-                f"{value!r} must be an absolute path at least two levels deep (e.g. /var/lib/infractl) whose "
-                "segments are letters, digits, '.', '_' and '-', none starting with '.' or '-'"
-            )
-        return value
+        return node_folder(value, "/var/lib/infractl")
 
     @field_validator("device")
     @classmethod
